@@ -1,0 +1,275 @@
+/* core.h -- the segment's layout and the helpers every mechanism shares.
+ *
+ * One channel is one shared segment:
+ *
+ *   offset 0            shm_header        identity, configuration, positions, counters
+ *   producers_off       shm_producer[]    registry of sending processes (stats, space waits)
+ *   slots_off           shm_slot[]        message table: one entry per message the consumer
+ *                                         has taken in (waiting, ready, in flight); a handle
+ *                                         is (slot index, slot generation)
+ *   nodes_off           shm_node[]        one node per (message, distinct key): the key lines
+ *   keytab_off          shm_key[]         open-addressing table: key hash -> its line
+ *   ring_off            ring bytes        the intake ring (ring.c), mapped twice in a row so a
+ *                                         record that wraps is still contiguous in memory
+ *
+ * Every region starts on a page boundary. Offsets and sizes are recomputed from the
+ * configuration in each process and compared with what the header says; nothing is
+ * taken from the segment on trust. Positions are free-running 64-bit byte counters
+ * (they never wrap in practice: 2^64 bytes); the physical offset is pos % capacity.
+ *
+ * Who writes what:
+ *   producers  -- ring claims and records, their own registry entry, tail_hint
+ *   consumer   -- everything under "consumer state" below, the message table's
+ *                 non-inflight transitions, node and key tables, head
+ *   holders    -- an in-flight slot's state word (release / nack by CAS), its holder
+ *                 word (hand-over) and lease deadline, and the release stack
+ * Cross-process words are accessed only with the atomics below; each use names its
+ * ordering and the access it pairs with.
+ */
+#ifndef SHMCHAN_CORE_H
+#define SHMCHAN_CORE_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+#include <pthread.h>
+
+#include "shmchan.h"
+
+#define SHM_MAGIC 0x314e414843485353ull /* "SSHCHAN1" little-endian */
+#define SHM_PAGE 4096u
+#define SHM_CACHELINE 64
+
+#define NIL 0u /* index 0 of the slot and node tables is never used: 0 means "none" */
+
+/* ---- atomics: thin names so each call site reads as its ordering ---------------- */
+#define LOAD_RELAXED(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define LOAD_ACQUIRE(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define LOAD_SEQCST(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
+#define STORE_RELAXED(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+#define STORE_RELEASE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define STORE_SEQCST(p, v) __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
+#define CAS_SEQCST(p, expp, v) \
+    __atomic_compare_exchange_n((p), (expp), (v), 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)
+#define CAS_ACQREL(p, expp, v) \
+    __atomic_compare_exchange_n((p), (expp), (v), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
+#define FETCH_ADD_RELAXED(p, v) __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
+#define FETCH_ADD_SEQCST(p, v) __atomic_fetch_add((p), (v), __ATOMIC_SEQ_CST)
+#define EXCHANGE_ACQREL(p, v) __atomic_exchange_n((p), (v), __ATOMIC_ACQ_REL)
+#define FENCE_SEQCST() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ---- process identity ---------------------------------------------------------------
+ * A token is (pid << 40) | start_ticks, made by shmchan/liveness.py: the pid plus the
+ * process start time in clock ticks since boot, which together never repeat. Tokens are
+ * non-zero and below 2^63, so a ring owner word can carry one shifted left by one with
+ * bit 0 clear (see ring.c). */
+#define TOKEN_MAX (1ull << 63)
+
+/* ---- the header --------------------------------------------------------------------- */
+typedef struct {
+    /* -- written once by the creator, before the segment is published -- */
+    uint64_t magic;          /* SHM_MAGIC, stored last at create (release) */
+    uint32_t layout_version; /* SHM_LAYOUT_VERSION */
+    uint32_t header_bytes;   /* sizeof(shm_header) */
+    shm_config cfg;
+    uint64_t producers_off, slots_off, nodes_off, keytab_off, ring_off;
+    uint32_t max_nodes;   /* node table entries (index 0 unused) */
+    uint32_t keytab_size; /* key table entries, a power of two */
+    uint64_t segment_size;
+
+    /* -- producers: where the tail probably is (a hint; the ring is the truth) -- */
+    _Alignas(SHM_CACHELINE) uint64_t tail_hint;
+
+    /* -- consumer -> producers: everything before head is free to reuse -- */
+    _Alignas(SHM_CACHELINE) uint64_t head;
+
+    /* -- wake-up words (wake.c) -- */
+    _Alignas(SHM_CACHELINE) uint32_t rx_sleeping; /* 1 while the receiver may block on its semaphore */
+    uint32_t shutdown;                            /* 1 once shutdown() was called; never cleared */
+    _Alignas(SHM_CACHELINE) uint32_t space_waiters; /* senders blocked (or about to block) on space */
+
+    /* -- holders -> consumer: released slots, a push-only stack (handles.c) -- */
+    _Alignas(SHM_CACHELINE) uint64_t release_stack; /* slot index of the top, NIL = empty */
+
+    /* -- who is the receiver: a token, 0 = nobody (handles.c) -- */
+    _Alignas(SHM_CACHELINE) uint64_t receiver;
+
+    /* -- consumer state: written only by the receiver process -- */
+    _Alignas(SHM_CACHELINE) uint64_t ingest_pos; /* next ring position to take in */
+    uint32_t dirty;      /* 1 while a consumer operation is half done */
+    uint32_t free_slots; /* free list of message table slots (via slot.next) */
+    uint32_t free_nodes; /* free list of nodes (via node.next) */
+    uint32_t ready_head, ready_tail; /* messages free to hand out, FIFO via slot.next */
+    uint32_t window;     /* slots in use */
+    uint32_t nodes_used;
+    uint32_t pad0;
+    uint64_t queued_in_window; /* waiting or ready */
+    uint64_t inflight;
+    uint64_t held_keys;
+    uint64_t dead_letters;
+    uint64_t ingested; /* messages taken into the window, ever */
+    uint64_t delivered, released, redelivered, discarded;
+} shm_header;
+
+/* ---- producer registry ---------------------------------------------------------------- */
+typedef struct {
+    uint64_t owner;   /* token of the registered process, 0 = free (CAS to claim)          */
+    uint64_t sent;    /* messages committed through this entry; only its owner adds to it, */
+                      /* and it is never reset, so stats sum every entry that ever existed */
+    uint32_t waiting; /* 1 while the owner counts itself in space_waiters                  */
+    uint32_t pad[11];
+} shm_producer;
+
+/* ---- message table ---------------------------------------------------------------------
+ * state word layout:  bits 63..32  generation (bumped when the slot is freed)
+ *                     bits  7..0   SLOT_* below
+ * Only the SLOT_INFLIGHT state is shared: a holder moves it to RELEASED or NACKED with a
+ * CAS on the whole word, so a stale handle (older generation) can never match. */
+enum {
+    SLOT_FREE = 0,
+    SLOT_WAITING = 1,  /* taken in, behind other messages in a key line      */
+    SLOT_READY = 2,    /* on the ready queue                                 */
+    SLOT_INFLIGHT = 3, /* handed out                                         */
+    SLOT_RELEASED = 4, /* holder is done; consumer has not yet freed it      */
+    SLOT_NACKED = 5,   /* holder gave it back; consumer will redeliver       */
+    SLOT_DEAD = 6,     /* out of attempts: a dead letter                     */
+};
+#define SLOT_STATE(w) ((uint32_t)((w)&0xffu))
+#define SLOT_GEN(w) ((uint32_t)((w) >> 32))
+#define SLOT_WORD(gen, st) (((uint64_t)(gen) << 32) | (uint64_t)(st))
+
+typedef struct {
+    uint64_t state;    /* see above                                              */
+    uint64_t holder;   /* token of the holding process while in flight           */
+    uint64_t seq;
+    uint64_t pos;      /* ring position of the message's record                  */
+    uint64_t deadline; /* lease end, CLOCK_MONOTONIC ns; 0 = none               */
+    uint32_t first_node; /* the message's key nodes, chained by node.sibling     */
+    uint32_t next;     /* consumer lists: free list, ready queue                 */
+    uint32_t rel_next; /* release stack link, written by the releasing process   */
+    uint32_t attempt;  /* deliveries so far                                      */
+    uint16_t nkeys;    /* distinct key hashes (nodes)                            */
+    uint16_t pending;  /* fifo: lines in which this message is not yet first     */
+    uint32_t pad;
+} shm_slot;
+
+/* ---- key lines ------------------------------------------------------------------------ */
+typedef struct {
+    uint64_t hash;     /* the key's 64-bit hash                                      */
+    uint32_t slot;     /* the message this node belongs to                          */
+    uint32_t next;     /* next node in the key's line (or the node free list)       */
+    uint32_t sibling;  /* next key node of the same message                         */
+    uint32_t pad;
+} shm_node;
+
+typedef struct {
+    uint64_t hash;
+    uint32_t head, tail; /* the key's line of nodes; head == NIL means the entry is empty */
+    uint32_t held;       /* eager order: slot holding the key, NIL = free               */
+    uint32_t pad;
+} shm_key;
+
+/* ---- ring records ---------------------------------------------------------------------
+ * See ring.c for the protocol. Byte layout of a record at position p:
+ *    0  owner   u64   EMPTY(p) while p is the tail, then the claimant's token << 1
+ *    8  meta    u64   (length << 8) | REC_* state; 0 until the claimant publishes it
+ *   16  seq     u64   written by the predecessor before publishing EMPTY(p)
+ *   24  kind    u32   SHM_PAYLOAD_*          } the body: written by the claimant
+ *   28  nkeys   u32                          } between WRITING and COMMITTED
+ *   32  data_len u64
+ *   40  keys_len u32, reserved u32
+ *   48  hashes  u64[nkeys]
+ *       key blob  keys_len bytes, padded to 8
+ *       payload   data_len bytes, padded to 8
+ */
+enum {
+    REC_CLAIMED = 0,   /* owner set, length not yet published               */
+    REC_WRITING = 1,   /* length published, successor ready, body being written */
+    REC_COMMITTED = 2, /* whole and visible                                 */
+    REC_DISCARDED = 3, /* its producer died before committing; skip it      */
+    REC_DONE = 4,      /* consumed and released: its bytes may be reused    */
+    REC_CANCELLED = 5, /* claimed by a send that then saw shutdown          */
+};
+#define REC_HDR 24u   /* owner + meta + seq: the part a successor pre-writes */
+#define REC_BODY 48u  /* fixed part of a committed record                   */
+#define META(len, st) (((uint64_t)(len) << 8) | (uint64_t)(st))
+#define META_LEN(m) ((m) >> 8)
+#define META_STATE(m) ((uint32_t)((m)&0xffu))
+#define OWNER_EMPTY(pos) ((pos) | 1u)
+#define OWNER_CLAIM(token) ((token) << 1)
+#define OWNER_TOKEN(w) ((w) >> 1)
+#define OWNER_IS_EMPTY(w) (((w)&1u) != 0)
+
+typedef struct {
+    uint64_t owner;
+    uint64_t meta;
+    uint64_t seq;
+    uint32_t kind;
+    uint32_t nkeys;
+    uint64_t data_len;
+    uint32_t keys_len;
+    uint32_t reserved;
+    uint64_t hashes[];
+} shm_record;
+
+/* ---- one process's attachment --------------------------------------------------------- */
+struct shm_chan {
+    uint8_t *base;      /* start of the mapping                                       */
+    uint64_t map_len;   /* meta + 2 * capacity                                        */
+    shm_header *hdr;
+    shm_producer *producers;
+    shm_slot *slots;
+    shm_node *nodes;
+    shm_key *keys;
+    uint8_t *ring;      /* ring_off from base, 2 * capacity bytes of address space    */
+    shm_config cfg;     /* validated local copy: never re-read from the segment       */
+    uint64_t cap;       /* ring capacity                                              */
+    uint32_t max_nodes, keytab_mask;
+    uint64_t token;     /* this process's identity                                    */
+    uint32_t producer;  /* registry index + 1 while registered, 0 otherwise          */
+    int is_rx;          /* this attachment holds the receiver                         */
+    uint64_t cached_head; /* producers: last head seen, refreshed only when short    */
+    pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
+};
+
+static inline uint8_t *ring_at(shm_chan *c, uint64_t pos) { return c->ring + (pos % c->cap); }
+static inline shm_record *rec_at(shm_chan *c, uint64_t pos) { return (shm_record *)ring_at(c, pos); }
+static inline uint64_t align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
+
+/* record size for a message body (header, hashes, keys and payload, each 8-aligned) */
+static inline uint64_t rec_size(uint32_t nkeys, uint32_t keys_len, uint64_t data_len) {
+    return REC_BODY + 8u * (uint64_t)nkeys + align8(keys_len) + align8(data_len);
+}
+
+/* ---- functions shared between files ---------------------------------------------------- */
+/* ring.c */
+void ring_init(shm_chan *c);
+int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall);
+int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len);
+void ring_mark_done(shm_chan *c, uint64_t pos);
+int ring_advance_head(shm_chan *c);
+/* sched.c */
+int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out);
+int sched_release(shm_chan *c, uint32_t s);
+int sched_requeue(shm_chan *c, uint32_t s);
+uint32_t sched_pop_ready(shm_chan *c);
+int sched_has_room(shm_chan *c, uint32_t nkeys);
+void sched_init(shm_chan *c);
+/* handles.c */
+int handles_drain(shm_chan *c);
+int handles_finish(shm_chan *c, uint32_t s);
+/* hash.c */
+uint64_t hash_bytes(const uint8_t *p, uint64_t n);
+
+#endif

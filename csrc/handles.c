@@ -1,0 +1,370 @@
+/* handles.c -- the receiver's loop and the life of a handle.
+ *
+ * A handle is (slot, generation) in the message table. Its slot's state word is the one
+ * piece of scheduler state other processes may change, and only from SLOT_INFLIGHT:
+ *
+ *     consumer:  READY --hand out--> INFLIGHT          (release store, holder set first)
+ *     holder:    INFLIGHT --CAS--> RELEASED | NACKED   (any process holding the handle)
+ *     consumer:  RELEASED --> FREE, generation + 1     (keys to the next in line)
+ *                NACKED   --> READY (attempt + 1) or DEAD (out of attempts)
+ *
+ * The CAS compares the whole word, generation included, so a handle whose message was
+ * already released or redelivered can never release anything: a second release, or a
+ * stale one, finds another word and is a no-op (SHM_STALE).
+ *
+ * Releases in the receiver's own process are applied at once. Other processes push the
+ * slot onto a push-only stack (release_stack, linked through slot.rel_next) that the
+ * receiver takes whole with one exchange. Push-only plus take-all has no ABA problem:
+ * a push's CAS succeeds only if the top is what the pusher linked below itself, and a
+ * slot cannot be pushed again before the receiver has taken it (it stays RELEASED until
+ * then). A releaser killed between its CAS and its push leaves a RELEASED slot that is
+ * not on the stack; recovery finds such slots by scanning the table.
+ *
+ * Wake-ups (an eventcount with one waiter): before blocking on its semaphore the
+ * receiver stores rx_sleeping = 1 (seq_cst) and checks every source of work again;
+ * producers and releasers publish their work, issue a seq_cst fence and, if they see
+ * rx_sleeping, the one that CASes it back to 0 posts the semaphore. So there is no lost
+ * wake-up, and no system call while the receiver is busy.
+ */
+#include <time.h>
+
+#include "core.h"
+
+#define INGEST_BATCH 256u
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- receiver ownership ----------------------------------------------------------------- */
+int shm_rx_owner(shm_chan *c, uint64_t *owner) {
+    *owner = LOAD_ACQUIRE(&c->hdr->receiver); /* pairs with the CAS in shm_rx_acquire */
+    return SHM_OK;
+}
+
+/* Become the receiver if the current owner is expect_owner (0 = nobody; otherwise a
+ * token the caller found dead). */
+int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
+    if (c->is_rx) return SHM_BUSY;
+    uint64_t expect = expect_owner;
+    /* seq_cst: elects the receiver; pairs with other candidates' CAS and with the
+     * release in shm_rx_release_ownership. */
+    if (!CAS_SEQCST(&c->hdr->receiver, &expect, c->token)) return SHM_BUSY;
+    if (LOAD_RELAXED(&c->hdr->dirty)) {
+        /* The previous receiver died inside an operation: its scheduler state cannot be
+         * trusted. Rebuilding it is recovery's job; until then refuse rather than run
+         * on half-updated lines. */
+        uint64_t me = c->token;
+        CAS_SEQCST(&c->hdr->receiver, &me, expect_owner);
+        return SHM_E_CORRUPT;
+    }
+    c->is_rx = 1;
+    return SHM_OK;
+}
+
+int shm_rx_release_ownership(shm_chan *c) {
+    if (!c->is_rx) return SHM_OK;
+    pthread_mutex_lock(&c->rx_mu);
+    uint64_t me = c->token;
+    c->is_rx = 0;
+    STORE_RELAXED(&c->hdr->rx_sleeping, 0);
+    /* release: everything this receiver wrote is visible to the next; pairs with the CAS
+     * in shm_rx_acquire. */
+    __atomic_compare_exchange_n(&c->hdr->receiver, &me, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&c->rx_mu);
+    return SHM_OK;
+}
+
+/* ---- finishing handles (receiver only, under rx_mu) ------------------------------------ */
+static void slot_free(shm_chan *c, uint32_t s) {
+    shm_slot *sl = &c->slots[s];
+    uint32_t gen = SLOT_GEN(sl->state) + 1;
+    /* release: a holder's CAS against the old generation now fails; pairs with their
+     * acquire in shm_release / shm_handle_info. */
+    STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_FREE));
+    sl->next = c->hdr->free_slots;
+    c->hdr->free_slots = s;
+    c->hdr->window--;
+}
+
+int handles_finish(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    /* acquire: pairs with the holder's CAS that moved the slot out of INFLIGHT. */
+    uint64_t w = LOAD_ACQUIRE(&sl->state);
+    uint32_t st = SLOT_STATE(w);
+    if (st != SLOT_RELEASED && st != SLOT_NACKED) return SHM_OK; /* duplicate notice */
+    h->inflight--;
+    h->held_keys -= sl->nkeys;
+    if (st == SLOT_NACKED && (c->cfg.max_attempts == 0 || sl->attempt < c->cfg.max_attempts))
+        return sched_requeue(c, s);
+    int rc = sched_release(c, s);
+    if (rc) return rc;
+    if (st == SLOT_NACKED) {
+        /* Out of attempts: a dead letter. It keeps its slot and record, keys released. */
+        STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w), SLOT_DEAD)); /* see slot_free */
+        h->dead_letters++;
+        return SHM_OK;
+    }
+    ring_mark_done(c, sl->pos);
+    slot_free(c, s);
+    h->released++;
+    return SHM_OK;
+}
+
+/* Take the whole release stack and finish every slot on it. */
+int handles_drain(shm_chan *c) {
+    if (LOAD_RELAXED(&c->hdr->release_stack) == NIL) return SHM_OK;
+    /* acquire: pairs with the releasers' release CAS in push_release, so each pushed
+     * slot's rel_next is visible. */
+    uint64_t top = EXCHANGE_ACQREL(&c->hdr->release_stack, (uint64_t)NIL);
+    uint32_t s = (uint32_t)top;
+    for (uint32_t guard = 0; s != NIL && guard <= c->cfg.max_messages; guard++) {
+        if (s > c->cfg.max_messages) return SHM_E_CORRUPT;
+        uint32_t next = LOAD_RELAXED(&c->slots[s].rel_next);
+        int rc = handles_finish(c, s);
+        if (rc) return rc;
+        s = next;
+    }
+    return SHM_OK;
+}
+
+static void push_release(shm_chan *c, uint32_t s) {
+    uint64_t top = LOAD_RELAXED(&c->hdr->release_stack);
+    do {
+        STORE_RELAXED(&c->slots[s].rel_next, (uint32_t)top);
+        /* release: pairs with the receiver's exchange in handles_drain (our rel_next and
+         * the slot's RELEASED state are visible to it). */
+    } while (!__atomic_compare_exchange_n(&c->hdr->release_stack, &top, (uint64_t)s, 1,
+                                          __ATOMIC_SEQ_CST, __ATOMIC_RELAXED));
+}
+
+/* ---- the receiver's poll ------------------------------------------------------------------ */
+static void hand_out(shm_chan *c, uint32_t s, shm_msg *m) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    shm_record *r = rec_at(c, sl->pos);
+    uint32_t gen = SLOT_GEN(sl->state);
+    sl->attempt++;
+    sl->holder = c->token;
+    sl->deadline = c->cfg.lease_ns ? now_ns() + c->cfg.lease_ns : 0;
+    /* release: a holder that sees INFLIGHT (its CAS, or shm_handle_info's acquire) sees
+     * holder, pos, seq and attempt above. */
+    STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_INFLIGHT));
+    h->queued_in_window--;
+    h->inflight++;
+    h->held_keys += sl->nkeys;
+    h->delivered++;
+    if (sl->attempt > 1) h->redelivered++;
+
+    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 8u * r->nkeys;
+    m->slot = s;
+    m->gen = gen;
+    m->seq = sl->seq;
+    m->attempt = sl->attempt;
+    m->kind = r->kind;
+    m->nkeys = r->nkeys;
+    m->keys_off = body;
+    m->keys_len = r->keys_len;
+    m->data_off = body + align8(r->keys_len);
+    m->data_len = r->data_len;
+}
+
+/* Take in committed records from ingest_pos while the window has room. */
+static int ingest(shm_chan *c, shm_stall *stall, int *stalled) {
+    shm_header *h = c->hdr;
+    for (uint32_t i = 0; i < INGEST_BATCH; i++) {
+        uint64_t pos = h->ingest_pos, len;
+        shm_record *r;
+        int rc = ring_peek(c, pos, &r, &len, stall);
+        if (rc == SHM_EMPTY) return SHM_OK;
+        if (rc == SHM_STALLED) {
+            *stalled = 1;
+            return SHM_OK;
+        }
+        if (rc == SHM_CLOSED) { /* discarded or cancelled: skip */
+            if (META_STATE(LOAD_RELAXED(&r->meta)) == REC_DISCARDED) h->discarded++;
+            h->ingest_pos = pos + len;
+            continue;
+        }
+        if (rc) return rc;
+        if (!sched_has_room(c, r->nkeys)) return SHM_OK;
+        uint32_t s;
+        rc = sched_take_in(c, r, pos, &s);
+        if (rc) return rc;
+        h->ingest_pos = pos + len;
+    }
+    return SHM_OK;
+}
+
+/* Is there anything a poll could act on right now? (the re-check before sleeping) */
+static int work_pending(shm_chan *c) {
+    shm_header *h = c->hdr;
+    /* seq_cst loads after the seq_cst store of rx_sleeping: pair with the fences in
+     * wake_receiver (ring.c) and shm_release. */
+    if (LOAD_SEQCST(&h->release_stack) != NIL) return 1;
+    if (LOAD_SEQCST(&h->shutdown)) return 1;
+    if (h->ready_head != NIL) return 1;
+    shm_record *r = rec_at(c, h->ingest_pos);
+    uint64_t owner = LOAD_SEQCST(&r->owner);
+    if (owner == OWNER_EMPTY(h->ingest_pos)) return 0;
+    uint32_t st = META_STATE(LOAD_SEQCST(&r->meta));
+    if (st == REC_CLAIMED || st == REC_WRITING) return 0; /* its commit will wake us */
+    return sched_has_room(c, c->cfg.max_keys) ? 1 : 0;
+}
+
+int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sleep,
+             shm_stall *stall, uint32_t *space_waiters) {
+    *got = 0;
+    *space_waiters = 0;
+    if (!c->is_rx) return SHM_E_INVALID;
+    shm_header *h = c->hdr;
+    pthread_mutex_lock(&c->rx_mu);
+    STORE_RELAXED(&h->dirty, 1);
+    if (LOAD_RELAXED(&h->rx_sleeping)) STORE_RELAXED(&h->rx_sleeping, 0);
+    int rc = SHM_OK, stalled = 0, moved = 0;
+    for (int round = 0; round < 3; round++) {
+        rc = handles_drain(c);
+        if (rc) break;
+        rc = ingest(c, stall, &stalled);
+        if (rc) break;
+        while (*got < max) {
+            uint32_t s = sched_pop_ready(c);
+            if (s == NIL) break;
+            if (s == UINT32_MAX) {
+                rc = SHM_E_CORRUPT;
+                break;
+            }
+            hand_out(c, s, &out[(*got)++]);
+        }
+        if (rc) break;
+        moved |= ring_advance_head(c);
+        if (*got) break;
+        if (stalled) {
+            rc = SHM_STALLED;
+            break;
+        }
+        /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see send_one. */
+        if (LOAD_SEQCST(&h->shutdown) && h->queued_in_window == 0 &&
+            LOAD_SEQCST(&rec_at(c, h->ingest_pos)->owner) == OWNER_EMPTY(h->ingest_pos)) {
+            rc = SHM_CLOSED;
+            break;
+        }
+        rc = SHM_EMPTY;
+        if (!arm_sleep) break;
+        /* seq_cst: the eventcount's "prepare to wait"; pairs with wakers' fences. */
+        STORE_SEQCST(&h->rx_sleeping, 1);
+        if (!work_pending(c)) break;
+        STORE_RELAXED(&h->rx_sleeping, 0);
+    }
+    if (moved) {
+        /* seq_cst fence: between our release store of head and the load of the waiter
+         * count; pairs with the seq_cst add in shm_space_wait. */
+        FENCE_SEQCST();
+        *space_waiters = LOAD_RELAXED(&h->space_waiters);
+    }
+    if (rc != SHM_E_CORRUPT) STORE_RELAXED(&h->dirty, 0);
+    pthread_mutex_unlock(&c->rx_mu);
+    return rc;
+}
+
+/* ---- holders (any process) ------------------------------------------------------------ */
+int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack, int *wake) {
+    *wake = 0;
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    shm_slot *sl = &c->slots[s];
+    uint64_t expect = SLOT_WORD(gen, SLOT_INFLIGHT);
+    /* seq_cst: exactly one transition out of INFLIGHT per generation; pairs with the
+     * consumer's release store in hand_out (acquire side) and is ordered before the push
+     * and the rx_sleeping check below. */
+    if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gen, nack ? SLOT_NACKED : SLOT_RELEASED)))
+        return SHM_STALE;
+    if (c->is_rx) {
+        pthread_mutex_lock(&c->rx_mu);
+        STORE_RELAXED(&c->hdr->dirty, 1);
+        int rc = handles_finish(c, s);
+        if (rc == SHM_OK && ring_advance_head(c)) {
+            FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
+            *wake = (int)(LOAD_RELAXED(&c->hdr->space_waiters) << 1);
+        }
+        if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+        pthread_mutex_unlock(&c->rx_mu);
+        return rc;
+    }
+    push_release(c, s);
+    /* seq_cst fence: pairs with the receiver's store of rx_sleeping and re-check. */
+    FENCE_SEQCST();
+    if (LOAD_RELAXED(&c->hdr->rx_sleeping)) {
+        uint32_t one = 1;
+        if (CAS_SEQCST(&c->hdr->rx_sleeping, &one, 0)) *wake |= 1;
+    }
+    return SHM_OK;
+}
+
+int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
+                     int *wake) {
+    int rc = SHM_OK, rx = 0;
+    uint32_t tx = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        int w = 0;
+        int r = shm_release(c, slots[i], gens[i], 0, &w);
+        rx |= w & 1;
+        if ((uint32_t)(w >> 1) > tx) tx = (uint32_t)(w >> 1);
+        if (r < 0) rc = r;
+    }
+    *wake = rx | (int)(tx << 1);
+    return rc;
+}
+
+/* Describe a live handle (for holders in other processes). */
+int shm_handle_info(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    shm_slot *sl = &c->slots[s];
+    /* acquire: pairs with hand_out's release store of INFLIGHT. */
+    uint64_t w = LOAD_ACQUIRE(&sl->state);
+    if (w != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    uint64_t pos = sl->pos, seq = sl->seq;
+    uint32_t attempt = sl->attempt;
+    shm_record *r = rec_at(c, pos);
+    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
+    uint64_t len = META_LEN(meta);
+    if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
+        r->seq != seq || ring_validate_body(c, r, len) != SHM_OK)
+        return SHM_E_CORRUPT;
+    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 8u * r->nkeys;
+    m->slot = s;
+    m->gen = gen;
+    m->seq = seq;
+    m->attempt = attempt;
+    m->kind = r->kind;
+    m->nkeys = r->nkeys;
+    m->keys_off = body;
+    m->keys_len = r->keys_len;
+    m->data_off = body + align8(r->keys_len);
+    m->data_len = r->data_len;
+    /* The slot may have moved on while we read: only a still-current handle counts. */
+    if (LOAD_ACQUIRE(&sl->state) != w) return SHM_STALE; /* pairs with slot_free */
+    return SHM_OK;
+}
+
+/* Hand-over: the calling process becomes the handle's holder. */
+int shm_handle_adopt(shm_chan *c, uint32_t s, uint32_t gen, uint64_t token) {
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    shm_slot *sl = &c->slots[s];
+    if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    /* release: pairs with the acquire load of holder by whoever checks liveness. */
+    STORE_RELEASE(&sl->holder, token);
+    if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    return SHM_OK;
+}
+
+int shm_handle_extend(shm_chan *c, uint32_t s, uint32_t gen, uint64_t deadline_ns) {
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    shm_slot *sl = &c->slots[s];
+    if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    STORE_RELEASE(&sl->deadline, deadline_ns); /* pairs with the lease check's acquire */
+    if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    return SHM_OK;
+}

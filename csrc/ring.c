@@ -1,0 +1,421 @@
+/* ring.c -- the intake ring: any number of processes append records, one reads them.
+ *
+ * Borrowed ideas: the Linux BPF ring buffer (kernel/bpf/ringbuf.c) for variable-length
+ * records with a small header and free-running positions; Jiffy (Adas & Friedman, 2020)
+ * for appending without a lock; the Michael-Scott queue for "the tail is wherever the
+ * chain of records ends, and any process can find it". What neither has, and a ring
+ * shared by processes that may be SIGKILLed needs, is a claim that names its claimant
+ * at the very instruction that makes it. Here the claim *is* writing the claimant's
+ * identity: a compare-and-swap of the record's owner word.
+ *
+ * Record header (see core.h for the full layout):
+ *
+ *     owner  EMPTY(p) = p | 1      while position p is the tail: free to claim
+ *            token << 1            once claimed: pid and start time of the claimant
+ *     meta   (length << 8) | state 0 (CLAIMED) until the claimant publishes a length
+ *     seq    the sequence number a message at p gets, pre-written by the predecessor
+ *
+ * Invariant T: exactly one position, the tail, holds EMPTY(tail) in its owner word,
+ * with meta = 0 and seq set, and [tail, tail + REC_HDR) lies inside free space.
+ *
+ * Producer, to append n bytes (send_one below):
+ *   1. walk: from tail_hint, jump record to record by their published lengths until an
+ *      owner word reads EMPTY(pos). A record still in CLAIMED has no length yet: wait
+ *      (its claimant is a few instructions from publishing) or, if the claimant is
+ *      dead, repair it (below).
+ *   2. space: pos + n + REC_HDR <= head + capacity (room for the record and for the
+ *      next tail's header). head only grows, so a stale head is merely conservative.
+ *   3. claim: CAS owner EMPTY(pos) -> token << 1. EMPTY(pos) encodes the full 64-bit
+ *      position, so a walker holding a stale position from an earlier lap cannot
+ *      match (no ABA), and the winner is recorded in the same instruction.
+ *   4. prepare the successor: meta = 0, seq = seq + 1 at pos + n, then owner EMPTY(pos + n)
+ *      (release). Only the claimant writes there: nobody can reach pos + n before 5.
+ *   5. publish the length: meta = (n, WRITING) (release). Walkers may now pass.
+ *   6. write the body (keys, payload), then meta = (n, COMMITTED) (release).
+ *
+ * Consumer: reads records in position order from ingest_pos; stops at EMPTY; a record in
+ * CLAIMED or WRITING stops it too (messages keep channel order) and is reported as a
+ * stall naming its claimant, so the Python layer can check that process's liveness.
+ *
+ * A producer killed at any instruction leaves one of:
+ *   - nothing (before 3), or a claim whose owner word names it;
+ *   - CLAIMED (between 3 and 5): anyone may take the claim over by CAS owner dead -> self,
+ *     turning it into a REC_HDR-sized DISCARDED record that passes seq on unchanged
+ *     (repair_claim). No walker could have passed it, so the length is ours to choose;
+ *     the dead claimant checked room for at least REC_BODY + REC_HDR bytes, enough for
+ *     the discard record and the next tail's header.
+ *   - WRITING (between 5 and 6): the length is known; the consumer marks it DISCARDED
+ *     when it reaches it (discard_dead) and skips it.
+ *   - COMMITTED: the message is whole and is delivered.
+ * A message is thus visible whole or not at all; a send that returned is committed.
+ *
+ * The consumer frees space by advancing head over records it has finished (DONE,
+ * DISCARDED, CANCELLED), in order, with a release store that producers pair with
+ * their acquire load in step 2.
+ */
+#include <errno.h>
+#include <sched.h>
+
+#include "core.h"
+
+#define WALK_SPINS 2000u /* spins waiting for a claimant to publish its length */
+
+void ring_init(shm_chan *c) {
+    shm_record *r = rec_at(c, 0);
+    r->meta = 0;
+    r->seq = 1;
+    r->owner = OWNER_EMPTY(0);
+    c->hdr->tail_hint = 0;
+    c->hdr->head = 0;
+    c->hdr->ingest_pos = 0;
+}
+
+/* A length read from the segment is usable only if it is a whole number of words and
+ * the record plus the next header fit in the ring. */
+static inline int len_ok(shm_chan *c, uint64_t len) {
+    return len >= REC_HDR && (len & 7u) == 0 && len <= c->cap - REC_HDR;
+}
+
+/* Write the next tail's header at pos and publish it (step 4). */
+static void prepare_successor(shm_chan *c, uint64_t pos, uint64_t seq) {
+    shm_record *s = rec_at(c, pos);
+    STORE_RELAXED(&s->meta, 0);
+    STORE_RELAXED(&s->seq, seq);
+    /* release: a walker or claimant that reads EMPTY(pos) with its acquire load (walk)
+     * or CAS (claim) also sees meta = 0 and the seq above. */
+    STORE_RELEASE(&s->owner, OWNER_EMPTY(pos));
+}
+
+/* Raise tail_hint to at least pos. A hint may lag, never run ahead of the tail. */
+static void hint_raise(shm_chan *c, uint64_t pos) {
+    uint64_t cur = LOAD_RELAXED(&c->hdr->tail_hint);
+    while (cur < pos) {
+        /* release: pairs with the acquire load in find_tail, so a walker starting at pos
+         * sees the owner word published before it (by prepare_successor). */
+        if (__atomic_compare_exchange_n(&c->hdr->tail_hint, &cur, pos, 1, __ATOMIC_RELEASE,
+                                        __ATOMIC_RELAXED))
+            break;
+    }
+}
+
+/* Steps 1-3. On SHM_OK *pos_out is ours and *seq_out is the message's sequence number. */
+static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, shm_stall *stall) {
+    shm_header *h = c->hdr;
+    const uint64_t mine = OWNER_CLAIM(c->token);
+    /* acquire: pairs with the release CAS in hint_raise. */
+    uint64_t pos = LOAD_ACQUIRE(&h->tail_hint);
+    uint64_t head = c->cached_head;
+    uint64_t hops = 0;
+    uint32_t spins = 0;
+    int stale = 0;
+
+    for (;;) {
+        if (UNLIKELY(stale || pos < head || pos - head > c->cap || hops > c->cap / REC_HDR)) {
+            /* Stale: the bytes under pos may have been reused. Restart from fresh
+             * positions; both are record boundaries at the time they are read. */
+            /* acquire: pairs with the consumer's release store of head (ring_advance_head). */
+            head = LOAD_ACQUIRE(&h->head);
+            c->cached_head = head;
+            uint64_t hint = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
+            pos = hint > head ? hint : head;
+            hops = 0;
+            stale = 0;
+        }
+        shm_record *r = rec_at(c, pos);
+        /* acquire: pairs with prepare_successor's release store (EMPTY) and with a
+         * claimant's CAS (token), so meta and seq read below are at least as new. */
+        uint64_t owner = LOAD_ACQUIRE(&r->owner);
+        if (owner == OWNER_EMPTY(pos)) {
+            if (pos + n + REC_HDR > head + c->cap) {
+                head = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
+                c->cached_head = head;
+                if (pos < head) continue; /* we were stale after all */
+                if (pos + n + REC_HDR > head + c->cap) return SHM_FULL;
+            }
+            /* seq_cst: the claim. Pairs with other claimants' CAS on the same word and
+             * with the release in prepare_successor (the EMPTY we expect). It is also
+             * ordered before the shutdown check in send_one. */
+            if (CAS_SEQCST(&r->owner, &owner, mine)) {
+                *pos_out = pos;
+                *seq_out = LOAD_RELAXED(&r->seq); /* ordered by the CAS's acquire */
+                return SHM_OK;
+            }
+            continue; /* lost the race: owner now holds the winner; look again */
+        }
+        if (OWNER_IS_EMPTY(owner)) { /* an EMPTY marker of another position: stale walk */
+            stale = 1;
+            continue;
+        }
+        /* acquire: pairs with the claimant's release store of its length (steps 5, 6). */
+        uint64_t meta = LOAD_ACQUIRE(&r->meta);
+        if (META_STATE(meta) == REC_CLAIMED) {
+            if (++spins < WALK_SPINS) {
+                CPU_RELAX();
+                continue;
+            }
+            stall->pos = pos;
+            stall->owner = OWNER_TOKEN(owner);
+            return SHM_STALLED;
+        }
+        uint64_t len = META_LEN(meta);
+        if (!len_ok(c, len)) { /* garbage under a stale position */
+            stale = 1;
+            continue;
+        }
+        pos += len;
+        hops++;
+        spins = 0;
+    }
+}
+
+/* Write the body of a claimed record and commit it (steps 4-6). */
+static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t kind,
+                 const uint8_t *data, uint64_t len, const uint8_t *keys, uint32_t keys_len,
+                 uint32_t nkeys, const uint64_t *hashes) {
+    shm_record *r = rec_at(c, pos);
+    prepare_successor(c, pos + n, seq + 1);
+    /* release: pairs with walkers' acquire load of meta in claim(): whoever sees our length
+     * also sees EMPTY(pos + n). */
+    STORE_RELEASE(&r->meta, META(n, REC_WRITING));
+    hint_raise(c, pos + n);
+
+    r->kind = kind;
+    r->nkeys = nkeys;
+    r->data_len = len;
+    r->keys_len = keys_len;
+    r->reserved = 0;
+    memcpy(r->hashes, hashes, 8u * nkeys);
+    uint8_t *p = (uint8_t *)r + REC_BODY + 8u * nkeys;
+    memcpy(p, keys, keys_len);
+    p += align8(keys_len);
+    if (len) memcpy(p, data, len);
+    /* release: pairs with the consumer's acquire load in ring_peek: a COMMITTED record's
+     * body is complete when seen. */
+    STORE_RELEASE(&r->meta, META(n, REC_COMMITTED));
+}
+
+/* Compute the hashes of an encoded key blob: a sequence of (u16 little-endian length,
+ * that many bytes). The blob comes from Python; it is still checked. */
+static int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *out) {
+    uint32_t off = 0;
+    for (uint32_t i = 0; i < nkeys; i++) {
+        if (keys_len - off < 2) return SHM_E_INVALID;
+        uint32_t kl = (uint32_t)keys[off] | ((uint32_t)keys[off + 1] << 8);
+        off += 2;
+        if (keys_len - off < kl) return SHM_E_INVALID;
+        out[i] = hash_bytes(keys + off, kl);
+        off += kl;
+    }
+    return off == keys_len ? SHM_OK : SHM_E_INVALID;
+}
+
+static int check_message(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_len,
+                         uint32_t nkeys, uint64_t *n_out) {
+    if (kind > SHM_PAYLOAD_PICKLE) return SHM_E_INVALID;
+    if (kind != SHM_PAYLOAD_RAW && (c->cfg.flags & SHM_CFG_RAW_ONLY)) return SHM_E_INVALID;
+    if (nkeys > c->cfg.max_keys) return SHM_E_TOO_MANY_KEYS;
+    if (len > c->cap || keys_len > c->cap) return SHM_E_TOO_LARGE;
+    uint64_t n = rec_size(nkeys, keys_len, len);
+    if (n + REC_HDR > c->cap) return SHM_E_TOO_LARGE;
+    *n_out = n;
+    return SHM_OK;
+}
+
+/* Producer-side wake-up check after commits (the eventcount's signal side). */
+static void wake_receiver(shm_chan *c, int *wake) {
+    /* seq_cst fence: pairs with the receiver's seq_cst store of rx_sleeping = 1 before
+     * it re-checks the ring (recv in handles.c): either it sees our commit, or we see
+     * it asleep. */
+    FENCE_SEQCST();
+    if (LOAD_RELAXED(&c->hdr->rx_sleeping)) {
+        uint32_t one = 1;
+        /* Only one waker posts per sleep: the CAS winner. */
+        if (CAS_SEQCST(&c->hdr->rx_sleeping, &one, 0)) *wake |= 1;
+    }
+}
+
+static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
+                    const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *seq_out,
+                    shm_stall *stall) {
+    uint64_t n, pos, seq;
+    uint64_t hashes[SHM_MAX_KEYS_LIMIT];
+    int rc = check_message(c, kind, len, keys_len, nkeys, &n);
+    if (rc) return rc;
+    rc = key_hashes(keys, keys_len, nkeys, hashes);
+    if (rc) return rc;
+    if (LOAD_ACQUIRE(&c->hdr->shutdown)) return SHM_CLOSED; /* pairs with shm_shutdown */
+    rc = claim(c, n, &pos, &seq, stall);
+    if (rc) return rc;
+    /* seq_cst: after our claim (seq_cst CAS). Pairs with shm_shutdown's seq_cst store:
+     * a receiver that saw shutdown and then an EMPTY tail cannot miss a claim that did
+     * not see shutdown. */
+    if (LOAD_SEQCST(&c->hdr->shutdown)) {
+        shm_record *r = rec_at(c, pos);
+        prepare_successor(c, pos + n, seq);
+        STORE_RELEASE(&r->meta, META(n, REC_CANCELLED)); /* pairs with ring_peek */
+        hint_raise(c, pos + n);
+        return SHM_CLOSED;
+    }
+    fill(c, pos, n, seq, kind, data, len, keys, keys_len, nkeys, hashes);
+    shm_producer *p = &c->producers[c->producer - 1];
+    STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
+    *seq_out = seq;
+    return SHM_OK;
+}
+
+int shm_send(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len, const uint8_t *keys,
+             uint32_t keys_len, uint32_t nkeys, uint64_t *seq_out, shm_stall *stall, int *wake) {
+    *wake = 0;
+    if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
+    int rc = send_one(c, kind, data, len, keys, keys_len, nkeys, seq_out, stall);
+    if (rc == SHM_OK) wake_receiver(c, wake);
+    return rc;
+}
+
+int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const uint8_t *const *datas,
+                  const uint64_t *lens, const uint8_t *const *keys, const uint32_t *keys_lens,
+                  const uint32_t *nkeys, uint64_t *seqs_out, uint32_t *done, shm_stall *stall,
+                  int *wake) {
+    *wake = 0;
+    if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
+    int rc = SHM_OK;
+    uint32_t i = *done;
+    for (; i < n; i++) {
+        rc = send_one(c, kinds[i], datas[i], lens[i], keys[i], keys_lens[i], nkeys[i], &seqs_out[i],
+                      stall);
+        if (rc) break;
+    }
+    if (i > *done) wake_receiver(c, wake);
+    *done = i;
+    return rc;
+}
+
+/* Take over a dead producer's CLAIMED record at pos and turn it into a discard record. */
+int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
+    shm_record *r = rec_at(c, pos);
+    uint64_t expect = OWNER_CLAIM(dead_owner);
+    /* acquire: pairs with the claimant's release of meta; we must not repair a record
+     * whose length is already published. */
+    if (META_STATE(LOAD_ACQUIRE(&r->meta)) != REC_CLAIMED) return SHM_STALE;
+    /* seq_cst: elects one repairer; pairs with the same CAS in other repairers. A
+     * repairer that dies after it is itself repaired by the next one. */
+    if (!CAS_SEQCST(&r->owner, &expect, OWNER_CLAIM(c->token))) return SHM_STALE;
+    if (META_STATE(LOAD_ACQUIRE(&r->meta)) != REC_CLAIMED) return SHM_STALE;
+    uint64_t seq = LOAD_RELAXED(&r->seq);
+    prepare_successor(c, pos + REC_HDR, seq); /* seq unused: passes on unchanged */
+    /* release: pairs with walkers' and ring_peek's acquire load of meta. */
+    STORE_RELEASE(&r->meta, META(REC_HDR, REC_DISCARDED));
+    hint_raise(c, pos + REC_HDR);
+    return SHM_OK;
+}
+
+/* Consumer side: look at the record at pos.
+ *   SHM_OK       committed: *rec and *len are set, the body is validated
+ *   SHM_EMPTY    pos is the tail
+ *   SHM_STALLED  claimed or being written: *stall names the claimant
+ *   SHM_CLOSED   a record to skip (*len set): discarded or cancelled
+ *   SHM_E_CORRUPT */
+int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall) {
+    shm_record *r = rec_at(c, pos);
+    /* acquire: pairs with prepare_successor (EMPTY) and the claimant's CAS. */
+    uint64_t owner = LOAD_ACQUIRE(&r->owner);
+    if (owner == OWNER_EMPTY(pos)) return SHM_EMPTY;
+    if (OWNER_IS_EMPTY(owner) || owner == 0) return SHM_E_CORRUPT;
+    /* acquire: pairs with the release stores of meta in fill() / repair / discard. */
+    uint64_t meta = LOAD_ACQUIRE(&r->meta);
+    uint32_t st = META_STATE(meta);
+    if (st == REC_CLAIMED || st == REC_WRITING) {
+        stall->pos = pos;
+        stall->owner = OWNER_TOKEN(owner);
+        return SHM_STALLED;
+    }
+    uint64_t l = META_LEN(meta);
+    if (!len_ok(c, l)) return SHM_E_CORRUPT;
+    *len = l;
+    *rec = r;
+    if (st == REC_DISCARDED || st == REC_CANCELLED) return SHM_CLOSED;
+    if (st != REC_COMMITTED) return SHM_E_CORRUPT;
+    return ring_validate_body(c, r, l);
+}
+
+/* A committed record's body must describe exactly the bytes its length covers. */
+int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
+    if (len < REC_BODY) return SHM_E_CORRUPT;
+    uint32_t nkeys = r->nkeys, keys_len = r->keys_len;
+    uint64_t data_len = r->data_len;
+    if (r->kind > SHM_PAYLOAD_PICKLE || nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
+    if (keys_len > len || data_len > len) return SHM_E_CORRUPT;
+    if (rec_size(nkeys, keys_len, data_len) != len) return SHM_E_CORRUPT;
+    return SHM_OK;
+}
+
+/* The consumer is done with the record at pos: head may pass it. */
+void ring_mark_done(shm_chan *c, uint64_t pos) {
+    shm_record *r = rec_at(c, pos);
+    uint64_t meta = LOAD_RELAXED(&r->meta);
+    /* release: pairs with producers' acquire load in claim(), which only reads the length
+     * (unchanged); and orders our reads of the body before any later reuse via head. */
+    STORE_RELEASE(&r->meta, META(META_LEN(meta), REC_DONE));
+}
+
+/* Move head over finished records. Returns 1 if it moved. */
+int ring_advance_head(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t head = h->head, start = head, stop = h->ingest_pos;
+    while (head < stop) {
+        shm_record *r = rec_at(c, head);
+        uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned by now */
+        uint32_t st = META_STATE(meta);
+        if (st != REC_DONE && st != REC_DISCARDED && st != REC_CANCELLED) break;
+        uint64_t len = META_LEN(meta);
+        if (!len_ok(c, len) || len > stop - head) break; /* corrupt: never move past it */
+        head += len;
+    }
+    if (head == start) return 0;
+    /* release: pairs with producers' acquire load of head in claim(); everything we read
+     * from the freed records happened before they may be overwritten. */
+    STORE_RELEASE(&h->head, head);
+    return 1;
+}
+
+/* Consumer: a record in WRITING whose producer is dead becomes DISCARDED. */
+int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
+    if (!c->is_rx) return SHM_E_INVALID;
+    pthread_mutex_lock(&c->rx_mu);
+    int rc = SHM_STALE;
+    shm_record *r = rec_at(c, pos);
+    if (pos == c->hdr->ingest_pos && LOAD_ACQUIRE(&r->owner) == OWNER_CLAIM(dead_owner)) {
+        uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the claimant's release */
+        if (META_STATE(meta) == REC_WRITING && len_ok(c, META_LEN(meta))) {
+            /* release: pairs with ring_peek's acquire load (we read it again next poll). */
+            STORE_RELEASE(&r->meta, META(META_LEN(meta), REC_DISCARDED));
+            rc = SHM_OK;
+        }
+    }
+    pthread_mutex_unlock(&c->rx_mu);
+    return rc;
+}
+
+/* Producers blocked on space count themselves as waiters; the consumer posts the space
+ * semaphore after moving head while the count is non-zero. */
+int shm_space_wait(shm_chan *c, int arm) {
+    if (c->producer == 0) return SHM_E_INVALID;
+    shm_producer *p = &c->producers[c->producer - 1];
+    if (arm && !p->waiting) {
+        p->waiting = 1;
+        /* seq_cst: pairs with the consumer's fence between its store of head and its load
+         * of space_waiters (handles.c): either it sees us waiting or our retry sees its head. */
+        FETCH_ADD_SEQCST(&c->hdr->space_waiters, 1);
+    } else if (!arm && p->waiting) {
+        p->waiting = 0;
+        FETCH_ADD_SEQCST(&c->hdr->space_waiters, (uint32_t)-1);
+    }
+    return SHM_OK;
+}
+
+int shm_shutdown(shm_chan *c) {
+    /* seq_cst: pairs with the seq_cst load of shutdown after a claim in send_one, and with
+     * the receiver's load before it declares the channel drained. */
+    STORE_SEQCST(&c->hdr->shutdown, 1);
+    return SHM_OK;
+}

@@ -1,0 +1,326 @@
+/* sched.c -- the key-locking scheduler: a deterministic lock manager in shared memory.
+ *
+ * Written only by the receiver process (under its process-local mutex), so nothing
+ * here needs atomics except where a slot's state word is published to holders.
+ *
+ * Every key with messages in the window has an entry in an open-addressing table
+ * (linear probing, deletion by backward shift: no tombstones, so lookups stay short)
+ * holding its *line*: the window's messages carrying that key, in seq order, as a
+ * singly linked list of nodes, one node per (message, distinct key hash).
+ *
+ * order="fifo" (the default) is the deterministic-lock-manager rule: a message may be
+ * handed out when it is first in every line it is in. It stays first while in flight,
+ * so "first in the line" also means "holds the key". slot.pending counts the lines in
+ * which a message is not yet first; taking a message in appends it to each of its
+ * lines (pending += lines that were not empty), and a release removes it from the front
+ * of each of its lines and decrements pending of each new front; a front whose pending
+ * reaches 0 joins the ready queue. Every step touches only the message's own keys:
+ * O(keys), never O(messages waiting).
+ *
+ * order="eager" is key-message-channel's rule: a message may go as soon as none of its
+ * keys is held. key.held names the holder; a message that meets a held key waits in
+ * that key's line only (using its node for that key). When a key is freed, its waiters
+ * are tried in order: one whose keys are all free takes them and becomes ready, one
+ * that meets another held key moves to that key's line.
+ *
+ * Hash collisions: two different keys with one hash share a line. That can only add
+ * waiting, never let conflicting messages run together. A message's own hashes are
+ * de-duplicated before it joins any line, so it never waits behind itself.
+ *
+ * Indices read back from the segment are checked before use; a bad one is reported as
+ * SHM_E_CORRUPT rather than followed.
+ */
+#include "core.h"
+
+#define SLOT_OK(c, s) ((s) >= 1 && (s) <= (c)->cfg.max_messages)
+#define NODE_OK(c, n) ((n) >= 1 && (n) < (c)->max_nodes)
+
+void sched_init(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
+    for (uint32_t s = 1; s <= m; s++) c->slots[s].next = s < m ? s + 1 : NIL;
+    h->free_slots = 1;
+    for (uint32_t n = 1; n < c->max_nodes; n++) c->nodes[n].next = n + 1 < c->max_nodes ? n + 1 : NIL;
+    h->free_nodes = 1;
+    h->ready_head = h->ready_tail = NIL;
+}
+
+/* ---- key table ------------------------------------------------------------------------- */
+static inline int key_empty(const shm_key *k) { return k->head == NIL && k->held == NIL; }
+
+/* Index of the entry for hash, or -1. */
+static int64_t key_find(shm_chan *c, uint64_t hash) {
+    uint32_t i = (uint32_t)hash & c->keytab_mask;
+    for (uint32_t probes = 0; probes <= c->keytab_mask; probes++) {
+        shm_key *k = &c->keys[i];
+        if (key_empty(k)) return -1;
+        if (k->hash == hash) return i;
+        i = (i + 1) & c->keytab_mask;
+    }
+    return -1;
+}
+
+/* Index of the entry for hash, created empty-lined if absent; -1 if the table is full
+ * (impossible by sizing unless the segment is corrupt). */
+static int64_t key_insert(shm_chan *c, uint64_t hash) {
+    uint32_t i = (uint32_t)hash & c->keytab_mask;
+    for (uint32_t probes = 0; probes <= c->keytab_mask; probes++) {
+        shm_key *k = &c->keys[i];
+        if (key_empty(k)) {
+            k->hash = hash;
+            return i;
+        }
+        if (k->hash == hash) return i;
+        i = (i + 1) & c->keytab_mask;
+    }
+    return -1;
+}
+
+/* Remove entry i (now empty) by shifting back the entries of its probe run. */
+static void key_delete(shm_chan *c, uint32_t i) {
+    uint32_t mask = c->keytab_mask;
+    uint32_t j = i;
+    for (uint32_t probes = 0; probes <= mask; probes++) {
+        j = (j + 1) & mask;
+        shm_key *kj = &c->keys[j];
+        if (key_empty(kj)) break;
+        uint32_t home = (uint32_t)kj->hash & mask;
+        /* kj may move to i if its home is not cyclically within (i, j]. */
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (stays) continue;
+        c->keys[i] = *kj;
+        i = j;
+    }
+    c->keys[i].head = c->keys[i].tail = NIL;
+    c->keys[i].held = NIL;
+    c->keys[i].hash = 0;
+}
+
+/* ---- lists --------------------------------------------------------------------------- */
+static void ready_push(shm_chan *c, uint32_t s, int front) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    /* release: holders reading a handle's slot (shm_handle_info) pair with their acquire
+     * of the state word; READY is never shared, so relaxed would do, but keep one rule. */
+    STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_READY));
+    if (front) {
+        sl->next = h->ready_head;
+        h->ready_head = s;
+        if (h->ready_tail == NIL) h->ready_tail = s;
+    } else {
+        sl->next = NIL;
+        if (h->ready_tail == NIL) h->ready_head = s;
+        else c->slots[h->ready_tail].next = s;
+        h->ready_tail = s;
+    }
+}
+
+uint32_t sched_pop_ready(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint32_t s = h->ready_head;
+    if (s == NIL) return NIL;
+    if (!SLOT_OK(c, s)) return UINT32_MAX;
+    h->ready_head = c->slots[s].next;
+    if (h->ready_head == NIL) h->ready_tail = NIL;
+    else if (!SLOT_OK(c, h->ready_head)) return UINT32_MAX;
+    return s;
+}
+
+static uint32_t node_alloc(shm_chan *c) {
+    uint32_t n = c->hdr->free_nodes;
+    if (!NODE_OK(c, n)) return NIL;
+    c->hdr->free_nodes = c->nodes[n].next;
+    c->hdr->nodes_used++;
+    return n;
+}
+
+static void node_free(shm_chan *c, uint32_t n) {
+    c->nodes[n].next = c->hdr->free_nodes;
+    c->hdr->free_nodes = n;
+    c->hdr->nodes_used--;
+}
+
+static void line_append(shm_chan *c, shm_key *k, uint32_t n) {
+    c->nodes[n].next = NIL;
+    if (k->head == NIL) k->head = n;
+    else c->nodes[k->tail].next = n;
+    k->tail = n;
+}
+
+int sched_has_room(shm_chan *c, uint32_t nkeys) {
+    shm_header *h = c->hdr;
+    return h->free_slots != NIL && (c->max_nodes - 1 - h->nodes_used) >= nkeys;
+}
+
+/* ---- eager helpers ------------------------------------------------------------------ */
+/* If every key of s is free, take them all and return NIL; else return the node of s
+ * for the first held key (s should wait in that key's line). */
+static int eager_try_take(shm_chan *c, uint32_t s, uint32_t *blocked_node, int64_t *blocked_key) {
+    shm_slot *sl = &c->slots[s];
+    uint32_t n = sl->first_node;
+    for (uint32_t i = 0; i < sl->nkeys; i++) {
+        if (!NODE_OK(c, n)) return SHM_E_CORRUPT;
+        int64_t k = key_find(c, c->nodes[n].hash);
+        if (k >= 0 && c->keys[k].held != NIL) {
+            *blocked_node = n;
+            *blocked_key = k;
+            return SHM_OK;
+        }
+        n = c->nodes[n].sibling;
+    }
+    n = sl->first_node;
+    for (uint32_t i = 0; i < sl->nkeys; i++) {
+        int64_t k = key_insert(c, c->nodes[n].hash);
+        if (k < 0) return SHM_E_CORRUPT;
+        c->keys[k].held = s;
+        n = c->nodes[n].sibling;
+    }
+    *blocked_node = NIL;
+    return SHM_OK;
+}
+
+/* ---- taking a message in ----------------------------------------------------------- */
+int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) {
+    shm_header *h = c->hdr;
+    uint32_t s = h->free_slots;
+    if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+    shm_slot *sl = &c->slots[s];
+    h->free_slots = sl->next;
+    h->window++;
+    sl->seq = r->seq;
+    sl->pos = pos;
+    sl->attempt = 0;
+    sl->pending = 0;
+    sl->first_node = NIL;
+    sl->nkeys = 0;
+    sl->deadline = 0;
+    sl->holder = 0;
+
+    uint32_t nkeys = r->nkeys;
+    for (uint32_t i = 0; i < nkeys; i++) {
+        uint64_t hash = r->hashes[i];
+        int dup = 0;
+        for (uint32_t j = 0; j < i; j++) dup |= (r->hashes[j] == hash);
+        if (dup) continue;
+        uint32_t n = node_alloc(c);
+        if (n == NIL) return SHM_E_CORRUPT; /* sched_has_room said there was room */
+        c->nodes[n].hash = hash;
+        c->nodes[n].slot = s;
+        c->nodes[n].sibling = sl->first_node;
+        c->nodes[n].next = NIL;
+        sl->first_node = n;
+        sl->nkeys++;
+        if (c->cfg.order == SHM_ORDER_FIFO) {
+            int64_t k = key_insert(c, hash);
+            if (k < 0) return SHM_E_CORRUPT;
+            if (c->keys[k].head != NIL) sl->pending++;
+            line_append(c, &c->keys[k], n);
+        }
+    }
+    h->queued_in_window++;
+    h->ingested++;
+    *slot_out = s;
+    if (c->cfg.order == SHM_ORDER_FIFO) {
+        if (sl->pending == 0) ready_push(c, s, 0);
+        else STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
+        return SHM_OK;
+    }
+    uint32_t bn;
+    int64_t bk;
+    int rc = eager_try_take(c, s, &bn, &bk);
+    if (rc) return rc;
+    if (bn == NIL) {
+        ready_push(c, s, 0);
+    } else {
+        STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
+        line_append(c, &c->keys[bk], bn);
+    }
+    return SHM_OK;
+}
+
+/* ---- letting go of a message's keys --------------------------------------------------- */
+static int fifo_unlink(shm_chan *c, uint32_t s) {
+    shm_slot *sl = &c->slots[s];
+    uint32_t n = sl->first_node;
+    for (uint32_t i = 0; i < sl->nkeys; i++) {
+        if (!NODE_OK(c, n)) return SHM_E_CORRUPT;
+        uint32_t sib = c->nodes[n].sibling;
+        int64_t k = key_find(c, c->nodes[n].hash);
+        if (k < 0 || c->keys[k].head != n) return SHM_E_CORRUPT; /* must be first in line */
+        shm_key *key = &c->keys[k];
+        key->head = c->nodes[n].next;
+        if (key->head == NIL) {
+            key_delete(c, (uint32_t)k);
+        } else {
+            if (!NODE_OK(c, key->head)) return SHM_E_CORRUPT;
+            uint32_t s2 = c->nodes[key->head].slot;
+            if (!SLOT_OK(c, s2) || c->slots[s2].pending == 0) return SHM_E_CORRUPT;
+            if (--c->slots[s2].pending == 0) ready_push(c, s2, 0);
+        }
+        node_free(c, n);
+        n = sib;
+    }
+    sl->first_node = NIL;
+    sl->nkeys = 0;
+    return SHM_OK;
+}
+
+static int eager_unlink(shm_chan *c, uint32_t s) {
+    shm_slot *sl = &c->slots[s];
+    uint32_t n = sl->first_node;
+    /* Free every key first, then wake waiters: a waiter may need several of them. */
+    for (uint32_t i = 0; i < sl->nkeys; i++) {
+        if (!NODE_OK(c, n)) return SHM_E_CORRUPT;
+        int64_t k = key_find(c, c->nodes[n].hash);
+        if (k < 0 || c->keys[k].held != s) return SHM_E_CORRUPT;
+        c->keys[k].held = NIL;
+        n = c->nodes[n].sibling;
+    }
+    n = sl->first_node;
+    for (uint32_t i = 0; i < sl->nkeys; i++) {
+        uint64_t hash = c->nodes[n].hash;
+        for (uint32_t guard = 0; guard <= c->cfg.max_messages; guard++) {
+            int64_t k = key_find(c, hash);
+            if (k < 0) break;
+            shm_key *key = &c->keys[k];
+            if (key->held != NIL || key->head == NIL) {
+                if (key_empty(key)) key_delete(c, (uint32_t)k);
+                break;
+            }
+            uint32_t w = key->head;
+            if (!NODE_OK(c, w)) return SHM_E_CORRUPT;
+            key->head = c->nodes[w].next;
+            uint32_t ws = c->nodes[w].slot;
+            if (!SLOT_OK(c, ws)) return SHM_E_CORRUPT;
+            uint32_t bn;
+            int64_t bk;
+            int rc = eager_try_take(c, ws, &bn, &bk);
+            if (rc) return rc;
+            if (bn == NIL) ready_push(c, ws, 0);
+            else line_append(c, &c->keys[bk], bn);
+            /* key may have moved only by deletion, which we do not do inside this loop
+             * except just above before break; re-find it on the next round. */
+        }
+        uint32_t sib = c->nodes[n].sibling;
+        node_free(c, n);
+        n = sib;
+    }
+    sl->first_node = NIL;
+    sl->nkeys = 0;
+    return SHM_OK;
+}
+
+/* s is finished (released, or dead-lettered): its keys go to the next in line. */
+int sched_release(shm_chan *c, uint32_t s) {
+    if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+    return c->cfg.order == SHM_ORDER_FIFO ? fifo_unlink(c, s) : eager_unlink(c, s);
+}
+
+/* s was given back: it keeps its place (first in its lines, or its eager keys) and goes
+ * to the front of the ready queue. */
+int sched_requeue(shm_chan *c, uint32_t s) {
+    if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+    ready_push(c, s, 1);
+    c->hdr->queued_in_window++;
+    return SHM_OK;
+}

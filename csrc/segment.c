@@ -1,0 +1,296 @@
+/* segment.c -- laying out, creating, validating and mapping a channel's segment.
+ *
+ * The Python layer opens (or creates and sizes) the named shared memory object and
+ * hands us its file descriptor. We compute the layout from the configuration, map
+ * the segment with the ring mapped twice back to back (so a record that wraps past
+ * the end of the ring reads as one contiguous run of bytes, as the BPF ring buffer
+ * does with its data pages), and, when creating, initialize it and publish it by
+ * storing the magic number last.
+ *
+ * Opening validates everything before trusting any of it: magic, layout version,
+ * header size, every configuration field's range, and that the offsets stored in
+ * the header equal the ones recomputed here; the file must be large enough. After
+ * that the process works only from its own validated copy (shm_chan.cfg).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core.h"
+
+typedef struct {
+    uint64_t producers_off, slots_off, nodes_off, keytab_off, ring_off, total;
+    uint32_t max_nodes, keytab_size;
+} layout;
+
+static uint64_t page_up(uint64_t n) { return (n + SHM_PAGE - 1) & ~(uint64_t)(SHM_PAGE - 1); }
+
+static int config_ok(const shm_config *cfg) {
+    if (cfg->capacity < SHM_PAGE || cfg->capacity % SHM_PAGE || cfg->capacity > (1ull << 44))
+        return 0;
+    if (cfg->max_keys > SHM_MAX_KEYS_LIMIT) return 0;
+    if (cfg->max_messages < 16 || cfg->max_messages > (1u << 24)) return 0;
+    if (cfg->order > SHM_ORDER_EAGER) return 0;
+    if (cfg->flags & ~(uint32_t)SHM_CFG_RAW_ONLY) return 0;
+    if (cfg->max_producers < 1 || cfg->max_producers > 65536) return 0;
+    return 1;
+}
+
+static void compute_layout(const shm_config *cfg, layout *L) {
+    uint64_t off = page_up(sizeof(shm_header));
+    L->producers_off = off;
+    off = page_up(off + (uint64_t)cfg->max_producers * sizeof(shm_producer));
+    L->slots_off = off;
+    off = page_up(off + ((uint64_t)cfg->max_messages + 1) * sizeof(shm_slot));
+    /* Two key nodes per message on average, and always room for one message with
+     * every key it may carry; index 0 is unused. */
+    L->max_nodes = 2 * cfg->max_messages + cfg->max_keys + 1;
+    L->nodes_off = off;
+    off = page_up(off + (uint64_t)L->max_nodes * sizeof(shm_node));
+    /* At most max_nodes keys are live at once; keep the load factor <= 1/2. */
+    uint32_t ks = 16;
+    while (ks < 2 * L->max_nodes) ks <<= 1;
+    L->keytab_size = ks;
+    L->keytab_off = off;
+    off = page_up(off + (uint64_t)ks * sizeof(shm_key));
+    L->ring_off = off;
+    L->total = off + cfg->capacity;
+}
+
+int shm_layout_size(const shm_config *cfg, uint64_t *total_out) {
+    if (!config_ok(cfg)) return SHM_E_INVALID;
+    layout L;
+    compute_layout(cfg, &L);
+    *total_out = L.total;
+    return SHM_OK;
+}
+
+/* Map meta + ring, then the ring again right after it. */
+static int map_segment(int fd, const layout *L, uint64_t cap, uint8_t **base_out, uint64_t *len_out) {
+    uint64_t len = L->ring_off + 2 * cap;
+    void *area = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (area == MAP_FAILED) return SHM_E_SYS;
+    uint8_t *base = area;
+    if (mmap(base, L->total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED ||
+        mmap(base + L->total, cap, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+             (off_t)L->ring_off) == MAP_FAILED) {
+        int e = errno;
+        munmap(area, len);
+        errno = e;
+        return SHM_E_SYS;
+    }
+    *base_out = base;
+    *len_out = len;
+    return SHM_OK;
+}
+
+static void bind(shm_chan *c, const layout *L) {
+    c->hdr = (shm_header *)c->base;
+    c->producers = (shm_producer *)(c->base + L->producers_off);
+    c->slots = (shm_slot *)(c->base + L->slots_off);
+    c->nodes = (shm_node *)(c->base + L->nodes_off);
+    c->keys = (shm_key *)(c->base + L->keytab_off);
+    c->ring = c->base + L->ring_off;
+    c->cap = c->cfg.capacity;
+    c->max_nodes = L->max_nodes;
+    c->keytab_mask = L->keytab_size - 1;
+}
+
+static void init_segment(shm_chan *c, const layout *L) {
+    shm_header *h = c->hdr;
+    /* The file is fresh (ftruncate zero-fills), so only non-zero fields are written. */
+    h->layout_version = SHM_LAYOUT_VERSION;
+    h->header_bytes = sizeof(shm_header);
+    h->cfg = c->cfg;
+    h->producers_off = L->producers_off;
+    h->slots_off = L->slots_off;
+    h->nodes_off = L->nodes_off;
+    h->keytab_off = L->keytab_off;
+    h->ring_off = L->ring_off;
+    h->max_nodes = L->max_nodes;
+    h->keytab_size = L->keytab_size;
+    h->segment_size = L->total;
+    sched_init(c);
+    ring_init(c);
+    /* release: the segment is complete; pairs with the acquire load in shm_attach. */
+    STORE_RELEASE(&h->magic, SHM_MAGIC);
+}
+
+static int validate_header(shm_chan *c, int fd, layout *L) {
+    shm_header hd;
+    ssize_t got = pread(fd, &hd, sizeof hd, 0);
+    if (got < 0) return SHM_E_SYS;
+    if ((size_t)got < sizeof hd) return SHM_E_LAYOUT;
+    /* The creator stores the magic last; an all-zero header is one being created. */
+    if (hd.magic == 0 && hd.layout_version == 0) return SHM_EMPTY;
+    if (hd.magic != SHM_MAGIC || hd.layout_version != SHM_LAYOUT_VERSION ||
+        hd.header_bytes != sizeof(shm_header))
+        return SHM_E_LAYOUT;
+    if (!config_ok(&hd.cfg)) return SHM_E_CORRUPT;
+    c->cfg = hd.cfg;
+    compute_layout(&c->cfg, L);
+    if (hd.producers_off != L->producers_off || hd.slots_off != L->slots_off ||
+        hd.nodes_off != L->nodes_off || hd.keytab_off != L->keytab_off ||
+        hd.ring_off != L->ring_off || hd.max_nodes != L->max_nodes ||
+        hd.keytab_size != L->keytab_size || hd.segment_size != L->total)
+        return SHM_E_CORRUPT;
+    struct stat st;
+    if (fstat(fd, &st) != 0) return SHM_E_SYS;
+    if ((uint64_t)st.st_size < L->total) return SHM_E_CORRUPT;
+    return SHM_OK;
+}
+
+int shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_chan **out) {
+    if (token == 0 || token >= TOKEN_MAX) return SHM_E_INVALID;
+    shm_chan *c = calloc(1, sizeof *c);
+    if (!c) return SHM_E_NOMEM;
+    layout L;
+    int rc;
+    if (create) {
+        if (!config_ok(cfg)) {
+            free(c);
+            return SHM_E_INVALID;
+        }
+        c->cfg = *cfg;
+        compute_layout(cfg, &L);
+        struct stat st;
+        if (fstat(fd, &st) != 0) rc = SHM_E_SYS;
+        else if ((uint64_t)st.st_size < L.total) rc = SHM_E_INVALID;
+        else rc = SHM_OK;
+    } else {
+        rc = validate_header(c, fd, &L);
+    }
+    if (rc == SHM_OK) rc = map_segment(fd, &L, c->cfg.capacity, &c->base, &c->map_len);
+    if (rc != SHM_OK) {
+        int e = errno;
+        free(c);
+        errno = e;
+        return rc;
+    }
+    bind(c, &L);
+    c->token = token;
+    pthread_mutex_init(&c->rx_mu, NULL);
+    if (create) init_segment(c, &L);
+    c->cached_head = LOAD_ACQUIRE(&c->hdr->head); /* pairs with ring_advance_head */
+    *out = c;
+    return SHM_OK;
+}
+
+void shm_detach(shm_chan *c) {
+    if (!c) return;
+    if (c->producer) shm_producer_detach(c);
+    if (c->is_rx) shm_rx_release_ownership(c);
+    munmap(c->base, c->map_len);
+    pthread_mutex_destroy(&c->rx_mu);
+    free(c);
+}
+
+uint8_t *shm_base(shm_chan *c) { return c->base; }
+uint64_t shm_mapped_size(shm_chan *c) { return c->map_len; }
+
+int shm_read_config(shm_chan *c, shm_config *out) {
+    *out = c->cfg;
+    return SHM_OK;
+}
+
+/* After fork() the child shares the mapping but is another process: new identity, no
+ * registry entry, not the receiver, and a fresh process-local mutex (the parent may have
+ * held it at the fork). */
+int shm_set_identity(shm_chan *c, uint64_t token) {
+    if (token == 0 || token >= TOKEN_MAX) return SHM_E_INVALID;
+    c->token = token;
+    c->producer = 0;
+    c->is_rx = 0;
+    pthread_mutex_init(&c->rx_mu, NULL);
+    return SHM_OK;
+}
+
+/* ---- producer registry ---------------------------------------------------------------- */
+int shm_producer_attach(shm_chan *c) {
+    if (c->producer) return SHM_OK;
+    for (uint32_t i = 0; i < c->cfg.max_producers; i++) {
+        uint64_t zero = 0;
+        /* seq_cst: the registration, naming its owner; pairs with reap's CAS. */
+        if (LOAD_RELAXED(&c->producers[i].owner) == 0 &&
+            CAS_SEQCST(&c->producers[i].owner, &zero, c->token)) {
+            c->producers[i].waiting = 0;
+            c->producer = i + 1;
+            return SHM_OK;
+        }
+    }
+    return SHM_FULL;
+}
+
+int shm_producer_detach(shm_chan *c) {
+    if (!c->producer) return SHM_OK;
+    shm_space_wait(c, 0);
+    uint64_t me = c->token;
+    /* release: our last sent count is visible to whoever registers next; pairs with the
+     * CAS in shm_producer_attach. */
+    __atomic_compare_exchange_n(&c->producers[c->producer - 1].owner, &me, 0, 0, __ATOMIC_RELEASE,
+                                __ATOMIC_RELAXED);
+    c->producer = 0;
+    return SHM_OK;
+}
+
+int shm_producer_slot_owner(shm_chan *c, uint32_t i, uint64_t *owner) {
+    if (i >= c->cfg.max_producers) return SHM_E_INVALID;
+    *owner = LOAD_ACQUIRE(&c->producers[i].owner); /* pairs with attach / detach */
+    return SHM_OK;
+}
+
+/* Free the entry of a producer the caller found dead (by token), undoing its wait. */
+int shm_producer_reap(shm_chan *c, uint32_t i, uint64_t dead_owner) {
+    if (i >= c->cfg.max_producers || dead_owner == 0) return SHM_E_INVALID;
+    shm_producer *p = &c->producers[i];
+    uint64_t expect = dead_owner;
+    /* Take the entry for ourselves first, so that only one reaper fixes the wait count. */
+    if (!CAS_SEQCST(&p->owner, &expect, c->token | TOKEN_MAX)) return SHM_STALE;
+    if (p->waiting) {
+        p->waiting = 0;
+        FETCH_ADD_SEQCST(&c->hdr->space_waiters, (uint32_t)-1);
+    }
+    /* release: pairs with the CAS in shm_producer_attach. */
+    STORE_RELEASE(&p->owner, 0);
+    return SHM_OK;
+}
+
+/* ---- statistics ------------------------------------------------------------------------ */
+int shm_stats_read(shm_chan *c, shm_stats *o) {
+    shm_header *h = c->hdr;
+    memset(o, 0, sizeof *o);
+    uint64_t sent = 0;
+    for (uint32_t i = 0; i < c->cfg.max_producers; i++) sent += LOAD_RELAXED(&c->producers[i].sent);
+    uint64_t head = LOAD_ACQUIRE(&h->head);      /* pairs with ring_advance_head */
+    uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
+    o->capacity = c->cap;
+    o->used_bytes = tail > head ? tail - head : 0;
+    if (o->used_bytes > c->cap) o->used_bytes = c->cap;
+    /* Counters written by the consumer are read without synchronization: a snapshot. */
+    uint64_t in_window = LOAD_RELAXED(&h->queued_in_window);
+    uint64_t taken = LOAD_RELAXED(&h->ingested);
+    o->queued = in_window + (sent > taken ? sent - taken : 0);
+    o->inflight = LOAD_RELAXED(&h->inflight);
+    o->held_keys = LOAD_RELAXED(&h->held_keys);
+    o->dead_letters = LOAD_RELAXED(&h->dead_letters);
+    o->sent = sent;
+    o->delivered = LOAD_RELAXED(&h->delivered);
+    o->released = LOAD_RELAXED(&h->released);
+    o->redelivered = LOAD_RELAXED(&h->redelivered);
+    o->discarded = LOAD_RELAXED(&h->discarded);
+    o->window = LOAD_RELAXED(&h->window);
+    o->segment_size = h->segment_size;
+    o->shutdown = LOAD_ACQUIRE(&h->shutdown); /* pairs with shm_shutdown */
+    o->order = c->cfg.order;
+    o->max_keys = c->cfg.max_keys;
+    o->max_messages = c->cfg.max_messages;
+    o->max_attempts = c->cfg.max_attempts;
+    o->max_producers = c->cfg.max_producers;
+    o->lease_ns = c->cfg.lease_ns;
+    o->flags = c->cfg.flags;
+    o->layout_version = SHM_LAYOUT_VERSION;
+    o->receiver = LOAD_ACQUIRE(&h->receiver); /* pairs with shm_rx_acquire */
+    return SHM_OK;
+}

@@ -1,0 +1,147 @@
+/* shmchan.h -- the C core's public interface, as seen by the Python layer.
+ *
+ * This file is read verbatim by cffi's cdef() (see csrc/build_ffi.py), so it
+ * holds only declarations cffi can parse: no include guards, no includes, no
+ * macros other than integer #defines. C sources include it through core.h.
+ *
+ * Ownership of work: the C core does everything that touches the segment;
+ * the Python layer owns system calls on named objects (shm_open, semaphores),
+ * liveness decisions (psutil) and serialization. Every function returns one
+ * of the SHM_* status codes below; Python maps them to exceptions in one table.
+ */
+
+/* --- status codes (0 = success, <0 = failure, >0 = "not now") ------------ */
+#define SHM_OK            0
+#define SHM_EMPTY         1   /* nothing to hand out right now                */
+#define SHM_FULL          2   /* not enough free space right now              */
+#define SHM_STALLED       3   /* blocked behind a claim whose owner must be checked */
+#define SHM_CLOSED        4   /* shut down (and, for the receiver, drained)   */
+#define SHM_STALE         5   /* handle no longer current: release is a no-op */
+#define SHM_BUSY          6   /* receiver owned by another live process       */
+#define SHM_E_TOO_LARGE  -1
+#define SHM_E_TOO_MANY_KEYS -2
+#define SHM_E_CORRUPT    -3
+#define SHM_E_LAYOUT     -4
+#define SHM_E_INVALID    -5
+#define SHM_E_NOMEM      -6
+#define SHM_E_SYS        -7   /* errno is set */
+
+/* --- enumerations ------------------------------------------------------- */
+#define SHM_ORDER_FIFO   0
+#define SHM_ORDER_EAGER  1
+
+#define SHM_PAYLOAD_RAW     0   /* bytes travel as they are               */
+#define SHM_PAYLOAD_PICKLE  1   /* pickle protocol 5                       */
+
+#define SHM_CFG_RAW_ONLY    1   /* serializer="raw": refuse pickled payloads */
+
+#define SHM_MAX_KEYS_LIMIT  64
+#define SHM_LAYOUT_VERSION  1
+
+/* --- configuration, fixed at create time -------------------------------- */
+typedef struct {
+    uint64_t capacity;      /* ring bytes (rounded up to a page multiple)       */
+    uint32_t max_keys;      /* 0..SHM_MAX_KEYS_LIMIT distinct keys per message   */
+    uint32_t max_messages;  /* scheduler window: messages ingested at once       */
+    uint32_t order;         /* SHM_ORDER_*                                      */
+    uint32_t max_attempts;  /* 0 = unlimited redeliveries                       */
+    uint64_t lease_ns;      /* 0 = no lease                                      */
+    uint32_t flags;         /* SHM_CFG_*                                         */
+    uint32_t max_producers; /* producer registry slots                          */
+} shm_config;
+
+/* --- what the receiver hands out ---------------------------------------- */
+typedef struct {
+    uint32_t slot;          /* message table index   } the handle's identity  */
+    uint32_t gen;           /* slot generation       }                         */
+    uint64_t seq;
+    uint32_t attempt;
+    uint32_t kind;          /* SHM_PAYLOAD_*                                   */
+    uint64_t data_off;      /* payload offset from the mapping's base          */
+    uint64_t data_len;
+    uint64_t keys_off;      /* encoded key blob offset from the mapping's base */
+    uint32_t keys_len;
+    uint32_t nkeys;
+} shm_msg;
+
+/* --- why a call stalled (SHM_STALLED) ----------------------------------- */
+typedef struct {
+    uint64_t pos;           /* ring position of the stuck claim    */
+    uint64_t owner;         /* the claimant's token (pid + start)  */
+} shm_stall;
+
+typedef struct {
+    uint64_t capacity;
+    uint64_t used_bytes;
+    uint64_t queued;        /* accepted, not yet handed out              */
+    uint64_t inflight;      /* live handles                              */
+    uint64_t held_keys;
+    uint64_t dead_letters;
+    uint64_t sent;
+    uint64_t delivered;
+    uint64_t released;
+    uint64_t redelivered;
+    uint64_t discarded;
+    uint64_t window;        /* messages in the scheduler window          */
+    uint64_t segment_size;
+    uint32_t shutdown;
+    uint32_t order;
+    uint32_t max_keys;
+    uint32_t max_messages;
+    uint32_t max_attempts;
+    uint32_t max_producers;
+    uint64_t lease_ns;
+    uint32_t flags;
+    uint32_t layout_version;
+    uint64_t receiver;      /* token of the receiver, 0 = none           */
+} shm_stats;
+
+typedef struct shm_chan shm_chan;   /* one process's attachment (opaque) */
+
+/* --- segment ------------------------------------------------------------ */
+int  shm_layout_size(const shm_config *cfg, uint64_t *total_out);
+int  shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_chan **out);
+void shm_detach(shm_chan *c);
+uint8_t *shm_base(shm_chan *c);
+uint64_t shm_mapped_size(shm_chan *c);
+int  shm_read_config(shm_chan *c, shm_config *out);
+
+/* --- keys --------------------------------------------------------------- */
+uint64_t shm_hash_key(const uint8_t *enc, uint32_t len);
+
+/* --- producers ---------------------------------------------------------- */
+int  shm_set_identity(shm_chan *c, uint64_t token);
+int  shm_producer_attach(shm_chan *c);
+int  shm_producer_detach(shm_chan *c);
+int  shm_producer_slot_owner(shm_chan *c, uint32_t i, uint64_t *owner);
+int  shm_producer_reap(shm_chan *c, uint32_t i, uint64_t dead_owner);
+int  shm_send(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
+              const uint8_t *keys, uint32_t keys_len, uint32_t nkeys,
+              uint64_t *seq_out, shm_stall *stall, int *wake);
+int  shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds,
+                   const uint8_t *const *datas, const uint64_t *lens,
+                   const uint8_t *const *keys, const uint32_t *keys_lens,
+                   const uint32_t *nkeys, uint64_t *seqs_out, uint32_t *done,
+                   shm_stall *stall, int *wake);
+int  shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner);
+int  shm_space_wait(shm_chan *c, int arm);
+int  shm_shutdown(shm_chan *c);
+
+/* --- receiver ----------------------------------------------------------- */
+int  shm_rx_owner(shm_chan *c, uint64_t *owner);
+int  shm_rx_acquire(shm_chan *c, uint64_t expect_owner);
+int  shm_rx_release_ownership(shm_chan *c);
+int  shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got,
+              int arm_sleep, shm_stall *stall, uint32_t *space_waiters);
+int  shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner);
+
+/* --- handles (any process) ---------------------------------------------- */
+int  shm_release(shm_chan *c, uint32_t slot, uint32_t gen, int nack, int *wake);
+int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
+                      uint32_t n, int *wake);
+int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
+int  shm_handle_adopt(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t token);
+int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadline_ns);
+
+/* --- inspection --------------------------------------------------------- */
+int  shm_stats_read(shm_chan *c, shm_stats *out);

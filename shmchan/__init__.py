@@ -1,0 +1,48 @@
+"""shmchan: a cross-process, shared-memory, multi-producer / single-consumer channel
+whose messages carry keys, and whose receiver hands out key-locked handles.
+
+    ch = shmchan.Channel.create("orders")
+    ch.sender().send({"amount": 5}, keys=("acct:1", "acct:2"))
+    with ch.receiver().recv(timeout=1) as h:
+        print(h.seq, h.keys, h.payload)
+
+See README.md for the semantics and the failure model.
+"""
+
+from .channel import Channel, Handle, Receiver, Sender, Stats, list_channels, unlink
+from .errors import (
+    ChannelCorrupted,
+    ChannelExists,
+    ChannelNotFound,
+    Closed,
+    Empty,
+    Error,
+    Full,
+    LayoutMismatch,
+    MessageTooLarge,
+    ReceiverBusy,
+    TooManyKeys,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Channel",
+    "Sender",
+    "Receiver",
+    "Handle",
+    "Stats",
+    "unlink",
+    "list_channels",
+    "Error",
+    "Full",
+    "Empty",
+    "Closed",
+    "MessageTooLarge",
+    "TooManyKeys",
+    "ChannelNotFound",
+    "ChannelExists",
+    "ReceiverBusy",
+    "LayoutMismatch",
+    "ChannelCorrupted",
+]

@@ -1,0 +1,983 @@
+"""Channel, Sender, Receiver, Handle and Stats: the public face of the C core.
+
+Thin by design: each hot operation (send, recv, release) is one C call; this layer adds
+only what the C core must not do itself: opening named objects, blocking on semaphores
+with timeouts, deciding liveness (shmchan.liveness) and (de)serialization
+(shmchan.codec).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import posix_ipc
+
+from . import codec, errors, liveness
+from ._lib import ffi, lib, raise_for
+
+__all__ = ["Channel", "Sender", "Receiver", "Handle", "Stats", "unlink", "list_channels"]
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
+_PREFIX = "shmchan."
+_SHM_DIR = "/dev/shm"
+_SPIN_SECONDS = 50e-6  # poll this long before sleeping on the semaphore
+_MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least this often
+_STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
+_ORDERS = {"fifo": lib.SHM_ORDER_FIFO, "eager": lib.SHM_ORDER_EAGER}
+_SERIALIZERS = ("pickle", "raw")
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"channel name must be a str, not {type(name).__name__}")
+    if not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid channel name {name!r}: use 1-200 characters from A-Z a-z 0-9 _ . - "
+            "not starting with '.' or '-'"
+        )
+    return name
+
+
+def _shm_name(name: str) -> str:
+    return "/" + _PREFIX + name
+
+
+def _sem_names(name: str) -> tuple[str, str]:
+    return "/" + _PREFIX + name + ".rx", "/" + _PREFIX + name + ".tx"
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError("timeout must be >= 0 or None")
+    return time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _sem_wait(sem: posix_ipc.Semaphore, seconds: float) -> None:
+    try:
+        sem.acquire(max(seconds, 0.0))
+    except posix_ipc.BusyError:
+        pass
+
+
+def _post(sem: posix_ipc.Semaphore, times: int = 1) -> None:
+    for _ in range(min(times, 64)):
+        sem.release()
+
+
+# ---------------------------------------------------------------------------------------
+# the attachment: one per Channel object
+# ---------------------------------------------------------------------------------------
+
+
+class _Segment:
+    """One process's mapping of a channel plus its two semaphores."""
+
+    def __init__(self, name: str, path: str | None, ptr: Any, rx_sem: Any, tx_sem: Any) -> None:
+        self.name = name
+        self.path = path
+        self.ptr = ptr
+        self.rx_sem = rx_sem
+        self.tx_sem = tx_sem
+        cfg = ffi.new("shm_config *")
+        lib.shm_read_config(ptr, cfg)
+        self.capacity = int(cfg.capacity)
+        self.max_keys = int(cfg.max_keys)
+        self.raw_only = bool(cfg.flags & lib.SHM_CFG_RAW_ONLY)
+        self.lease_ns = int(cfg.lease_ns)
+        # The whole mapping as one buffer; handle views are slices of it. The buffer keeps
+        # `base` alive, and `base` unmaps the segment when the last slice is gone.
+        size = lib.shm_mapped_size(ptr)
+        base = ffi.gc(lib.shm_base(ptr), lambda _p, _c=ptr: lib.shm_detach(_c), size=size)
+        self.mem = memoryview(ffi.buffer(base, size)).toreadonly()
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.registered = False
+        # scratch structs for the calling thread's C calls
+        self._local = threading.local()
+        _segments.add(self)
+
+    def scratch(self) -> Any:
+        s = getattr(self._local, "s", None)
+        if s is None:
+            s = _Scratch()
+            self._local.s = s
+        return s
+
+    def after_fork(self) -> None:
+        lib.shm_set_identity(self.ptr, liveness.current_token())
+        self.pid = os.getpid()
+        self.registered = False
+        self.lock = threading.Lock()
+        self._local = threading.local()
+
+    def register_producer(self) -> None:
+        with self.lock:
+            if self.registered:
+                return
+            rc = lib.shm_producer_attach(self.ptr)
+            if rc == lib.SHM_FULL:
+                reap_dead_producers(self)
+                rc = lib.shm_producer_attach(self.ptr)
+            if rc == lib.SHM_FULL:
+                raise errors.Error(
+                    f"channel {self.name!r}: every producer registry slot is held by a live process"
+                )
+            if rc:
+                raise_for(rc, "register producer")
+            self.registered = True
+
+
+class _Scratch:
+    """Per-thread out-parameters, allocated once (ffi.new is not free)."""
+
+    __slots__ = ("seq", "stall", "wake", "got", "waiters", "msgs", "nmsgs")
+
+    def __init__(self) -> None:
+        self.seq = ffi.new("uint64_t *")
+        self.stall = ffi.new("shm_stall *")
+        self.wake = ffi.new("int *")
+        self.got = ffi.new("uint32_t *")
+        self.waiters = ffi.new("uint32_t *")
+        self.msgs = ffi.new("shm_msg[]", 1)
+        self.nmsgs = 1
+
+    def msg_array(self, n: int) -> Any:
+        if n > self.nmsgs:
+            self.msgs = ffi.new("shm_msg[]", n)
+            self.nmsgs = n
+        return self.msgs
+
+
+_segments: weakref.WeakSet[_Segment] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for seg in list(_segments):
+        seg.after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def reap_dead_producers(seg: _Segment) -> int:
+    """Free registry entries of dead producers; returns how many live ones remain."""
+    owner = ffi.new("uint64_t *")
+    live = 0
+    i = 0
+    while lib.shm_producer_slot_owner(seg.ptr, i, owner) == lib.SHM_OK:
+        token = int(owner[0])
+        if token and token < (1 << 63):
+            if liveness.is_alive(token):
+                live += 1
+            else:
+                lib.shm_producer_reap(seg.ptr, i, token)
+        i += 1
+    return live
+
+
+def _resolve_stall(seg: _Segment, stall: Any, consumer: bool) -> None:
+    """A claim has been stuck for a while: repair it if its producer is dead."""
+    owner = int(stall.owner)
+    if liveness.is_alive(owner):
+        return
+    rc = lib.shm_repair_claim(seg.ptr, stall.pos, owner)
+    if rc != lib.SHM_OK and consumer:
+        lib.shm_discard_dead(seg.ptr, stall.pos, owner)
+
+
+# ---------------------------------------------------------------------------------------
+# Stats
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of a channel's state, read without stopping anyone."""
+
+    capacity: int
+    """Bytes of message storage (the ring)."""
+    used_bytes: int
+    """Bytes of the ring not yet reclaimed (messages queued, in flight, or being written)."""
+    queued: int
+    """Messages accepted and not yet handed out (waiting for keys included)."""
+    inflight: int
+    """Handles handed out and not yet released."""
+    held_keys: int
+    """Keys locked by in-flight handles."""
+    producers: int
+    """Live processes registered as senders."""
+    dead_letters: int
+    """Messages that ran out of attempts."""
+    sent: int
+    """Messages accepted, ever."""
+    delivered: int
+    """Handles handed out, ever (redeliveries included)."""
+    released: int
+    """Handles released, ever."""
+    redelivered: int
+    """Deliveries after the first of the same message, ever."""
+    discarded: int
+    """Reservations of dead producers reclaimed, ever."""
+    window: int
+    """Messages in the receiver's scheduling window (max: max_messages)."""
+    order: str
+    """"fifo" or "eager"."""
+    shutdown: bool
+    """True once shutdown() was called."""
+    receiver_pid: int | None
+    """Pid of the process holding the receiver, if any."""
+
+
+# ---------------------------------------------------------------------------------------
+# Channel
+# ---------------------------------------------------------------------------------------
+
+
+class Channel:
+    """A named shared-memory channel; create it once, open it from any process."""
+
+    def __init__(self, seg: _Segment) -> None:
+        self._seg: _Segment | None = seg
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        capacity: int = 64 << 20,
+        *,
+        order: str = "fifo",
+        max_keys: int = 8,
+        max_messages: int | None = None,
+        max_attempts: int | None = None,
+        lease: float | None = None,
+        serializer: str = "pickle",
+        mode: int = 0o600,
+        path: str | os.PathLike[str] | None = None,
+        max_producers: int = 1024,
+    ) -> Channel:
+        """Make a new channel. Raises ChannelExists if the name is taken."""
+        _check_name(name)
+        cfg = ffi.new("shm_config *")
+        cfg.capacity = _page_round(_positive_int("capacity", capacity))
+        if order not in _ORDERS:
+            raise ValueError(f"order must be 'fifo' or 'eager', not {order!r}")
+        cfg.order = _ORDERS[order]
+        max_keys = _positive_int("max_keys", max_keys, minimum=0)
+        if max_keys > lib.SHM_MAX_KEYS_LIMIT:
+            raise ValueError(f"max_keys must be <= {lib.SHM_MAX_KEYS_LIMIT}")
+        cfg.max_keys = max_keys
+        if max_messages is None:
+            max_messages = min(max(cfg.capacity // 256, 1024), 1 << 22)
+        cfg.max_messages = _positive_int("max_messages", max_messages, minimum=16)
+        if max_messages > 1 << 24:
+            raise ValueError("max_messages must be <= 16777216")
+        cfg.max_attempts = 0 if max_attempts is None else _positive_int("max_attempts", max_attempts)
+        if lease is not None and not lease > 0:
+            raise ValueError("lease must be a positive number of seconds or None")
+        cfg.lease_ns = 0 if lease is None else int(lease * 1e9)
+        if serializer not in _SERIALIZERS:
+            raise ValueError(f"serializer must be 'pickle' or 'raw', not {serializer!r}")
+        cfg.flags = lib.SHM_CFG_RAW_ONLY if serializer == "raw" else 0
+        cfg.max_producers = _positive_int("max_producers", max_producers)
+        total = ffi.new("uint64_t *")
+        rc = lib.shm_layout_size(cfg, total)
+        if rc:
+            raise_for(rc, "create", "configuration out of range")
+        return cls(_create_segment(name, path, cfg, int(total[0]), mode))
+
+    @classmethod
+    def open(cls, name: str, *, path: str | os.PathLike[str] | None = None) -> Channel:
+        """Attach to an existing channel. Raises ChannelNotFound if there is none."""
+        _check_name(name)
+        return cls(_open_segment(name, path))
+
+    # -- endpoints ---------------------------------------------------------------------
+    def sender(self) -> Sender:
+        """A sender bound to this channel (picklable: it re-opens by name)."""
+        return Sender(self)
+
+    def receiver(self) -> Receiver:
+        """The channel's receiver. Raises ReceiverBusy while another live one exists."""
+        seg = self._live()
+        owner = ffi.new("uint64_t *")
+        for _ in range(3):
+            lib.shm_rx_owner(seg.ptr, owner)
+            current = int(owner[0])
+            if current and current == liveness.current_token():
+                raise errors.ReceiverBusy(
+                    f"channel {seg.name!r}: this process already holds the receiver"
+                )
+            if current and liveness.is_alive(current):
+                raise errors.ReceiverBusy(
+                    f"channel {seg.name!r}: the receiver is held by live pid "
+                    f"{liveness.token_pid(current)}"
+                )
+            rc = lib.shm_rx_acquire(seg.ptr, current)
+            if rc == lib.SHM_OK:
+                return Receiver(self, seg)
+            if rc != lib.SHM_BUSY:
+                raise_for(rc, "receiver", "the previous receiver died in the middle of an update")
+        raise errors.ReceiverBusy(f"channel {seg.name!r}: lost the race for the receiver")
+
+    # -- inspection and control --------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._live().name
+
+    @property
+    def capacity(self) -> int:
+        return self._live().capacity
+
+    def stats(self) -> Stats:
+        seg = self._live()
+        st = ffi.new("shm_stats *")
+        lib.shm_stats_read(seg.ptr, st)
+        producers = reap_dead_producers(seg)
+        receiver = int(st.receiver)
+        return Stats(
+            capacity=int(st.capacity),
+            used_bytes=int(st.used_bytes),
+            queued=int(st.queued),
+            inflight=int(st.inflight),
+            held_keys=int(st.held_keys),
+            producers=producers,
+            dead_letters=int(st.dead_letters),
+            sent=int(st.sent),
+            delivered=int(st.delivered),
+            released=int(st.released),
+            redelivered=int(st.redelivered),
+            discarded=int(st.discarded),
+            window=int(st.window),
+            order="eager" if st.order == lib.SHM_ORDER_EAGER else "fifo",
+            shutdown=bool(st.shutdown),
+            receiver_pid=liveness.token_pid(receiver) if receiver else None,
+        )
+
+    def shutdown(self) -> None:
+        """Refuse new sends (they raise Closed); the receiver drains what was accepted."""
+        seg = self._live()
+        lib.shm_shutdown(seg.ptr)
+        _post(seg.rx_sem)
+        _post(seg.tx_sem, 64)
+
+    def close(self) -> None:
+        """Detach this process's Channel object (idempotent). Other processes carry on."""
+        seg, self._seg = self._seg, None
+        if seg is not None and seg.registered:
+            lib.shm_producer_detach(seg.ptr)
+            seg.registered = False
+
+    def unlink(self) -> None:
+        """Remove the channel's name; processes attached to it keep working."""
+        seg = self._seg
+        if seg is None:
+            raise errors.Closed("channel object is closed")
+        unlink(seg.name, path=seg.path)
+
+    def _live(self) -> _Segment:
+        seg = self._seg
+        if seg is None:
+            raise errors.Closed("channel object is closed")
+        return seg
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._seg is None:
+            return "<shmchan.Channel (closed)>"
+        return f"<shmchan.Channel {self._seg.name!r} capacity={self._seg.capacity}>"
+
+
+def _positive_int(what: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _page_round(n: int) -> int:
+    page = 4096
+    return max(page, (n + page - 1) // page * page)
+
+
+def _open_sems(name: str, flags: int, mode: int) -> tuple[Any, Any]:
+    rx_name, tx_name = _sem_names(name)
+    rx = posix_ipc.Semaphore(rx_name, flags, mode=mode, initial_value=0)
+    tx = posix_ipc.Semaphore(tx_name, flags, mode=mode, initial_value=0)
+    return rx, tx
+
+
+def _create_segment(
+    name: str, path: str | os.PathLike[str] | None, cfg: Any, total: int, mode: int
+) -> _Segment:
+    # Semaphores first: whoever can see the segment can also open them.
+    rx, tx = _open_sems(name, posix_ipc.O_CREAT, mode)
+    shm = None
+    fd = -1
+    try:
+        if path is None:
+            try:
+                shm = posix_ipc.SharedMemory(_shm_name(name), posix_ipc.O_CREX, mode=mode, size=0)
+            except posix_ipc.ExistentialError:
+                raise errors.ChannelExists(f"channel {name!r} already exists") from None
+            fd = shm.fd
+        else:
+            try:
+                fd = os.open(os.fspath(path), os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+            except FileExistsError:
+                raise errors.ChannelExists(f"channel file {os.fspath(path)!r} already exists") from None
+        try:
+            os.ftruncate(fd, total)
+            # Reserve every page now: running out of /dev/shm must fail here, not as a
+            # SIGBUS when a page is first touched later.
+            os.posix_fallocate(fd, 0, total)
+        except OSError as e:
+            where = _SHM_DIR if path is None else os.path.dirname(os.fspath(path)) or "."
+            raise OSError(
+                e.errno,
+                f"cannot create channel {name!r}: it needs {total} bytes in {where}: "
+                f"{os.strerror(e.errno or errno.ENOSPC)}",
+            ) from None
+        out = ffi.new("shm_chan **")
+        rc = lib.shm_attach(fd, 1, cfg, liveness.current_token(), out)
+        if rc:
+            raise_for(rc, "create")
+        return _Segment(name, None if path is None else os.fspath(path), out[0], rx, tx)
+    except BaseException:
+        if shm is not None:
+            shm.unlink()
+        elif path is not None and fd >= 0:
+            os.unlink(os.fspath(path))
+        for sem in (rx, tx):
+            sem.unlink()
+        raise
+    finally:
+        if shm is not None:
+            shm.close_fd()
+        elif fd >= 0:
+            os.close(fd)
+
+
+def _open_segment(name: str, path: str | os.PathLike[str] | None) -> _Segment:
+    deadline = time.monotonic() + 5.0
+    while True:
+        fd = -1
+        shm = None
+        try:
+            if path is None:
+                try:
+                    shm = posix_ipc.SharedMemory(_shm_name(name))
+                except posix_ipc.ExistentialError:
+                    raise errors.ChannelNotFound(f"no channel named {name!r}") from None
+                fd = shm.fd
+            else:
+                try:
+                    fd = os.open(os.fspath(path), os.O_RDWR)
+                except FileNotFoundError:
+                    raise errors.ChannelNotFound(f"no channel file {os.fspath(path)!r}") from None
+            out = ffi.new("shm_chan **")
+            rc = lib.shm_attach(fd, 0, ffi.NULL, liveness.current_token(), out)
+        finally:
+            if shm is not None:
+                shm.close_fd()
+            elif fd >= 0:
+                os.close(fd)
+        if rc == lib.SHM_EMPTY and time.monotonic() < deadline:
+            time.sleep(0.001)  # its creator is still initializing it
+            continue
+        if rc == lib.SHM_EMPTY:
+            raise errors.LayoutMismatch(f"channel {name!r} was never initialized by its creator")
+        if rc:
+            raise_for(rc, f"open {name!r}")
+        try:
+            rx, tx = _open_sems(name, 0, 0o600)
+        except posix_ipc.ExistentialError:
+            lib.shm_detach(out[0])
+            raise errors.ChannelCorrupted(f"channel {name!r} has lost its semaphores") from None
+        return _Segment(name, None if path is None else os.fspath(path), out[0], rx, tx)
+
+
+_shared: dict[tuple[str, str | None], Channel] = {}
+_shared_lock = threading.Lock()
+
+
+def _shared_channel(name: str, path: str | None) -> Channel:
+    """One attachment per process for objects that re-open by name (pickled senders, handles)."""
+    key = (name, path)
+    with _shared_lock:
+        ch = _shared.get(key)
+        if ch is None or ch._seg is None or ch._seg.pid != os.getpid():
+            ch = Channel.open(name, path=path)
+            _shared[key] = ch
+        return ch
+
+
+def unlink(name: str, *, path: str | os.PathLike[str] | None = None) -> None:
+    """Remove a channel's name (and file, for path= channels). ChannelNotFound if absent."""
+    _check_name(name)
+    found = False
+    if path is None:
+        try:
+            posix_ipc.unlink_shared_memory(_shm_name(name))
+            found = True
+        except posix_ipc.ExistentialError:
+            pass
+    else:
+        try:
+            os.unlink(os.fspath(path))
+            found = True
+        except FileNotFoundError:
+            pass
+    for sem in _sem_names(name):
+        try:
+            posix_ipc.unlink_semaphore(sem)
+        except posix_ipc.ExistentialError:
+            pass
+    if not found:
+        raise errors.ChannelNotFound(f"no channel named {name!r}")
+
+
+def list_channels() -> list[str]:
+    """Names of the channels in /dev/shm (file-backed channels are not listed)."""
+    try:
+        entries = os.listdir(_SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(e[len(_PREFIX) :] for e in entries if e.startswith(_PREFIX))
+
+
+# ---------------------------------------------------------------------------------------
+# Sender
+# ---------------------------------------------------------------------------------------
+
+
+class Sender:
+    """Sends messages into a channel. Picklable; works after fork, spawn and forkserver."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._seg = channel._live()
+
+    @classmethod
+    def open(cls, name: str, *, path: str | os.PathLike[str] | None = None) -> Sender:
+        return _shared_channel(name, None if path is None else os.fspath(path)).sender()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        seg = self._live()
+        return (_open_sender, (seg.name, seg.path))
+
+    def _live(self) -> _Segment:
+        if self._seg is None or self._channel._seg is None:
+            raise errors.Closed("sender is closed")
+        return self._seg
+
+    def send(self, obj: object, keys: Any = (), timeout: float | None = None) -> int:
+        """Send one message; returns its sequence number.
+
+        Blocks while the channel is full; with `timeout`, raises Full when it runs out.
+        """
+        seg = self._live()
+        kind, buf = codec.encode_payload(obj, seg.raw_only)
+        blob, nkeys = codec.encode_keys(keys, seg.max_keys)
+        if not seg.registered:
+            seg.register_producer()
+        s = seg.scratch()
+        data = ffi.from_buffer("uint8_t[]", buf)
+        rc = lib.shm_send(seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake)
+        if rc:
+            deadline = _deadline(timeout)
+            rc = self._wait_and_retry(
+                seg,
+                rc,
+                deadline,
+                lambda: lib.shm_send(
+                    seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake
+                ),
+                "send",
+            )
+        if s.wake[0]:
+            seg.rx_sem.release()
+        return int(s.seq[0])
+
+    def send_many(self, items: Iterable[tuple[object, Any]], timeout: float | None = None) -> list[int]:
+        """Send (payload, keys) pairs in order with one C call per batch; returns their seqs."""
+        seg = self._live()
+        items = list(items)
+        n = len(items)
+        if n == 0:
+            return []
+        kinds = ffi.new("uint32_t[]", n)
+        datas = ffi.new("uint8_t *[]", n)
+        lens = ffi.new("uint64_t[]", n)
+        keyps = ffi.new("uint8_t *[]", n)
+        keylens = ffi.new("uint32_t[]", n)
+        nkeys = ffi.new("uint32_t[]", n)
+        seqs = ffi.new("uint64_t[]", n)
+        done = ffi.new("uint32_t *")
+        keep = []  # buffers must outlive the call
+        for i, item in enumerate(items):
+            try:
+                obj, keys = item
+            except (TypeError, ValueError):
+                raise TypeError(f"send_many items must be (payload, keys) pairs; item {i} is not") from None
+            kind, buf = codec.encode_payload(obj, seg.raw_only)
+            blob, nk = codec.encode_keys(keys, seg.max_keys)
+            data = ffi.from_buffer("uint8_t[]", buf)
+            kb = ffi.from_buffer("uint8_t[]", blob)
+            keep.append((data, kb))
+            kinds[i] = kind
+            datas[i] = data
+            lens[i] = len(data)
+            keyps[i] = kb
+            keylens[i] = len(blob)
+            nkeys[i] = nk
+        if not seg.registered:
+            seg.register_producer()
+        s = seg.scratch()
+
+        def attempt() -> int:
+            return int(
+                lib.shm_send_many(
+                    seg.ptr, n, kinds, datas, lens, keyps, keylens, nkeys, seqs, done, s.stall, s.wake
+                )
+            )
+
+        rc = attempt()
+        if s.wake[0]:
+            seg.rx_sem.release()
+        if rc:
+            rc = self._wait_and_retry(seg, rc, _deadline(timeout), attempt, "send_many")
+            if s.wake[0]:
+                seg.rx_sem.release()
+        del keep
+        return [int(seqs[i]) for i in range(n)]
+
+    def _wait_and_retry(self, seg: _Segment, rc: int, deadline: float | None, attempt: Any, what: str) -> int:
+        """Retry a send that returned FULL or STALLED until it succeeds or time runs out."""
+        s = seg.scratch()
+        armed = False
+        stalled_since: float | None = None
+        try:
+            while rc:
+                if rc == lib.SHM_FULL:
+                    stalled_since = None
+                    if not armed:
+                        lib.shm_space_wait(seg.ptr, 1)
+                        armed = True
+                        rc = attempt()  # re-check after announcing ourselves
+                        continue
+                    left = _remaining(deadline)
+                    if left is not None and left <= 0:
+                        raise errors.Full(f"{what}: channel {seg.name!r} stayed full")
+                    _sem_wait(seg.tx_sem, min(_MAINTENANCE_SECONDS, left if left is not None else 1e9))
+                elif rc == lib.SHM_STALLED:
+                    now = time.monotonic()
+                    if stalled_since is None:
+                        stalled_since = now
+                    elif now - stalled_since > _STALL_CHECK_SECONDS:
+                        _resolve_stall(seg, s.stall, consumer=False)
+                        stalled_since = now
+                    left = _remaining(deadline)
+                    if left is not None and left <= 0:
+                        raise errors.Full(f"{what}: stuck behind a producer that does not finish")
+                    time.sleep(0.0002)
+                else:
+                    raise_for(rc, what)
+                rc = attempt()
+        finally:
+            if armed:
+                lib.shm_space_wait(seg.ptr, 0)
+        return rc
+
+    def close(self) -> None:
+        self._seg = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_sender(name: str, path: str | None) -> Sender:
+    return Sender.open(name, path=path)
+
+
+# ---------------------------------------------------------------------------------------
+# Receiver
+# ---------------------------------------------------------------------------------------
+
+
+class Receiver:
+    """The one consumer of a channel: hands out key-locked handles."""
+
+    def __init__(self, channel: Channel, seg: _Segment) -> None:
+        self._channel = channel
+        self._seg: _Segment | None = seg
+
+    def _live(self) -> _Segment:
+        seg = self._seg
+        if seg is None:
+            raise errors.Closed("receiver is closed")
+        return seg
+
+    def _poll(self, seg: _Segment, n: int, deadline: float | None, block: bool) -> list[Handle]:
+        s = seg.scratch()
+        msgs = s.msg_array(n)
+        spin_until = time.monotonic() + _SPIN_SECONDS if block else 0.0
+        stalled_since: float | None = None
+        arm = 0
+        while True:
+            rc = lib.shm_recv(seg.ptr, msgs, n, s.got, arm, s.stall, s.waiters)
+            if s.waiters[0]:
+                _post(seg.tx_sem, s.waiters[0])
+            got = s.got[0]
+            if got:
+                return [Handle._from_msg(seg, msgs[i]) for i in range(got)]
+            if rc == lib.SHM_CLOSED:
+                raise errors.Closed(f"channel {seg.name!r} is shut down and drained")
+            if rc == lib.SHM_STALLED:
+                now = time.monotonic()
+                if stalled_since is None:
+                    stalled_since = now
+                elif now - stalled_since > _STALL_CHECK_SECONDS:
+                    _resolve_stall(seg, s.stall, consumer=True)
+                    stalled_since = now
+            elif rc != lib.SHM_EMPTY:
+                raise_for(rc, "recv")
+            else:
+                stalled_since = None
+            if not block:
+                return []
+            left = _remaining(deadline)
+            if left is not None and left <= 0:
+                raise errors.Empty(f"recv: nothing arrived on {seg.name!r} in time")
+            if not arm:
+                if time.monotonic() < spin_until:
+                    continue
+                arm = 1
+                continue  # poll once more with the sleep flag armed
+            wait = _MAINTENANCE_SECONDS if rc == lib.SHM_EMPTY else 0.002
+            _sem_wait(seg.rx_sem, wait if left is None else min(wait, left))
+
+    def recv(self, timeout: float | None = None) -> Handle:
+        """The next message free to go; blocks. Empty on timeout, Closed when drained."""
+        seg = self._live()
+        return self._poll(seg, 1, _deadline(timeout), True)[0]
+
+    def try_recv(self) -> Handle | None:
+        """The next message free to go, or None right away."""
+        seg = self._live()
+        got = self._poll(seg, 1, None, False)
+        return got[0] if got else None
+
+    def recv_many(self, max_items: int = 256, timeout: float | None = None) -> list[Handle]:
+        """Up to max_items handles with one C call; at least one unless it raises Empty."""
+        if not isinstance(max_items, int) or max_items < 1:
+            raise ValueError("max_items must be a positive int")
+        seg = self._live()
+        return self._poll(seg, max_items, _deadline(timeout), True)
+
+    def __iter__(self) -> Iterator[Handle]:
+        while True:
+            try:
+                yield self.recv()
+            except errors.Closed:
+                return
+
+    def close(self) -> None:
+        """Give up the receiver seat (idempotent). Handles already out stay valid."""
+        seg, self._seg = self._seg, None
+        if seg is not None:
+            lib.shm_rx_release_ownership(seg.ptr)
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Handle
+# ---------------------------------------------------------------------------------------
+
+
+class Handle:
+    """A message on loan with its keys locked, until released (or nacked)."""
+
+    __slots__ = (
+        "_seg",
+        "_slot",
+        "_gen",
+        "seq",
+        "attempt",
+        "_kind",
+        "_data_off",
+        "_data_len",
+        "_keys_off",
+        "_keys_len",
+        "_nkeys",
+        "_keys",
+        "_payload",
+        "_done",
+        "_pid",
+    )
+
+    seq: int
+    attempt: int
+
+    @classmethod
+    def _from_msg(cls, seg: _Segment, m: Any) -> Handle:
+        h = cls.__new__(cls)
+        h._seg = seg
+        h._slot = m.slot
+        h._gen = m.gen
+        h.seq = m.seq
+        h.attempt = m.attempt
+        h._kind = m.kind
+        h._data_off = m.data_off
+        h._data_len = m.data_len
+        h._keys_off = m.keys_off
+        h._keys_len = m.keys_len
+        h._nkeys = m.nkeys
+        h._keys = None
+        h._payload = _UNSET
+        h._done = False
+        h._pid = seg.pid
+        return h
+
+    def _check(self) -> _Segment:
+        if self._done:
+            raise errors.Closed(f"handle seq={self.seq} was already released")
+        return self._seg
+
+    @property
+    def data(self) -> memoryview:
+        """The stored bytes, zero-copy and read-only; valid until the handle is released."""
+        seg = self._check()
+        return seg.mem[self._data_off : self._data_off + self._data_len]
+
+    @property
+    def payload(self) -> Any:
+        """The message's object: bytes for bytes-like payloads, else the unpickled object."""
+        if self._payload is _UNSET:
+            seg = self._check()
+            view = seg.mem[self._data_off : self._data_off + self._data_len]
+            self._payload = codec.decode_payload(self._kind, view)
+        return self._payload
+
+    @property
+    def keys(self) -> tuple[codec.Key, ...]:
+        """The message's keys as they were sent (duplicates merged)."""
+        if self._keys is None:
+            seg = self._check()
+            blob = seg.mem[self._keys_off : self._keys_off + self._keys_len]
+            self._keys = codec.decode_keys(blob, self._nkeys)
+        return self._keys
+
+    def _finish(self, nack: int) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        seg = self._seg
+        s = seg.scratch()
+        rc = lib.shm_release(seg.ptr, self._slot, self._gen, nack, s.wake)
+        wake = s.wake[0]
+        if wake & 1:
+            seg.rx_sem.release()
+        if wake >> 1:
+            _post(seg.tx_sem, wake >> 1)
+        if rc < 0:
+            raise_for(rc, "release")
+        return rc == lib.SHM_OK
+
+    def release(self) -> None:
+        """Free the handle's keys for the next message in line. Idempotent."""
+        self._finish(0)
+
+    ack = release
+
+    def nack(self) -> None:
+        """Give the message back: it is delivered again (attempt + 1) before anything
+        behind it on its keys."""
+        self._finish(1)
+
+    def extend(self, seconds: float) -> None:
+        """Push this handle's lease deadline to `seconds` from now."""
+        seg = self._check()
+        if not seconds > 0:
+            raise ValueError("seconds must be positive")
+        deadline = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(seconds * 1e9)
+        rc = lib.shm_handle_extend(seg.ptr, self._slot, self._gen, deadline)
+        if rc == lib.SHM_STALE:
+            raise errors.Closed(f"handle seq={self.seq} is no longer held (lease expired or released)")
+        if rc:
+            raise_for(rc, "extend")
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        seg = self._check()
+        # Hand-over: from now on the unpickling process holds it; we no longer release
+        # it when garbage-collected.
+        self._pid = -1
+        return (_adopt_handle, (seg.name, seg.path, self._slot, self._gen))
+
+    def __del__(self) -> None:
+        try:
+            if not self._done and self._pid == os.getpid():
+                self._finish(0)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if self._done else "held"
+        return f"<shmchan.Handle seq={self.seq} attempt={self.attempt} {state}>"
+
+
+class _Unset:
+    pass
+
+
+_UNSET: Any = _Unset()
+
+
+def _adopt_handle(name: str, path: str | None, slot: int, gen: int) -> Handle:
+    seg = _shared_channel(name, path)._live()
+    rc = lib.shm_handle_adopt(seg.ptr, slot, gen, liveness.current_token())
+    m = ffi.new("shm_msg *")
+    if rc == lib.SHM_OK:
+        rc = lib.shm_handle_info(seg.ptr, slot, gen, m)
+    if rc == lib.SHM_STALE:
+        m.slot, m.gen = slot, gen
+        h = Handle._from_msg(seg, m)
+        h._done = True  # its message was released or redelivered meanwhile: a no-op handle
+        return h
+    if rc:
+        raise_for(rc, "unpickle handle")
+    return Handle._from_msg(seg, m)

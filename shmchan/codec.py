@@ -1,0 +1,111 @@
+"""Keys and payloads: how user values become bytes in the segment and back.
+
+Keys are str, bytes or int. Each is encoded canonically as a one-byte type tag and its
+content, so "1", b"1" and 1 are three different keys:
+
+    str   b"s" + UTF-8 (surrogates passed through, so every str round-trips)
+    bytes b"b" + the bytes
+    int   b"i" + minimal two's-complement big-endian bytes
+
+A message's keys travel as one blob: for each key, a little-endian u16 length and its
+encoding. The C core hashes each encoding with a stable 64-bit hash (csrc/hash.c); the
+original values are decoded from the blob when a handle is asked for its keys.
+
+Payloads: bytes-like objects travel raw (and can be read zero-copy); anything else is
+pickled with protocol 5.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+from .errors import TooManyKeys
+
+__all__ = ["Key", "encode_keys", "decode_keys", "encode_payload", "decode_payload", "RAW", "PICKLE"]
+
+Key = str | bytes | int
+RAW = 0
+PICKLE = 1
+_MAX_KEY_BYTES = 0xFFFF - 1
+
+
+def _encode_one(key: object) -> bytes:
+    if type(key) is str or (isinstance(key, str)):
+        enc = b"s" + key.encode("utf-8", "surrogatepass")
+    elif isinstance(key, bytes):
+        enc = b"b" + bytes(key)
+    elif isinstance(key, int) and not isinstance(key, bool):
+        n = int(key)
+        enc = b"i" + n.to_bytes((n + (n < 0)).bit_length() // 8 + 1, "big", signed=True)
+    else:
+        raise TypeError(
+            f"keys must be str, bytes or int, not {type(key).__name__} ({key!r})"
+        )
+    if len(enc) > _MAX_KEY_BYTES:
+        raise ValueError(f"key too long: {len(enc) - 1} bytes (limit {_MAX_KEY_BYTES - 1})")
+    return enc
+
+
+def encode_keys(keys: Key | Iterable[Key] | None, max_keys: int) -> tuple[bytes, int]:
+    """The key blob and the number of distinct keys. A single str, bytes or int is one key."""
+    if keys is None:
+        return b"", 0
+    if isinstance(keys, (str, bytes, int)):
+        items: Iterable[Any] = (keys,)
+    else:
+        try:
+            items = iter(keys)
+        except TypeError:
+            raise TypeError(
+                f"keys must be a str, bytes, int or an iterable of them, not {type(keys).__name__}"
+            ) from None
+    seen: dict[bytes, None] = {}
+    for key in items:
+        seen[_encode_one(key)] = None
+    if len(seen) > max_keys:
+        raise TooManyKeys(f"{len(seen)} distinct keys, but this channel allows at most {max_keys}")
+    parts = []
+    for enc in seen:
+        parts.append(len(enc).to_bytes(2, "little"))
+        parts.append(enc)
+    return b"".join(parts), len(seen)
+
+
+def decode_keys(blob: bytes | memoryview, n: int) -> tuple[Key, ...]:
+    """The original key values from a key blob (validated by the C core's framing)."""
+    out: list[Key] = []
+    off = 0
+    for _ in range(n):
+        size = blob[off] | (blob[off + 1] << 8)
+        enc = bytes(blob[off + 2 : off + 2 + size])
+        off += 2 + size
+        tag, body = enc[:1], enc[1:]
+        if tag == b"s":
+            out.append(body.decode("utf-8", "surrogatepass"))
+        elif tag == b"b":
+            out.append(body)
+        elif tag == b"i":
+            out.append(int.from_bytes(body, "big", signed=True))
+        else:
+            raise ValueError(f"unknown key tag {tag!r}")
+    return tuple(out)
+
+
+def encode_payload(obj: object, raw_only: bool) -> tuple[int, Any]:
+    """(kind, buffer) for a payload: bytes-like objects as they are, others pickled."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return RAW, obj
+    if raw_only:
+        raise TypeError(
+            f'this channel has serializer="raw" and accepts only bytes-like payloads, '
+            f"not {type(obj).__name__}"
+        )
+    return PICKLE, pickle.dumps(obj, protocol=5)
+
+
+def decode_payload(kind: int, view: memoryview) -> Any:
+    if kind == RAW:
+        return bytes(view)
+    return pickle.loads(view)
