@@ -324,3 +324,60 @@ int sched_requeue(shm_chan *c, uint32_t s) {
     c->hdr->queued_in_window++;
     return SHM_OK;
 }
+
+/* ---- self-check ------------------------------------------------------------------------
+ * Recompute what the incremental bookkeeping should say and compare (tests and the CLI's
+ * `stat --check` use it). Receiver only; O(window), so never on a hot path.
+ * Returns SHM_OK, or SHM_E_CORRUPT with *what set to a short reason code. */
+int shm_check_scheduler(shm_chan *c, uint32_t *what) {
+    if (!c->is_rx) return SHM_E_INVALID;
+    pthread_mutex_lock(&c->rx_mu);
+    int rc = SHM_OK;
+    *what = 0;
+    uint32_t m = c->cfg.max_messages;
+    /* fifo: each WAITING/READY/INFLIGHT message's pending equals the lines where it is not first */
+    for (uint32_t s = 1; s <= m && rc == SHM_OK; s++) {
+        shm_slot *sl = &c->slots[s];
+        uint32_t st = SLOT_STATE(sl->state);
+        if (st == SLOT_FREE || st == SLOT_DEAD) continue;
+        if (c->cfg.order != SHM_ORDER_FIFO) continue;
+        uint32_t n = sl->first_node, notfirst = 0;
+        for (uint32_t i = 0; i < sl->nkeys; i++) {
+            if (!NODE_OK(c, n)) { rc = SHM_E_CORRUPT; *what = 1; break; }
+            int64_t k = key_find(c, c->nodes[n].hash);
+            if (k < 0) { rc = SHM_E_CORRUPT; *what = 2; break; }
+            if (c->keys[k].head != n) notfirst++;
+            n = c->nodes[n].sibling;
+        }
+        if (rc == SHM_OK && notfirst != sl->pending) { rc = SHM_E_CORRUPT; *what = 3; }
+        if (rc == SHM_OK && st == SLOT_WAITING && sl->pending == 0) { rc = SHM_E_CORRUPT; *what = 4; }
+    }
+    /* the ready queue holds exactly the READY messages */
+    uint32_t ready = 0, listed = 0;
+    for (uint32_t s = 1; s <= m; s++) ready += SLOT_STATE(c->slots[s].state) == SLOT_READY;
+    for (uint32_t s = c->hdr->ready_head; s != NIL && listed <= m; s = c->slots[s].next) {
+        if (!SLOT_OK(c, s) || SLOT_STATE(c->slots[s].state) != SLOT_READY) { rc = SHM_E_CORRUPT; *what = 10; break; }
+        listed++;
+    }
+    if (rc == SHM_OK && listed != ready) { rc = SHM_E_CORRUPT; *what = 11; }
+    /* every line's nodes belong to live messages, and the line is in seq order */
+    for (uint32_t k = 0; k <= c->keytab_mask && rc == SHM_OK; k++) {
+        shm_key *key = &c->keys[k];
+        if (key_empty(key)) continue;
+        uint32_t n = key->head;
+        uint64_t last = 0;
+        for (uint32_t guard = 0; n != NIL; guard++) {
+            if (!NODE_OK(c, n) || guard > c->max_nodes) { rc = SHM_E_CORRUPT; *what = 5; break; }
+            uint32_t s = c->nodes[n].slot;
+            if (!SLOT_OK(c, s)) { rc = SHM_E_CORRUPT; *what = 6; break; }
+            uint32_t st = SLOT_STATE(c->slots[s].state);
+            if (st == SLOT_FREE || st == SLOT_DEAD) { rc = SHM_E_CORRUPT; *what = 7; break; }
+            if (c->nodes[n].hash != key->hash) { rc = SHM_E_CORRUPT; *what = 8; break; }
+            if (c->slots[s].seq <= last) { rc = SHM_E_CORRUPT; *what = 9; break; }
+            last = c->slots[s].seq;
+            n = c->nodes[n].next;
+        }
+    }
+    pthread_mutex_unlock(&c->rx_mu);
+    return rc;
+}

@@ -145,3 +145,4 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 
 /* --- inspection --------------------------------------------------------- */
 int  shm_stats_read(shm_chan *c, shm_stats *out);
+int  shm_check_scheduler(shm_chan *c, uint32_t *what);
