@@ -75,6 +75,7 @@
  * non-zero and below 2^63, so a ring owner word can carry one shifted left by one with
  * bit 0 clear (see ring.c). */
 #define TOKEN_MAX (1ull << 63)
+#define HOLDER_REVOKED 1ull /* a slot's holder word after revocation: never a token (>= 1 << 40) */
 
 /* ---- the header --------------------------------------------------------------------- */
 typedef struct {
@@ -144,6 +145,7 @@ enum {
     SLOT_RELEASED = 4, /* holder is done; consumer has not yet freed it      */
     SLOT_NACKED = 5,   /* holder gave it back; consumer will redeliver       */
     SLOT_DEAD = 6,     /* out of attempts: a dead letter                     */
+    SLOT_DISCARD = 7,  /* a dead letter someone dropped; consumer will free it */
 };
 #define SLOT_STATE(w) ((uint32_t)((w)&0xffu))
 #define SLOT_GEN(w) ((uint32_t)((w) >> 32))
@@ -161,7 +163,7 @@ typedef struct {
     uint32_t attempt;  /* deliveries so far                                      */
     uint16_t nkeys;    /* distinct key hashes (nodes)                            */
     uint16_t pending;  /* fifo: lines in which this message is not yet first     */
-    uint32_t pad;
+    uint32_t seen;     /* maintenance: generation + 1 when last found RELEASED    */
 } shm_slot;
 
 /* ---- key lines ------------------------------------------------------------------------ */
@@ -265,10 +267,14 @@ int sched_release(shm_chan *c, uint32_t s);
 int sched_requeue(shm_chan *c, uint32_t s);
 uint32_t sched_pop_ready(shm_chan *c);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
+int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
 void sched_init(shm_chan *c);
 /* handles.c */
 int handles_drain(shm_chan *c);
 int handles_finish(shm_chan *c, uint32_t s);
+void handles_push(shm_chan *c, uint32_t s);
+/* recovery.c */
+int recovery_rebuild(shm_chan *c);
 /* hash.c */
 uint64_t hash_bytes(const uint8_t *p, uint64_t n);
 

@@ -52,15 +52,21 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
     /* seq_cst: elects the receiver; pairs with other candidates' CAS and with the
      * release in shm_rx_release_ownership. */
     if (!CAS_SEQCST(&c->hdr->receiver, &expect, c->token)) return SHM_BUSY;
-    if (LOAD_RELAXED(&c->hdr->dirty)) {
-        /* The previous receiver died inside an operation: its scheduler state cannot be
-         * trusted. Rebuilding it is recovery's job; until then refuse rather than run
-         * on half-updated lines. */
-        uint64_t me = c->token;
-        CAS_SEQCST(&c->hdr->receiver, &me, expect_owner);
-        return SHM_E_CORRUPT;
-    }
     c->is_rx = 1;
+    if (LOAD_RELAXED(&c->hdr->dirty)) {
+        /* The previous receiver died inside an operation: rebuild (recovery.c). */
+        pthread_mutex_lock(&c->rx_mu);
+        int rc = recovery_rebuild(c);
+        if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+        pthread_mutex_unlock(&c->rx_mu);
+        if (rc != SHM_OK) {
+            uint64_t me = c->token;
+            c->is_rx = 0;
+            CAS_SEQCST(&c->hdr->receiver, &me, 0); /* give the seat back */
+            return rc;
+        }
+    }
+    STORE_RELAXED(&c->hdr->rx_sleeping, 0);
     return SHM_OK;
 }
 
@@ -95,6 +101,12 @@ int handles_finish(shm_chan *c, uint32_t s) {
     /* acquire: pairs with the holder's CAS that moved the slot out of INFLIGHT. */
     uint64_t w = LOAD_ACQUIRE(&sl->state);
     uint32_t st = SLOT_STATE(w);
+    if (st == SLOT_DISCARD) { /* a dropped dead letter: its keys went long ago */
+        ring_mark_done(c, sl->pos);
+        slot_free(c, s);
+        h->dead_letters--;
+        return SHM_OK;
+    }
     if (st != SLOT_RELEASED && st != SLOT_NACKED) return SHM_OK; /* duplicate notice */
     h->inflight--;
     h->held_keys -= sl->nkeys;
@@ -131,7 +143,7 @@ int handles_drain(shm_chan *c) {
     return SHM_OK;
 }
 
-static void push_release(shm_chan *c, uint32_t s) {
+void handles_push(shm_chan *c, uint32_t s) {
     uint64_t top = LOAD_RELAXED(&c->hdr->release_stack);
     do {
         STORE_RELAXED(&c->slots[s].rel_next, (uint32_t)top);
@@ -293,7 +305,7 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack, int *wake) {
         pthread_mutex_unlock(&c->rx_mu);
         return rc;
     }
-    push_release(c, s);
+    handles_push(c, s);
     /* seq_cst fence: pairs with the receiver's store of rx_sleeping and re-check. */
     FENCE_SEQCST();
     if (LOAD_RELAXED(&c->hdr->rx_sleeping)) {
@@ -354,8 +366,11 @@ int shm_handle_adopt(shm_chan *c, uint32_t s, uint32_t gen, uint64_t token) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
     shm_slot *sl = &c->slots[s];
     if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
-    /* release: pairs with the acquire load of holder by whoever checks liveness. */
-    STORE_RELEASE(&sl->holder, token);
+    uint64_t cur = LOAD_ACQUIRE(&sl->holder);
+    do {
+        if (cur == HOLDER_REVOKED) return SHM_STALE;
+        /* seq_cst: pairs with the revoking CAS in shm_revoke: one of the two wins. */
+    } while (!CAS_SEQCST(&sl->holder, &cur, token));
     if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
     return SHM_OK;
 }

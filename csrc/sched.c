@@ -238,6 +238,39 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     return SHM_OK;
 }
 
+/* Recovery: a handed-out message rejoins its lines (it heads them) or retakes its keys. */
+int sched_relink(shm_chan *c, uint32_t s, shm_record *r) {
+    shm_slot *sl = &c->slots[s];
+    sl->first_node = NIL;
+    sl->nkeys = 0;
+    sl->pending = 0;
+    uint32_t nkeys = r->nkeys;
+    if (nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
+    for (uint32_t i = 0; i < nkeys; i++) {
+        uint64_t hash = r->hashes[i];
+        int dup = 0;
+        for (uint32_t j = 0; j < i; j++) dup |= (r->hashes[j] == hash);
+        if (dup) continue;
+        uint32_t n = node_alloc(c);
+        if (n == NIL) return SHM_E_CORRUPT;
+        c->nodes[n].hash = hash;
+        c->nodes[n].slot = s;
+        c->nodes[n].sibling = sl->first_node;
+        c->nodes[n].next = NIL;
+        sl->first_node = n;
+        sl->nkeys++;
+        int64_t k = key_insert(c, hash);
+        if (k < 0) return SHM_E_CORRUPT;
+        if (c->cfg.order == SHM_ORDER_FIFO) {
+            if (c->keys[k].head != NIL) sl->pending++;
+            line_append(c, &c->keys[k], n);
+        } else {
+            c->keys[k].held = s;
+        }
+    }
+    return SHM_OK;
+}
+
 /* ---- letting go of a message's keys --------------------------------------------------- */
 static int fifo_unlink(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
@@ -317,9 +350,13 @@ int sched_release(shm_chan *c, uint32_t s) {
 }
 
 /* s was given back: it keeps its place (first in its lines, or its eager keys) and goes
- * to the front of the ready queue. */
+ * to the front of the ready queue under a new generation, so the handle that gave it
+ * back (or any stale copy of it) can never release the redelivery. */
 int sched_requeue(shm_chan *c, uint32_t s) {
     if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+    shm_slot *sl = &c->slots[s];
+    /* release: pairs with holders' acquire/CAS of the state word (see ready_push). */
+    STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state) + 1, SLOT_READY));
     ready_push(c, s, 1);
     c->hdr->queued_in_window++;
     return SHM_OK;

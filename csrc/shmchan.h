@@ -143,6 +143,15 @@ int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_handle_adopt(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t token);
 int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadline_ns);
 
+/* --- recovery (recovery.c) ------------------------------------------------ */
+int  shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64_t now_ns,
+                 uint32_t *expired);
+int  shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_ns,
+                uint32_t *revoked);
+int  shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint32_t *n,
+                   uint32_t *next);
+int  shm_dead_discard(shm_chan *c, uint32_t slot, uint32_t gen, int *wake);
+
 /* --- inspection --------------------------------------------------------- */
 int  shm_stats_read(shm_chan *c, shm_stats *out);
 int  shm_check_scheduler(shm_chan *c, uint32_t *what);

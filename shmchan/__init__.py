@@ -9,7 +9,7 @@ whose messages carry keys, and whose receiver hands out key-locked handles.
 See README.md for the semantics and the failure model.
 """
 
-from .channel import Channel, Handle, Receiver, Sender, Stats, list_channels, unlink
+from .channel import Channel, DeadLetter, Handle, Receiver, Sender, Stats, list_channels, unlink
 from .errors import (
     ChannelCorrupted,
     ChannelExists,
@@ -32,6 +32,7 @@ __all__ = [
     "Receiver",
     "Handle",
     "Stats",
+    "DeadLetter",
     "unlink",
     "list_channels",
     "Error",

@@ -23,7 +23,16 @@ import posix_ipc
 from . import codec, errors, liveness
 from ._lib import ffi, lib, raise_for
 
-__all__ = ["Channel", "Sender", "Receiver", "Handle", "Stats", "unlink", "list_channels"]
+__all__ = [
+    "Channel",
+    "Sender",
+    "Receiver",
+    "Handle",
+    "Stats",
+    "DeadLetter",
+    "unlink",
+    "list_channels",
+]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 _PREFIX = "shmchan."
@@ -31,6 +40,8 @@ _SHM_DIR = "/dev/shm"
 _SPIN_SECONDS = 50e-6  # poll this long before sleeping on the semaphore
 _MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least this often
 _STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
+_SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
+_HOLDER_REVOKED = 1  # csrc/core.h HOLDER_REVOKED
 _ORDERS = {"fifo": lib.SHM_ORDER_FIFO, "eager": lib.SHM_ORDER_EAGER}
 _SERIALIZERS = ("pickle", "raw")
 
@@ -242,6 +253,38 @@ class Stats:
     """Pid of the process holding the receiver, if any."""
 
 
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message that ran out of attempts. Its keys are free again; it keeps its space
+    in the channel until discarded (or re-sent, which discards it)."""
+
+    seq: int
+    keys: tuple[codec.Key, ...]
+    payload: Any
+    attempts: int
+    _channel: Channel
+    _slot: int
+    _gen: int
+
+    def discard(self) -> bool:
+        """Drop it for good; False if it was already dropped."""
+        seg = self._channel._live()
+        wake = ffi.new("int *")
+        rc = lib.shm_dead_discard(seg.ptr, self._slot, self._gen, wake)
+        if wake[0] & 1:
+            seg.rx_sem.release()
+        if rc < 0:
+            raise_for(rc, "discard dead letter")
+        return rc == lib.SHM_OK
+
+    def resend(self, sender: Sender | None = None, timeout: float | None = None) -> int:
+        """Send it again as a new message (new seq, attempt 1) and discard this one."""
+        tx = sender if sender is not None else self._channel.sender()
+        seq = tx.send(self.payload, keys=self.keys, timeout=timeout)
+        self.discard()
+        return seq
+
+
 # ---------------------------------------------------------------------------------------
 # Channel
 # ---------------------------------------------------------------------------------------
@@ -367,6 +410,37 @@ class Channel:
             shutdown=bool(st.shutdown),
             receiver_pid=liveness.token_pid(receiver) if receiver else None,
         )
+
+    def dead_letters(self) -> list[DeadLetter]:
+        """Messages that ran out of attempts (max_attempts), oldest slot first."""
+        seg = self._live()
+        out: list[DeadLetter] = []
+        msgs = ffi.new("shm_msg[]", 64)
+        n = ffi.new("uint32_t *")
+        nxt = ffi.new("uint32_t *")
+        start = 1
+        while True:
+            lib.shm_dead_list(seg.ptr, start, msgs, 64, n, nxt)
+            for i in range(n[0]):
+                m = msgs[i]
+                view = seg.mem[m.data_off : m.data_off + m.data_len]
+                blob = seg.mem[m.keys_off : m.keys_off + m.keys_len]
+                out.append(
+                    DeadLetter(
+                        seq=int(m.seq),
+                        keys=codec.decode_keys(blob, m.nkeys),
+                        payload=codec.decode_payload(m.kind, view),
+                        attempts=int(m.attempt),
+                        _channel=self,
+                        _slot=int(m.slot),
+                        _gen=int(m.gen),
+                    )
+                )
+            if nxt[0] == 0:
+                break
+            start = int(nxt[0])
+        out.sort(key=lambda d: d.seq)
+        return out
 
     def shutdown(self) -> None:
         """Refuse new sends (they raise Closed); the receiver drains what was accepted."""
@@ -734,6 +808,42 @@ class Receiver:
     def __init__(self, channel: Channel, seg: _Segment) -> None:
         self._channel = channel
         self._seg: _Segment | None = seg
+        self._next_maintenance = 0.0
+        self._next_sweep = time.monotonic() + _SWEEP_SECONDS
+        self.maintain()
+
+    def maintain(self) -> int:
+        """Redeliver handles whose holder died or whose lease ran out; returns how many.
+
+        recv() runs this on its own every few tenths of a second; call it yourself only
+        if you hold the receiver without receiving.
+        """
+        seg = self._live()
+        now = time.monotonic()
+        self._next_maintenance = now + _MAINTENANCE_SECONDS
+        holders = ffi.new("uint64_t[]", 512)
+        n = ffi.new("uint32_t *")
+        expired = ffi.new("uint32_t *")
+        now_ns = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        lib.shm_holders(seg.ptr, holders, 512, n, now_ns, expired)
+        me = liveness.current_token()
+        dead = [
+            int(holders[i])
+            for i in range(n[0])
+            if int(holders[i]) not in (me, _HOLDER_REVOKED) and not liveness.is_alive(int(holders[i]))
+        ]
+        sweep = now >= self._next_sweep
+        if not dead and not expired[0] and not sweep:
+            return 0
+        if sweep:
+            self._next_sweep = now + _SWEEP_SECONDS
+        revoked = ffi.new("uint32_t *")
+        rc = lib.shm_revoke(seg.ptr, dead, len(dead), now_ns, revoked)
+        if rc:
+            raise_for(rc, "maintain")
+        if revoked[0]:
+            _post(seg.tx_sem, 64)  # space may have been freed by dead letters' keys
+        return int(revoked[0])
 
     def _live(self) -> _Segment:
         seg = self._seg
@@ -748,6 +858,8 @@ class Receiver:
         stalled_since: float | None = None
         arm = 0
         while True:
+            if time.monotonic() >= self._next_maintenance:
+                self.maintain()
             rc = lib.shm_recv(seg.ptr, msgs, n, s.got, arm, s.stall, s.waiters)
             if s.waiters[0]:
                 _post(seg.tx_sem, s.waiters[0])

@@ -1,0 +1,301 @@
+/* recovery.c -- putting things right after a process dies.
+ *
+ * Three kinds of death reach this file; producers' deaths are handled in ring.c.
+ *
+ * Holder died, or overstayed its lease. The receiver's maintenance (driven from Python,
+ * which decides liveness with psutil) lists the distinct holders of in-flight handles
+ * (shm_holders), and passes back those found dead (shm_revoke). A revoked handle goes
+ * the way of a nack: redelivered with attempt + 1 from the front of its lines (it never
+ * left them, so its keys are never free in between), or, out of attempts, to the dead
+ * letters. Revocation first moves the holder word from the dead token to REVOKED with a
+ * CAS, so a hand-over racing with it (shm_handle_adopt) either wins, and the handle
+ * stays, or loses and finds it revoked; then the state word moves INFLIGHT -> NACKED by
+ * the same CAS a holder's nack uses, so a late release and the revocation cannot both
+ * win. A late holder's release afterwards is a no-op: the redelivery has a new
+ * generation.
+ *
+ * Releaser died between its CAS and its push onto the release stack: its slot is
+ * RELEASED (or NACKED) but nobody told the receiver. Maintenance finishes slots it found
+ * in that state on two consecutive scans while the stack was empty.
+ *
+ * Receiver died. The next receiver takes the seat by CAS on the receiver word from the
+ * dead token. If the dead one was between operations (dirty == 0) its state is whole and
+ * the new receiver simply carries on; its handles are revoked like any dead holder's.
+ * If it died inside an operation, the scheduler's derived state (key lines, free lists,
+ * ready queue, counters) is rebuilt from the facts that every operation keeps whole:
+ *   - the message table's handed-out slots (INFLIGHT, RELEASED, NACKED, DEAD): these
+ *     are the handles that exist in the world, and keep their slot and generation;
+ *   - the ring from head: every COMMITTED record not owned by such a slot is a message
+ *     not yet handed out, and is taken in again in ring (= seq) order.
+ * Handed-out messages are linked into their lines first, in seq order: under fifo every
+ * earlier message on their keys was released before they went out, so they head their
+ * lines, as before the crash.
+ */
+#include <stdlib.h>
+
+#include "core.h"
+
+
+/* ---- holders ------------------------------------------------------------------------------ */
+int shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64_t now_ns,
+                uint32_t *expired) {
+    uint32_t count = 0, late = 0;
+    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+        shm_slot *sl = &c->slots[s];
+        /* acquire: pairs with hand_out's release store; holder was written before it. */
+        if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue;
+        uint64_t dl = LOAD_ACQUIRE(&sl->deadline); /* pairs with shm_handle_extend */
+        if (dl && dl < now_ns) late++;
+        uint64_t t = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_adopt */
+        uint32_t i = 0;
+        while (i < count && tokens[i] != t) i++;
+        if (i == count && count < max) tokens[count++] = t;
+    }
+    *n = count;
+    *expired = late;
+    return SHM_OK;
+}
+
+static int in_set(const uint64_t *set, uint32_t n, uint64_t t) {
+    for (uint32_t i = 0; i < n; i++)
+        if (set[i] == t) return 1;
+    return 0;
+}
+
+/* Revoke handles held by dead processes or past their lease; finish forgotten releases. */
+int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_ns,
+               uint32_t *revoked) {
+    if (!c->is_rx) return SHM_E_INVALID;
+    pthread_mutex_lock(&c->rx_mu);
+    STORE_RELAXED(&c->hdr->dirty, 1);
+    int rc = SHM_OK;
+    uint32_t count = 0;
+    int stack_empty = LOAD_ACQUIRE(&c->hdr->release_stack) == NIL; /* pairs with push_release */
+    for (uint32_t s = 1; s <= c->cfg.max_messages && rc == SHM_OK; s++) {
+        shm_slot *sl = &c->slots[s];
+        uint64_t w = LOAD_ACQUIRE(&sl->state); /* pairs with holders' CAS */
+        uint32_t st = SLOT_STATE(w);
+        if (st == SLOT_RELEASED || st == SLOT_NACKED || st == SLOT_DISCARD) {
+            /* Seen in this state by the previous scan too, with nothing on the stack:
+             * its releaser died before telling us. */
+            if (stack_empty && sl->seen == SLOT_GEN(w) + 1) rc = handles_finish(c, s);
+            else sl->seen = SLOT_GEN(w) + 1;
+            continue;
+        }
+        if (st != SLOT_INFLIGHT) continue;
+        uint64_t holder = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_adopt */
+        uint64_t dl = LOAD_ACQUIRE(&sl->deadline);   /* pairs with shm_handle_extend */
+        int late = dl && dl < now_ns;
+        if (!late && !in_set(dead, ndead, holder)) continue;
+        /* seq_cst: fence off a concurrent hand-over; pairs with the CAS in adopt. */
+        if (!CAS_SEQCST(&sl->holder, &holder, HOLDER_REVOKED)) continue;
+        /* seq_cst: the same transition a nack makes; pairs with the holder's CAS. */
+        if (!CAS_SEQCST(&sl->state, &w, SLOT_WORD(SLOT_GEN(w), SLOT_NACKED))) continue;
+        rc = handles_finish(c, s);
+        count++;
+    }
+    if (ring_advance_head(c)) FENCE_SEQCST(); /* pairs with shm_space_wait */
+    if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+    pthread_mutex_unlock(&c->rx_mu);
+    *revoked = count;
+    return rc;
+}
+
+/* ---- dead letters ---------------------------------------------------------------------------- */
+static int describe(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
+    shm_slot *sl = &c->slots[s];
+    shm_record *r = rec_at(c, sl->pos);
+    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
+    uint64_t len = META_LEN(meta);
+    if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
+        r->seq != sl->seq || ring_validate_body(c, r, len) != SHM_OK)
+        return SHM_E_CORRUPT;
+    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 8u * r->nkeys;
+    m->slot = s;
+    m->gen = gen;
+    m->seq = sl->seq;
+    m->attempt = sl->attempt;
+    m->kind = r->kind;
+    m->nkeys = r->nkeys;
+    m->keys_off = body;
+    m->keys_len = r->keys_len;
+    m->data_off = body + align8(r->keys_len);
+    m->data_len = r->data_len;
+    return SHM_OK;
+}
+
+/* List dead letters from slot index start on; *next is where to continue (0 = done). */
+int shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint32_t *n,
+                  uint32_t *next) {
+    uint32_t count = 0, s = start ? start : 1;
+    for (; s <= c->cfg.max_messages && count < max; s++) {
+        uint64_t w = LOAD_ACQUIRE(&c->slots[s].state); /* pairs with handles_finish */
+        if (SLOT_STATE(w) != SLOT_DEAD) continue;
+        if (describe(c, s, SLOT_GEN(w), &out[count]) != SHM_OK) continue;
+        if (LOAD_ACQUIRE(&c->slots[s].state) != w) continue; /* moved on while we read */
+        count++;
+    }
+    *n = count;
+    *next = s <= c->cfg.max_messages ? s : 0;
+    return SHM_OK;
+}
+
+/* Anyone may drop a dead letter; the receiver reclaims its slot and record. */
+int shm_dead_discard(shm_chan *c, uint32_t s, uint32_t gen, int *wake) {
+    *wake = 0;
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    uint64_t expect = SLOT_WORD(gen, SLOT_DEAD);
+    /* seq_cst: one discard per dead letter; pairs with the receiver's acquire in
+     * handles_finish, and is ordered before the push. */
+    if (!CAS_SEQCST(&c->slots[s].state, &expect, SLOT_WORD(gen, SLOT_DISCARD))) return SHM_STALE;
+    if (c->is_rx) {
+        pthread_mutex_lock(&c->rx_mu);
+        int rc = handles_finish(c, s);
+        ring_advance_head(c);
+        pthread_mutex_unlock(&c->rx_mu);
+        return rc;
+    }
+    handles_push(c, s);
+    FENCE_SEQCST(); /* pairs with the receiver's store of rx_sleeping and re-check */
+    if (LOAD_RELAXED(&c->hdr->rx_sleeping)) {
+        uint32_t one = 1;
+        if (CAS_SEQCST(&c->hdr->rx_sleeping, &one, 0)) *wake |= 1;
+    }
+    return SHM_OK;
+}
+
+/* ---- rebuilding the receiver's state --------------------------------------------------------- */
+typedef struct {
+    uint64_t seq, pos;
+    uint32_t slot;
+} kept_t;
+
+static int by_seq(const void *a, const void *b) {
+    const kept_t *x = a, *y = b;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+static int by_pos(const void *a, const void *b) {
+    const kept_t *x = a, *y = b;
+    return x->pos < y->pos ? -1 : x->pos > y->pos;
+}
+
+int recovery_rebuild(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
+    uint64_t old_ingest = h->ingest_pos;
+    kept_t *kept = malloc(sizeof(kept_t) * (m + 1));
+    if (!kept) return SHM_E_NOMEM;
+    uint32_t nkept = 0;
+    uint64_t inflight = 0, dead = 0;
+
+    /* 1. keep handed-out slots, free the rest */
+    h->free_slots = NIL;
+    for (uint32_t s = m; s >= 1; s--) {
+        shm_slot *sl = &c->slots[s];
+        uint64_t w = LOAD_ACQUIRE(&sl->state); /* pairs with holders' CAS */
+        uint32_t st = SLOT_STATE(w);
+        int keep = st == SLOT_INFLIGHT || st == SLOT_RELEASED || st == SLOT_NACKED ||
+                   st == SLOT_DEAD || st == SLOT_DISCARD;
+        if (keep) {
+            shm_record *r = rec_at(c, sl->pos);
+            uint64_t meta = LOAD_ACQUIRE(&r->meta);
+            uint32_t rs = META_STATE(meta);
+            if ((rs != REC_COMMITTED && rs != REC_DONE) || sl->pos < h->head ||
+                sl->pos - h->head >= c->cap || r->seq != sl->seq) {
+                free(kept);
+                return SHM_E_CORRUPT;
+            }
+            if (rs == REC_DONE) { /* died between marking the record and freeing the slot */
+                STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w) + 1, SLOT_FREE));
+                keep = 0;
+            }
+        } else if (st != SLOT_FREE) {
+            /* waiting or ready: no handle exists; the record is taken in again below */
+            STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w) + 1, SLOT_FREE));
+        }
+        if (!keep) {
+            sl->next = h->free_slots;
+            h->free_slots = s;
+            continue;
+        }
+        kept[nkept++] = (kept_t){sl->seq, sl->pos, s};
+        if (st == SLOT_DEAD || st == SLOT_DISCARD) dead++;
+        else inflight++;
+    }
+
+    /* 2. empty key table and nodes */
+    memset(c->keys, 0, sizeof(shm_key) * ((size_t)c->keytab_mask + 1));
+    for (uint32_t n = 1; n < c->max_nodes; n++) c->nodes[n].next = n + 1 < c->max_nodes ? n + 1 : NIL;
+    h->free_nodes = 1;
+    h->nodes_used = 0;
+    h->ready_head = h->ready_tail = NIL;
+    h->window = nkept;
+    h->queued_in_window = 0;
+    h->inflight = inflight;
+    h->dead_letters = dead;
+    h->held_keys = 0;
+
+    /* 3. handed-out messages rejoin their lines first, in seq order */
+    qsort(kept, nkept, sizeof *kept, by_seq);
+    int rc = SHM_OK;
+    for (uint32_t i = 0; i < nkept && rc == SHM_OK; i++) {
+        shm_slot *sl = &c->slots[kept[i].slot];
+        uint32_t st = SLOT_STATE(sl->state);
+        if (st == SLOT_DEAD || st == SLOT_DISCARD) {
+            sl->first_node = NIL;
+            sl->nkeys = 0;
+            continue;
+        }
+        rc = sched_relink(c, kept[i].slot, rec_at(c, sl->pos));
+        h->held_keys += sl->nkeys;
+    }
+
+    /* 4. everything else in the ring is taken in again */
+    qsort(kept, nkept, sizeof *kept, by_pos);
+    uint64_t pos = h->head;
+    uint32_t k = 0;
+    shm_stall stall;
+    for (uint64_t guard = 0; rc == SHM_OK && guard <= c->cap / REC_HDR; guard++) {
+        shm_record *r;
+        uint64_t len;
+        int p = ring_peek(c, pos, &r, &len, &stall);
+        if (p == SHM_EMPTY || p == SHM_STALLED) break;
+        if (p == SHM_CLOSED) {
+            pos += len;
+            continue;
+        }
+        if (p != SHM_OK) {
+            /* DONE records (released out of order) have a valid length: skip them */
+            uint64_t meta = LOAD_ACQUIRE(&rec_at(c, pos)->meta);
+            if (META_STATE(meta) == REC_DONE && META_LEN(meta) >= REC_HDR &&
+                META_LEN(meta) <= c->cap - REC_HDR) {
+                pos += META_LEN(meta);
+                continue;
+            }
+            rc = p;
+            break;
+        }
+        while (k < nkept && kept[k].pos < pos) k++;
+        if (!(k < nkept && kept[k].pos == pos)) {
+            if (!sched_has_room(c, r->nkeys)) break;
+            uint32_t s;
+            rc = sched_take_in(c, r, pos, &s);
+            if (rc) break;
+            if (pos < old_ingest) h->ingested--; /* counted when it was first taken in */
+        }
+        pos += len;
+    }
+    h->ingest_pos = pos;
+    free(kept);
+    if (rc) return rc;
+
+    /* 5. finish releases, nacks and discards that were in progress; what is on the
+     * release stack is among them (acquire: pairs with the pushers' CAS) */
+    EXCHANGE_ACQREL(&h->release_stack, (uint64_t)NIL);
+    for (uint32_t s = 1; s <= m && rc == SHM_OK; s++) {
+        uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&c->slots[s].state));
+        if (st == SLOT_RELEASED || st == SLOT_NACKED || st == SLOT_DISCARD) rc = handles_finish(c, s);
+    }
+    return rc;
+}
