@@ -9,12 +9,12 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["ring.c", "sched.c", "handles.c", "recovery.c", "segment.c", "hash.c"]
+SOURCES = ["ring.c", "sched.c", "handles.c", "recovery.c", "compact.c", "segment.c", "hash.c"]
 
 ffi = FFI()
 ffi.cdef((HERE / "shmchan.h").read_text())
 ffi.set_source(
-    "shmchan._core",
+    "_shmchan_core",
     '#include "core.h"',
     sources=[str(Path("csrc") / name) for name in SOURCES],
     include_dirs=["csrc"],

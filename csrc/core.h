@@ -164,7 +164,15 @@ typedef struct {
     uint16_t nkeys;    /* distinct key hashes (nodes)                            */
     uint16_t pending;  /* fifo: lines in which this message is not yet first     */
     uint32_t seen;     /* maintenance: generation + 1 when last found RELEASED    */
+    uint32_t pin;      /* PIN_*: may the consumer move this message's record?     */
+    uint32_t pad;
+    uint64_t pad2;
 } shm_slot;
+
+/* slot.pin: a holder that takes a zero-copy view pins the record where it is (CAS
+ * FREE -> VIEWED); the consumer moves an in-flight record only after CAS FREE -> MOVING,
+ * and sets it back to FREE when done (compact.c). */
+enum { PIN_FREE = 0, PIN_VIEWED = 1, PIN_MOVING = 2 };
 
 /* ---- key lines ------------------------------------------------------------------------ */
 typedef struct {
@@ -190,7 +198,7 @@ typedef struct {
  *   24  kind    u32   SHM_PAYLOAD_*          } the body: written by the claimant
  *   28  nkeys   u32                          } between WRITING and COMMITTED
  *   32  data_len u64
- *   40  keys_len u32, reserved u32
+ *   40  keys_len u32, slot u32  (slot: written by the consumer when it takes the record in)
  *   48  hashes  u64[nkeys]
  *       key blob  keys_len bytes, padded to 8
  *       payload   data_len bytes, padded to 8
@@ -221,7 +229,7 @@ typedef struct {
     uint32_t nkeys;
     uint64_t data_len;
     uint32_t keys_len;
-    uint32_t reserved;
+    uint32_t slot; /* the message table slot holding this message (consumer-written) */
     uint64_t hashes[];
 } shm_record;
 
@@ -269,7 +277,10 @@ uint32_t sched_pop_ready(shm_chan *c);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
 void sched_init(shm_chan *c);
+/* compact.c */
+int compact(shm_chan *c);
 /* handles.c */
+int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m);
 int handles_drain(shm_chan *c);
 int handles_finish(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);

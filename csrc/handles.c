@@ -157,11 +157,11 @@ void handles_push(shm_chan *c, uint32_t s) {
 static void hand_out(shm_chan *c, uint32_t s, shm_msg *m) {
     shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
-    shm_record *r = rec_at(c, sl->pos);
     uint32_t gen = SLOT_GEN(sl->state);
     sl->attempt++;
     sl->holder = c->token;
     sl->deadline = c->cfg.lease_ns ? now_ns() + c->cfg.lease_ns : 0;
+    STORE_RELAXED(&sl->pin, PIN_FREE); /* a former holder's views ended with its handle */
     /* release: a holder that sees INFLIGHT (its CAS, or shm_handle_info's acquire) sees
      * holder, pos, seq and attempt above. */
     STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_INFLIGHT));
@@ -171,17 +171,7 @@ static void hand_out(shm_chan *c, uint32_t s, shm_msg *m) {
     h->delivered++;
     if (sl->attempt > 1) h->redelivered++;
 
-    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 8u * r->nkeys;
-    m->slot = s;
-    m->gen = gen;
-    m->seq = sl->seq;
-    m->attempt = sl->attempt;
-    m->kind = r->kind;
-    m->nkeys = r->nkeys;
-    m->keys_off = body;
-    m->keys_len = r->keys_len;
-    m->data_off = body + align8(r->keys_len);
-    m->data_len = r->data_len;
+    msg_fill(c, s, gen, m); /* validated when taken in */
 }
 
 /* Take in committed records from ingest_pos while the window has room. */
@@ -253,6 +243,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         }
         if (rc) break;
         moved |= ring_advance_head(c);
+        moved |= compact(c);
         if (*got) break;
         if (stalled) {
             rc = SHM_STALLED;
@@ -297,7 +288,7 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack, int *wake) {
         pthread_mutex_lock(&c->rx_mu);
         STORE_RELAXED(&c->hdr->dirty, 1);
         int rc = handles_finish(c, s);
-        if (rc == SHM_OK && ring_advance_head(c)) {
+        if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
             FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
             *wake = (int)(LOAD_RELAXED(&c->hdr->space_waiters) << 1);
         }
@@ -330,34 +321,78 @@ int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, u
     return rc;
 }
 
-/* Describe a live handle (for holders in other processes). */
-int shm_handle_info(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
-    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+/* Describe slot s's message from its record (validated), for the state word it has now. */
+int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
     shm_slot *sl = &c->slots[s];
-    /* acquire: pairs with hand_out's release store of INFLIGHT. */
-    uint64_t w = LOAD_ACQUIRE(&sl->state);
-    if (w != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
-    uint64_t pos = sl->pos, seq = sl->seq;
-    uint32_t attempt = sl->attempt;
+    /* acquire: pairs with the consumer's release store of pos when it moves the record. */
+    uint64_t pos = LOAD_ACQUIRE(&sl->pos);
     shm_record *r = rec_at(c, pos);
     uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
     uint64_t len = META_LEN(meta);
     if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
-        r->seq != seq || ring_validate_body(c, r, len) != SHM_OK)
+        r->seq != sl->seq || ring_validate_body(c, r, len) != SHM_OK)
         return SHM_E_CORRUPT;
     uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 8u * r->nkeys;
     m->slot = s;
     m->gen = gen;
-    m->seq = seq;
-    m->attempt = attempt;
+    m->seq = sl->seq;
+    m->attempt = sl->attempt;
     m->kind = r->kind;
     m->nkeys = r->nkeys;
     m->keys_off = body;
     m->keys_len = r->keys_len;
     m->data_off = body + align8(r->keys_len);
     m->data_len = r->data_len;
-    /* The slot may have moved on while we read: only a still-current handle counts. */
-    if (LOAD_ACQUIRE(&sl->state) != w) return SHM_STALE; /* pairs with slot_free */
+    m->pos = pos;
+    m->word = LOAD_ACQUIRE(&sl->state);
+    return SHM_OK;
+}
+
+/* Describe a live handle. Bytes read at the offsets it gives are good only if
+ * shm_unmoved() agrees afterwards (the record may be moved: compact.c). */
+int shm_handle_info(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    shm_slot *sl = &c->slots[s];
+    for (int tries = 0; tries < 1000; tries++) {
+        /* acquire: pairs with hand_out's release store of INFLIGHT. */
+        uint64_t w = LOAD_ACQUIRE(&sl->state);
+        if (w != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+        uint64_t pos = LOAD_ACQUIRE(&sl->pos);
+        int rc = msg_fill(c, s, gen, m);
+        if (shm_unmoved(c, s, w, pos) != SHM_OK) continue; /* moved or finished: look again */
+        return rc;
+    }
+    return SHM_BUSY;
+}
+
+/* Pin a live handle's record where it is and describe it: for zero-copy views. */
+int shm_handle_view(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    shm_slot *sl = &c->slots[s];
+    for (uint32_t spins = 0; spins < 1000000; spins++) {
+        if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+        uint32_t pin = LOAD_ACQUIRE(&sl->pin);
+        if (pin == PIN_MOVING) { /* the consumer is moving it right now: microseconds */
+            CPU_RELAX();
+            continue;
+        }
+        /* seq_cst: pairs with the consumer's CAS FREE -> MOVING in compact.c: after this,
+         * it never moves the record again. */
+        if (pin == PIN_FREE && !CAS_SEQCST(&sl->pin, &pin, PIN_VIEWED)) continue;
+        return shm_handle_info(c, s, gen, m);
+    }
+    return SHM_BUSY;
+}
+
+/* Seqlock check: bytes copied from the record at pos (for the state word `word`) are
+ * good if the slot still has that word and position. */
+int shm_unmoved(shm_chan *c, uint32_t s, uint64_t word, uint64_t pos) {
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    /* acquire fence: the caller's reads of the record happen before these loads; pairs
+     * with the mover's release store of pos (which precedes any reuse of the old bytes). */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    shm_slot *sl = &c->slots[s];
+    if (LOAD_RELAXED(&sl->pos) != pos || LOAD_RELAXED(&sl->state) != word) return SHM_STALE;
     return SHM_OK;
 }
 

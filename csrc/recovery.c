@@ -94,7 +94,7 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
         rc = handles_finish(c, s);
         count++;
     }
-    if (ring_advance_head(c)) FENCE_SEQCST(); /* pairs with shm_space_wait */
+    if (ring_advance_head(c) | compact(c)) FENCE_SEQCST(); /* pairs with shm_space_wait */
     if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
     pthread_mutex_unlock(&c->rx_mu);
     *revoked = count;
@@ -102,28 +102,6 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
 }
 
 /* ---- dead letters ---------------------------------------------------------------------------- */
-static int describe(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
-    shm_slot *sl = &c->slots[s];
-    shm_record *r = rec_at(c, sl->pos);
-    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
-    uint64_t len = META_LEN(meta);
-    if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
-        r->seq != sl->seq || ring_validate_body(c, r, len) != SHM_OK)
-        return SHM_E_CORRUPT;
-    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 8u * r->nkeys;
-    m->slot = s;
-    m->gen = gen;
-    m->seq = sl->seq;
-    m->attempt = sl->attempt;
-    m->kind = r->kind;
-    m->nkeys = r->nkeys;
-    m->keys_off = body;
-    m->keys_len = r->keys_len;
-    m->data_off = body + align8(r->keys_len);
-    m->data_len = r->data_len;
-    return SHM_OK;
-}
-
 /* List dead letters from slot index start on; *next is where to continue (0 = done). */
 int shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint32_t *n,
                   uint32_t *next) {
@@ -131,7 +109,7 @@ int shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint3
     for (; s <= c->cfg.max_messages && count < max; s++) {
         uint64_t w = LOAD_ACQUIRE(&c->slots[s].state); /* pairs with handles_finish */
         if (SLOT_STATE(w) != SLOT_DEAD) continue;
-        if (describe(c, s, SLOT_GEN(w), &out[count]) != SHM_OK) continue;
+        if (msg_fill(c, s, SLOT_GEN(w), &out[count]) != SHM_OK) continue;
         if (LOAD_ACQUIRE(&c->slots[s].state) != w) continue; /* moved on while we read */
         count++;
     }
@@ -201,6 +179,7 @@ int recovery_rebuild(shm_chan *c) {
             shm_record *r = rec_at(c, sl->pos);
             uint64_t meta = LOAD_ACQUIRE(&r->meta);
             uint32_t rs = META_STATE(meta);
+            sl->pin = PIN_FREE; /* a move in progress is void: the slot's pos is a whole copy */
             if ((rs != REC_COMMITTED && rs != REC_DONE) || sl->pos < h->head ||
                 sl->pos - h->head >= c->cap || r->seq != sl->seq) {
                 free(kept);
@@ -277,7 +256,12 @@ int recovery_rebuild(shm_chan *c) {
             break;
         }
         while (k < nkept && kept[k].pos < pos) k++;
-        if (!(k < nkept && kept[k].pos == pos)) {
+        /* A stale copy left by a compaction that was cut short: its slot is kept and
+         * points at the other copy. */
+        uint32_t rs = r->slot;
+        int stale = rs >= 1 && rs <= m && c->slots[rs].seq == r->seq && c->slots[rs].pos != pos &&
+                    SLOT_STATE(c->slots[rs].state) != SLOT_FREE;
+        if (!stale && !(k < nkept && kept[k].pos == pos)) {
             if (!sched_has_room(c, r->nkeys)) break;
             uint32_t s;
             rc = sched_take_in(c, r, pos, &s);

@@ -183,7 +183,7 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
     r->nkeys = nkeys;
     r->data_len = len;
     r->keys_len = keys_len;
-    r->reserved = 0;
+    r->slot = 0;
     memcpy(r->hashes, hashes, 8u * nkeys);
     uint8_t *p = (uint8_t *)r + REC_BODY + 8u * nkeys;
     memcpy(p, keys, keys_len);

@@ -195,6 +195,8 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     sl->nkeys = 0;
     sl->deadline = 0;
     sl->holder = 0;
+    sl->pin = PIN_FREE;
+    r->slot = s; /* the record is ours now: lets compaction find its slot */
 
     uint32_t nkeys = r->nkeys;
     for (uint32_t i = 0; i < nkeys; i++) {

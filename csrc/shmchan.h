@@ -62,6 +62,8 @@ typedef struct {
     uint64_t keys_off;      /* encoded key blob offset from the mapping's base */
     uint32_t keys_len;
     uint32_t nkeys;
+    uint64_t pos;           /* record position: changes if the consumer moves it    */
+    uint64_t word;          /* the slot's state word this description is valid for  */
 } shm_msg;
 
 /* --- why a call stalled (SHM_STALLED) ----------------------------------- */
@@ -140,6 +142,8 @@ int  shm_release(shm_chan *c, uint32_t slot, uint32_t gen, int nack, int *wake);
 int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
                       uint32_t n, int *wake);
 int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
+int  shm_handle_view(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
+int  shm_unmoved(shm_chan *c, uint32_t slot, uint64_t word, uint64_t pos);
 int  shm_handle_adopt(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t token);
 int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadline_ns);
 

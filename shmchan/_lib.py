@@ -6,7 +6,7 @@ import os
 from typing import NoReturn
 
 from . import errors
-from ._core import ffi, lib
+from _shmchan_core import ffi, lib  # the compiled C core (csrc/build_ffi.py)
 
 __all__ = ["ffi", "lib", "raise_for"]
 

@@ -112,7 +112,15 @@ class _Segment:
         # The whole mapping as one buffer; handle views are slices of it. The buffer keeps
         # `base` alive, and `base` unmaps the segment when the last slice is gone.
         size = lib.shm_mapped_size(ptr)
-        base = ffi.gc(lib.shm_base(ptr), lambda _p, _c=ptr: lib.shm_detach(_c), size=size)
+        # When garbage collection finalizes a cycle, `base`'s destructor may run before
+        # a Handle's __del__ in the same cycle: the flag lets the late one see it.
+        detached = self.detached = [False]
+
+        def _detach(_p: Any, _c: Any = ptr, _flag: list[bool] = detached) -> None:
+            _flag[0] = True
+            lib.shm_detach(_c)
+
+        base = ffi.gc(lib.shm_base(ptr), _detach, size=size)
         self.mem = memoryview(ffi.buffer(base, size)).toreadonly()
         self.pid = os.getpid()
         self.lock = threading.Lock()
@@ -325,7 +333,7 @@ class Channel:
             raise ValueError(f"max_keys must be <= {lib.SHM_MAX_KEYS_LIMIT}")
         cfg.max_keys = max_keys
         if max_messages is None:
-            max_messages = min(max(cfg.capacity // 256, 1024), 1 << 22)
+            max_messages = min(max(cfg.capacity // 256, 8192), 1 << 22)
         cfg.max_messages = _positive_int("max_messages", max_messages, minimum=16)
         if max_messages > 1 << 24:
             raise ValueError("max_messages must be <= 16777216")
@@ -423,13 +431,15 @@ class Channel:
             lib.shm_dead_list(seg.ptr, start, msgs, 64, n, nxt)
             for i in range(n[0]):
                 m = msgs[i]
-                view = seg.mem[m.data_off : m.data_off + m.data_len]
-                blob = seg.mem[m.keys_off : m.keys_off + m.keys_len]
+                raw = bytes(seg.mem[m.data_off : m.data_off + m.data_len])
+                blob = bytes(seg.mem[m.keys_off : m.keys_off + m.keys_len])
+                if lib.shm_unmoved(seg.ptr, m.slot, m.word, m.pos) != lib.SHM_OK:
+                    continue  # moved or dropped while we read; the next call will see it
                 out.append(
                     DeadLetter(
                         seq=int(m.seq),
                         keys=codec.decode_keys(blob, m.nkeys),
-                        payload=codec.decode_payload(m.kind, view),
+                        payload=codec.decode_payload(m.kind, memoryview(raw)),
                         attempts=int(m.attempt),
                         _channel=self,
                         _slot=int(m.slot),
@@ -810,6 +820,7 @@ class Receiver:
         self._seg: _Segment | None = seg
         self._next_maintenance = 0.0
         self._next_sweep = time.monotonic() + _SWEEP_SECONDS
+        self._stall: tuple[int, int, float] | None = None  # (pos, owner, since)
         self.maintain()
 
     def maintain(self) -> int:
@@ -855,7 +866,6 @@ class Receiver:
         s = seg.scratch()
         msgs = s.msg_array(n)
         spin_until = time.monotonic() + _SPIN_SECONDS if block else 0.0
-        stalled_since: float | None = None
         arm = 0
         while True:
             if time.monotonic() >= self._next_maintenance:
@@ -869,16 +879,19 @@ class Receiver:
             if rc == lib.SHM_CLOSED:
                 raise errors.Closed(f"channel {seg.name!r} is shut down and drained")
             if rc == lib.SHM_STALLED:
+                # Remembered across calls, so that try_recv() polling also gets a dead
+                # producer's claim repaired.
                 now = time.monotonic()
-                if stalled_since is None:
-                    stalled_since = now
-                elif now - stalled_since > _STALL_CHECK_SECONDS:
+                key = (int(s.stall.pos), int(s.stall.owner))
+                if self._stall is None or self._stall[:2] != key:
+                    self._stall = (*key, now)
+                elif now - self._stall[2] > _STALL_CHECK_SECONDS:
                     _resolve_stall(seg, s.stall, consumer=True)
-                    stalled_since = now
+                    self._stall = (*key, now)
             elif rc != lib.SHM_EMPTY:
                 raise_for(rc, "recv")
             else:
-                stalled_since = None
+                self._stall = None
             if not block:
                 return []
             left = _remaining(deadline)
@@ -950,6 +963,8 @@ class Handle:
         "_keys_off",
         "_keys_len",
         "_nkeys",
+        "_pos",
+        "_word",
         "_keys",
         "_payload",
         "_done",
@@ -967,45 +982,82 @@ class Handle:
         h._gen = m.gen
         h.seq = m.seq
         h.attempt = m.attempt
-        h._kind = m.kind
-        h._data_off = m.data_off
-        h._data_len = m.data_len
-        h._keys_off = m.keys_off
-        h._keys_len = m.keys_len
-        h._nkeys = m.nkeys
+        h._locate(m)
         h._keys = None
         h._payload = _UNSET
         h._done = False
         h._pid = seg.pid
         return h
 
+    def _locate(self, m: Any) -> None:
+        self._kind = m.kind
+        self._data_off = m.data_off
+        self._data_len = m.data_len
+        self._keys_off = m.keys_off
+        self._keys_len = m.keys_len
+        self._nkeys = m.nkeys
+        self._pos = m.pos
+        self._word = m.word
+
     def _check(self) -> _Segment:
         if self._done:
             raise errors.Closed(f"handle seq={self.seq} was already released")
         return self._seg
 
+    def _refresh(self, seg: _Segment) -> None:
+        m = ffi.new("shm_msg *")
+        rc = lib.shm_handle_info(seg.ptr, self._slot, self._gen, m)
+        if rc == lib.SHM_STALE:
+            raise errors.Closed(
+                f"handle seq={self.seq} is no longer held (released, redelivered or revoked)"
+            )
+        if rc:
+            raise_for(rc, "read handle")
+        self._locate(m)
+
+    def _copy(self, keys: bool) -> bytes:
+        """Copy the payload (or key blob) out, seqlock-style: the receiver may move the
+        record while we read (csrc/compact.c); accept only bytes it did not move."""
+        seg = self._check()
+        for _ in range(1000):
+            off, size = (self._keys_off, self._keys_len) if keys else (self._data_off, self._data_len)
+            raw = bytes(seg.mem[off : off + size])
+            if lib.shm_unmoved(seg.ptr, self._slot, self._word, self._pos) == lib.SHM_OK:
+                return raw
+            self._refresh(seg)
+        raise errors.Error(f"handle seq={self.seq}: its record kept moving while being read")
+
     @property
     def data(self) -> memoryview:
-        """The stored bytes, zero-copy and read-only; valid until the handle is released."""
+        """The stored bytes, zero-copy and read-only; valid until the handle is released.
+
+        Taking a view pins the record where it is: the receiver will not move it to
+        free space behind it (use `payload` for handles you keep for long)."""
         seg = self._check()
-        return seg.mem[self._data_off : self._data_off + self._data_len]
+        m = ffi.new("shm_msg *")
+        rc = lib.shm_handle_view(seg.ptr, self._slot, self._gen, m)
+        if rc == lib.SHM_STALE:
+            raise errors.Closed(f"handle seq={self.seq} is no longer held")
+        if rc == lib.SHM_BUSY:
+            raise errors.Error(f"handle seq={self.seq}: the receiver is stuck moving its record")
+        if rc:
+            raise_for(rc, "view handle")
+        self._locate(m)
+        return seg.mem[m.data_off : m.data_off + m.data_len]
 
     @property
     def payload(self) -> Any:
         """The message's object: bytes for bytes-like payloads, else the unpickled object."""
         if self._payload is _UNSET:
-            seg = self._check()
-            view = seg.mem[self._data_off : self._data_off + self._data_len]
-            self._payload = codec.decode_payload(self._kind, view)
+            raw = self._copy(keys=False)
+            self._payload = raw if self._kind == codec.RAW else codec.decode_payload(self._kind, memoryview(raw))
         return self._payload
 
     @property
     def keys(self) -> tuple[codec.Key, ...]:
         """The message's keys as they were sent (duplicates merged)."""
         if self._keys is None:
-            seg = self._check()
-            blob = seg.mem[self._keys_off : self._keys_off + self._keys_len]
-            self._keys = codec.decode_keys(blob, self._nkeys)
+            self._keys = codec.decode_keys(self._copy(keys=True), self._nkeys)
         return self._keys
 
     def _finish(self, nack: int) -> bool:
@@ -1013,6 +1065,8 @@ class Handle:
             return False
         self._done = True
         seg = self._seg
+        if seg.detached[0]:
+            return False  # finalized together with its segment: nothing left to release
         s = seg.scratch()
         rc = lib.shm_release(seg.ptr, self._slot, self._gen, nack, s.wake)
         wake = s.wake[0]

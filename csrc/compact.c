@@ -1,0 +1,134 @@
+/* compact.c -- no head-of-line blocking of space: sliding pinned records forward.
+ *
+ * The ring frees space only at its head, in order. A message that stays in the channel
+ * for long -- a handle held for hours, a message waiting behind it on the same key, a
+ * dead letter -- would pin the head and, with it, every byte behind it, even once those
+ * bytes' messages are long released. So when the head is pinned and the ring is more
+ * than half used, the receiver compacts (an idea from copying garbage collectors):
+ *
+ *     head                                       L
+ *     | P1 | P2 | done | done | done | done | ... | (next live record or ingest_pos)
+ *       pinned block B          gap G >= B
+ *
+ *  => | filler (G bytes, DONE)            | P1' | P2' |
+ *                                          ^ new head after the filler is passed
+ *
+ * The pinned block (records from head up to the first finished one) is copied, record
+ * by record, to the end of the gap that follows it, only if the gap is at least as large
+ * as the block (so the copy never overlaps the original); each slot's pos is switched to
+ * the copy with a release store; then a DONE filler header covers the old block and head
+ * moves past it (release store). Everything here lies before ingest_pos, in space only
+ * the receiver writes, so producers are not involved.
+ *
+ * Readers of a moved record are never exposed to reused bytes:
+ *   - copies (payload, keys, dead letters) follow a seqlock: read pos, copy, and accept
+ *     only if pos and the slot's state word are unchanged afterwards (shm_unmoved). The
+ *     old bytes are reused only after head passes them, which is after pos changed.
+ *   - zero-copy views pin the record: a holder CASes slot.pin FREE -> VIEWED; the
+ *     receiver moves an in-flight record only after CASing FREE -> MOVING, and puts FREE
+ *     back when the copy and pos are in place. A pinned record stops compaction at it.
+ * A receiver killed mid-compaction leaves both copies intact (the filler is written only
+ * after every pos switched); recovery uses each slot's pos and skips the stale copy.
+ *
+ * Cost: each compaction copies B bytes to free G >= B, so at most one extra copy per
+ * byte freed, and only while something is pinned and the ring is filling up.
+ */
+#include "core.h"
+
+#define COMPACT_MAX_RECORDS 1024u /* bound on one block, to bound one call's work */
+
+/* Is the record at pos a message that may be moved now? Sets *slot. */
+static int movable(shm_chan *c, uint64_t pos, uint64_t len, uint32_t *slot) {
+    shm_record *r = rec_at(c, pos);
+    uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned: behind ingest_pos */
+    if (META_STATE(meta) != REC_COMMITTED || META_LEN(meta) != len || len < REC_BODY) return 0;
+    uint32_t s = r->slot;
+    if (s == NIL || s > c->cfg.max_messages) return 0;
+    shm_slot *sl = &c->slots[s];
+    if (LOAD_RELAXED(&sl->pos) != pos || sl->seq != r->seq) return 0;
+    uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&sl->state)); /* pairs with holders' CAS */
+    if (st == SLOT_INFLIGHT && LOAD_ACQUIRE(&sl->pin) != PIN_FREE) return 0;
+    if (st != SLOT_WAITING && st != SLOT_READY && st != SLOT_INFLIGHT && st != SLOT_DEAD) return 0;
+    *slot = s;
+    return 1;
+}
+
+static uint64_t rec_len(shm_chan *c, uint64_t pos) {
+    uint64_t meta = LOAD_RELAXED(&rec_at(c, pos)->meta);
+    uint64_t len = META_LEN(meta);
+    return (len >= REC_HDR && (len & 7u) == 0 && len <= c->cap - REC_HDR) ? len : 0;
+}
+
+static int finished(shm_chan *c, uint64_t pos) {
+    uint32_t st = META_STATE(LOAD_RELAXED(&rec_at(c, pos)->meta));
+    return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED;
+}
+
+int compact(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t head = h->head, stop = h->ingest_pos;
+    uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
+    if (head >= stop || tail - head <= c->cap / 2) return 0;
+
+    /* the pinned block [head, head + block) */
+    uint32_t slots[COMPACT_MAX_RECORDS];
+    uint64_t lens[COMPACT_MAX_RECORDS];
+    uint64_t pos = head, block = 0;
+    uint32_t n = 0;
+    while (pos < stop && n < COMPACT_MAX_RECORDS && !finished(c, pos)) {
+        uint64_t len = rec_len(c, pos);
+        if (!len || !movable(c, pos, len, &slots[n])) return 0;
+        lens[n++] = len;
+        pos += len;
+        block += len;
+    }
+    if (n == 0 || pos >= stop) return 0;
+    /* the gap after it, [head + block, end) */
+    uint64_t gap = 0, end = pos;
+    while (end < stop && finished(c, end)) {
+        uint64_t len = rec_len(c, end);
+        if (!len) return 0;
+        end += len;
+        gap += len;
+    }
+    /* The gap keeps its own header while the copies sit at its end: room for both. */
+    if (gap < block + REC_HDR) return 0;
+
+    /* 0. in-flight records: stop holders from taking views until we are done */
+    uint32_t pinned = 0;
+    for (; pinned < n; pinned++) {
+        shm_slot *sl = &c->slots[slots[pinned]];
+        if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue;
+        uint32_t free_ = PIN_FREE;
+        /* seq_cst: pairs with the holder's CAS FREE -> VIEWED in shm_handle_view. */
+        if (!CAS_SEQCST(&sl->pin, &free_, PIN_MOVING)) break;
+    }
+    if (pinned < n) { /* someone took a view just now: undo and give up */
+        for (uint32_t i = 0; i < pinned; i++) {
+            shm_slot *sl = &c->slots[slots[i]];
+            if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE);
+        }
+        return 0;
+    }
+    /* 1. the gap becomes one finished record (one store: the chain stays whole) */
+    shm_record *g = rec_at(c, head + block);
+    STORE_RELEASE(&g->meta, META(gap, REC_DONE)); /* receiver-only region; see below */
+    /* 2. copies at the end of the gap, inside that record: invisible to the chain */
+    uint64_t dst = end - block;
+    memcpy(ring_at(c, dst), ring_at(c, head), block); /* contiguous: the ring is mapped twice */
+    /* 3. switch each message over */
+    uint64_t at = dst;
+    for (uint32_t i = 0; i < n; i++) {
+        shm_slot *sl = &c->slots[slots[i]];
+        /* release: pairs with readers' acquire of pos (msg_fill) and the fence in
+         * shm_unmoved; the old bytes are untouched until head passes them (step 5). */
+        STORE_RELEASE(&sl->pos, at);
+        if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE); /* pairs with shm_handle_view */
+        at += lens[i];
+    }
+    /* 4. one store re-links the chain: filler [head, dst) then the copies */
+    STORE_RELEASE(&rec_at(c, head)->meta, META(dst - head, REC_DONE));
+    /* 5. free the space (release store of head inside) */
+    ring_advance_head(c);
+    return 1;
+}

@@ -1,0 +1,573 @@
+"""The demo: concurrent bank transfers through a key-locked channel equal a serial replay.
+
+`python -m shmchan demo` starts a few producer processes that send order-dependent
+work -- transfers between accounts, deposits, withdrawals, with an overdraft rule --
+through one channel. Every message carries the keys of the accounts it touches. The
+consumer (this process) receives key-locked handles and hands them, by pickling, to a
+pool of worker processes. The workers update balances that live in one shared array
+*without any lock of their own*: shmchan's key locks are what make that safe.
+
+At the end the demo replays the producers' log serially, in `seq` order, and checks
+that the final balances and every accept / reject decision equal what the workers
+computed concurrently. With `order="fifo"` that is exactly shmchan's promise.
+With `order="eager"` keys are still exclusive but not ordered, so the demo checks
+the weaker promise instead: the result equals a serial replay in hand-out order.
+`--no-keys` is the control experiment: without keys nothing protects the balances,
+and the check is expected to fail.
+
+Every wait is bounded (`--timeout`), and the channel is unlinked on every exit path,
+Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterable, MutableSequence, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import shmchan
+
+__all__ = ["add_arguments", "main", "run", "make_ops", "keys_of", "apply", "replay", "compare"]
+
+# An operation is a plain tuple, so it pickles small:
+#   (kind, a, b, amount, producer, index)
+# kind TRANSFER moves `amount` from account a to account b (a != b),
+# WITHDRAW takes it out of a, DEPOSIT puts it into a (b is -1 for both);
+# (producer, index) names the message so the demo can match what a worker
+# received against what the producer logged.
+TRANSFER = "transfer"
+DEPOSIT = "deposit"
+WITHDRAW = "withdraw"
+Op = tuple[str, int, int, int, int, int]
+
+INITIAL_BALANCE = 100
+MAX_AMOUNT = 100  # amounts are 1..MAX_AMOUNT, so overdrafts are common and order matters
+CHUNK = 64  # at most this many handles per hand-over to one worker
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_INTERRUPTED = 130
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def make_ops(producer: int, count: int, accounts: int, seed: int) -> list[Op]:
+    """The `count` operations producer `producer` sends: deterministic for a seed."""
+    rng = random.Random(seed * 1_000_003 + producer)
+    ops: list[Op] = []
+    for index in range(count):
+        r = rng.random()
+        amount = rng.randint(1, MAX_AMOUNT)
+        a = rng.randrange(accounts)
+        if r < 0.8 and accounts > 1:
+            b = rng.randrange(accounts - 1)
+            b += b >= a  # any account but a
+            ops.append((TRANSFER, a, b, amount, producer, index))
+        elif r < 0.9:
+            ops.append((DEPOSIT, a, -1, amount // 2 + 1, producer, index))
+        else:
+            ops.append((WITHDRAW, a, -1, amount, producer, index))
+    return ops
+
+
+def keys_of(op: Op) -> tuple[str, ...]:
+    """The keys a message carries: every account the operation reads or writes."""
+    kind, a, b = op[0], op[1], op[2]
+    if kind == TRANSFER:
+        return (f"acct:{a}", f"acct:{b}")
+    return (f"acct:{a}",)
+
+
+def apply(balances: MutableSequence[int], op: Op) -> bool:
+    """Apply one operation; False if the overdraft rule rejects it.
+
+    The same function runs in the workers (on the shared array, concurrently)
+    and in the serial replay (on a list), so the check compares schedules, not
+    two implementations. It deliberately reads and then writes each balance
+    without a lock: only the key lock on the account makes that safe.
+    """
+    kind, a, b, amount = op[0], op[1], op[2], op[3]
+    if kind == DEPOSIT:
+        balances[a] += amount
+        return True
+    if balances[a] < amount:
+        return False  # overdraft: rejected, nothing changes
+    balances[a] -= amount
+    if kind == TRANSFER:
+        balances[b] += amount
+    return True
+
+
+def replay(
+    ops_in_order: Iterable[tuple[int, Op]], accounts: int
+) -> tuple[list[int], dict[int, bool]]:
+    """Apply `(seq, op)` pairs one at a time; return final balances and decisions by seq."""
+    balances = [INITIAL_BALANCE] * accounts
+    decisions = {seq: apply(balances, op) for seq, op in ops_in_order}
+    return balances, decisions
+
+
+def compare(
+    expected_balances: Sequence[int],
+    expected_decisions: dict[int, bool],
+    balances: Sequence[int],
+    decisions: dict[int, bool],
+    limit: int = 5,
+) -> list[str]:
+    """Differences between a serial replay and the concurrent result ([] if none)."""
+    problems: list[str] = []
+    wrong = [s for s in sorted(expected_decisions) if decisions.get(s) != expected_decisions[s]]
+    for seq in wrong[:limit]:
+        problems.append(
+            f"seq {seq}: replay {_verdict(expected_decisions[seq])}, "
+            f"workers {_verdict(decisions.get(seq))}"
+        )
+    if len(wrong) > limit:
+        problems.append(f"... {len(wrong) - limit} more decisions differ")
+    extra = sorted(set(decisions) - set(expected_decisions))
+    if extra:
+        problems.append(f"{len(extra)} decisions for seqs never sent, e.g. {extra[:limit]}")
+    diff = [i for i in range(len(expected_balances)) if balances[i] != expected_balances[i]]
+    for i in diff[:limit]:
+        problems.append(f"account {i}: replay {expected_balances[i]}, workers {balances[i]}")
+    if len(diff) > limit:
+        problems.append(f"... {len(diff) - limit} more balances differ")
+    return problems
+
+
+def _verdict(ok: bool | None) -> str:
+    return {True: "accepted", False: "rejected", None: "missing"}[ok]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _producer(
+    tx: shmchan.Sender,
+    producer: int,
+    count: int,
+    accounts: int,
+    seed: int,
+    no_keys: bool,
+    timeout: float,
+    ready: Any,
+    go: Any,
+    logs: Any,
+) -> None:
+    """Producer process: send `count` operations, then report `(seq, op)` for each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    ops = make_ops(producer, count, accounts, seed)
+    ready.put(("producer", producer))
+    if not go.wait(timeout):
+        sys.exit(f"demo producer {producer}: never told to start")
+    log: list[tuple[int, Op]] = []
+    try:
+        for op in ops:
+            seq = tx.send(op, keys=() if no_keys else keys_of(op), timeout=timeout)
+            log.append((seq, op))
+    except shmchan.Error as e:
+        sys.exit(f"demo producer {producer}: {type(e).__name__}: {e}")
+    logs.put((producer, log))
+
+
+def _worker(worker: int, balances: Any, work: Any, results: Any, ready: Any) -> None:
+    """Worker process: take over handles, apply their operations, release them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    parent = mp.parent_process()
+    done: list[tuple[int, int, int, bool]] = []
+    ready.put(("worker", worker))
+    while True:
+        try:
+            item = work.get(timeout=0.5)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                sys.exit(f"demo worker {worker}: consumer is gone")
+            continue
+        if item is None:
+            break
+        # Unpickling hands the handles over: this process now holds their keys.
+        for h in pickle.loads(item):
+            with h:  # releases the handle, and so its keys, on exit
+                op = h.payload
+                done.append((h.seq, op[4], op[5], apply(balances, op)))
+    results.put((worker, done))
+
+
+# --------------------------------------------------------------------------- consumer
+
+
+@dataclass
+class _Outcome:
+    logs: dict[int, list[tuple[int, Op]]]  # producer -> [(seq, op)] in send order
+    done: list[tuple[int, int, int, bool]]  # (seq, producer, index, accepted), all workers
+    handout: list[tuple[int, tuple[str, ...]]]  # (seq, keys) in the order recv handed them out
+    balances: list[int]
+    elapsed: float
+    stats: shmchan.Stats | None  # None only in unit tests of the checker
+
+
+class _DemoFailed(Exception):
+    """Something other than the final comparison went wrong (a child died, a timeout)."""
+
+
+class _Progress:
+    """A one-line progress counter on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.enabled = sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, n: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.enabled and (force or now - self.last >= 0.2):
+            self.last = now
+            print(f"\r  handed out {n}/{self.total}", end="", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.enabled:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _run_consumer(
+    ch: shmchan.Channel,
+    args: argparse.Namespace,
+    ctx: Any,
+    children: list[Any],
+    queues: list[Any],
+) -> _Outcome:
+    """Start the children, dispatch every message, collect the results.
+
+    Appends every process it starts to `children` and every queue to `queues`,
+    so the caller can clean up whatever happens here.
+    """
+    balances = ctx.RawArray("q", [INITIAL_BALANCE] * args.accounts)  # no lock: keys protect it
+    queues[:] = [ctx.Queue() for _ in range(4)]
+    ready, logs_q, work, results_q = queues
+    go = ctx.Event()
+    tx = ch.sender()
+    rx = ch.receiver()
+    producers = [
+        ctx.Process(
+            target=_producer,
+            name=f"demo-producer-{i}",
+            args=(tx, i, n, args.accounts, args.seed, args.no_keys, args.timeout, ready, go,
+                  logs_q),
+            daemon=True,
+        )
+        for i, n in enumerate(_split(args.messages, args.producers))
+    ]
+    workers = [
+        ctx.Process(
+            target=_worker,
+            name=f"demo-worker-{i}",
+            args=(i, balances, work, results_q, ready),
+            daemon=True,
+        )
+        for i in range(args.workers)
+    ]
+    for p in producers + workers:
+        p.start()
+        children.append(p)
+
+    deadline = time.monotonic() + args.timeout
+
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _DemoFailed(f"timed out after {args.timeout:g} s (raise --timeout?)")
+        return left
+
+    def check_children() -> None:
+        for p in producers:
+            if p.exitcode not in (None, 0):
+                raise _DemoFailed(f"{p.name} exited with code {p.exitcode}")
+        for p in workers:
+            if p.exitcode is not None:
+                raise _DemoFailed(f"{p.name} exited early with code {p.exitcode}")
+
+    # Start the clock once every child is up, so process start-up is not measured.
+    for _ in producers + workers:
+        while True:
+            check_children()
+            try:
+                ready.get(timeout=min(0.2, remaining()))
+                break
+            except queue.Empty:
+                pass
+    go.set()
+    start = time.monotonic()
+
+    logs: dict[int, list[tuple[int, Op]]] = {}
+    handout: list[tuple[int, tuple[str, ...]]] = []
+    progress = _Progress(args.messages)
+    while len(handout) < args.messages:
+        remaining()
+        check_children()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                producer, log = logs_q.get_nowait()
+                logs[producer] = log
+        try:
+            hs = rx.recv_many(256, timeout=0.1)
+        except shmchan.Empty:
+            continue
+        if not hs:
+            continue
+        handout.extend((h.seq, tuple(h.keys)) for h in hs)
+        # Spread the batch over the workers. Handles that are live at the same time
+        # never share a key, so any worker may take any of them.
+        size = min(CHUNK, -(-len(hs) // args.workers))  # ceil(len / workers), at most CHUNK
+        for i in range(0, len(hs), size):
+            work.put(pickle.dumps(hs[i : i + size]))  # pickling hands the handles over
+        del hs
+        progress.update(len(handout))
+    progress.update(len(handout), force=True)
+    progress.finish()
+
+    for _ in workers:
+        work.put(None)
+    done: list[tuple[int, int, int, bool]] = []
+    for _ in workers:
+        while True:
+            for p in workers:
+                if p.exitcode not in (None, 0):
+                    raise _DemoFailed(f"{p.name} exited with code {p.exitcode}")
+            try:
+                _, part = results_q.get(timeout=min(0.2, remaining()))
+                done.extend(part)
+                break
+            except queue.Empty:
+                pass
+    elapsed = time.monotonic() - start
+
+    while len(logs) < len(producers):
+        check_children()
+        with contextlib.suppress(queue.Empty):
+            producer, log = logs_q.get(timeout=min(0.2, remaining()))
+            logs[producer] = log
+    for p in producers + workers:
+        p.join(timeout=remaining())
+    # Everything sent was processed, so the channel must be empty now. Polling once
+    # more also lets the receiver account for the workers' last releases in stats().
+    leftover = rx.try_recv()
+    if leftover is not None:
+        raise _DemoFailed(f"an extra message came out of the channel: seq {leftover.seq}")
+    rx.close()
+    return _Outcome(logs, done, handout, list(balances), elapsed, ch.stats())
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def _check(outcome: _Outcome, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Return (problems, notes); the demo passes when problems is empty."""
+    problems: list[str] = []
+    notes: list[str] = []
+    sent: dict[int, Op] = {}
+    for producer, log in sorted(outcome.logs.items()):
+        for seq, op in log:
+            if seq in sent:
+                problems.append(f"seq {seq} returned by send() twice")
+            sent[seq] = op
+    if len(sent) != args.messages:
+        problems.append(f"producers logged {len(sent)} distinct seqs, expected {args.messages}")
+
+    processed: dict[int, bool] = {}
+    for seq, producer, index, accepted in outcome.done:
+        if seq in processed:
+            problems.append(f"seq {seq} processed twice")
+        processed[seq] = accepted
+        op = sent.get(seq)
+        if op is None:
+            problems.append(f"seq {seq} processed but never sent")
+        elif (op[4], op[5]) != (producer, index):
+            problems.append(
+                f"seq {seq} carried message {producer}/{index}, "
+                f"but send() returned it for {op[4]}/{op[5]}"
+            )
+    missing = sorted(set(sent) - set(processed))
+    if missing:
+        problems.append(f"{len(missing)} messages never processed, e.g. seqs {missing[:5]}")
+
+    if args.order == "fifo" and not args.no_keys:
+        # The fifo rule, seen from the consumer: on every key, hand-out order is seq order.
+        last: dict[str, int] = {}
+        bad = 0
+        for seq, keys in outcome.handout:
+            for k in keys:
+                if last.get(k, -1) > seq:
+                    bad += 1
+                    if bad <= 5:
+                        problems.append(f"key {k}: seq {seq} handed out after seq {last[k]}")
+                last[k] = max(last.get(k, -1), seq)
+
+    st = outcome.stats
+    if st is not None and (st.queued, st.inflight, st.held_keys) != (0, 0, 0):
+        problems.append(
+            f"after every handle was released the channel still reports queued={st.queued} "
+            f"inflight={st.inflight} held_keys={st.held_keys}"
+        )
+
+    if problems:
+        return problems, notes
+
+    by_seq = sorted(sent.items())
+    seq_balances, seq_decisions = replay(by_seq, args.accounts)
+    seq_problems = compare(seq_balances, seq_decisions, outcome.balances, processed)
+    if args.order == "fifo" or args.no_keys:
+        problems += seq_problems
+    else:
+        # eager: every key is still exclusive, so per key the processing order is the
+        # hand-out order, and a serial replay in hand-out order must agree.
+        in_handout_order = ((seq, sent[seq]) for seq, _ in outcome.handout)
+        handout_balances, handout_decisions = replay(in_handout_order, args.accounts)
+        problems += compare(handout_balances, handout_decisions, outcome.balances, processed)
+        notes.append(
+            "serial replay in seq order: "
+            + ("also equal" if not seq_problems else "differs, as order=eager allows")
+        )
+    return problems, notes
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the demo's options to `parser` (used by `python -m shmchan demo`)."""
+    add = parser.add_argument
+    add("--messages", type=_positive_int, default=20_000, help="messages in total (default 20000)")
+    add("--producers", type=_positive_int, default=3, help="producer processes (default 3)")
+    add("--workers", type=_positive_int, default=4, help="worker processes (default 4)")
+    add("--accounts", type=_accounts, default=50, help="bank accounts, at least 2 (default 50)")
+    add("--order", choices=("fifo", "eager"), default="fifo", help="channel order (default fifo)")
+    add("--capacity", type=_positive_int, default=1 << 20,
+        help="channel capacity in bytes (default 1 MiB)")
+    add("--seed", type=int, default=0, help="workload seed (default 0)")
+    add("--timeout", type=_positive_float, default=60.0,
+        help="give up after this many seconds (default 60)")
+    add("--no-keys", action="store_true",
+        help="control experiment: send without keys, so nothing protects the balances "
+        "(expected to fail)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo with parsed options; return the process exit code."""
+    ctx = mp.get_context("spawn")
+    name = f"shmchan-demo-{os.getpid()}"
+    keys_note = "WITHOUT keys (control experiment)" if args.no_keys else "keys = accounts touched"
+    print(
+        f"shmchan demo: {args.messages} transfers/deposits/withdrawals, "
+        f"{args.producers} producers, {args.workers} workers, {args.accounts} accounts, "
+        f"order={args.order}, {keys_note}"
+    )
+    ch = shmchan.Channel.create(name, args.capacity, order=args.order, max_keys=2)
+    children: list[Any] = []
+    queues: list[Any] = []
+    try:
+        print(f"channel: {name}", flush=True)
+        outcome = _run_consumer(ch, args, ctx, children, queues)
+    except _DemoFailed as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return EXIT_MISMATCH
+    except KeyboardInterrupt:
+        print("\ninterrupted; cleaning up", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        _cleanup(ch, children, queues)
+
+    problems, notes = _check(outcome, args)
+    accepted = sum(1 for d in outcome.done if d[3])
+    s = outcome.stats
+    n = len(outcome.done)
+    print(f"messages:   {n} (accepted {accepted}, rejected {n - accepted})")
+    print(f"elapsed:    {outcome.elapsed:.2f} s")
+    print(f"throughput: {n / max(outcome.elapsed, 1e-9):,.0f} msgs/s")
+    if s is not None:
+        print(f"stats:      sent={s.sent} delivered={s.delivered} released={s.released} "
+              f"redelivered={s.redelivered}")
+    for note in notes:
+        print(f"note:       {note}")
+    if problems:
+        what = "seq order" if args.order == "fifo" or args.no_keys else "hand-out order"
+        print(f"MISMATCH: concurrent result differs from serial replay in {what}:")
+        for p in problems:
+            print(f"  {p}")
+        if args.no_keys:
+            print("(expected with --no-keys: nothing stopped two workers "
+                  "from touching one account at once)")
+        return EXIT_MISMATCH
+    if args.order == "fifo":
+        print("OK: concurrent result equals serial replay in seq order")
+    else:
+        print("OK: concurrent result equals serial replay in hand-out order")
+    return EXIT_OK
+
+
+def _cleanup(ch: shmchan.Channel, children: list[Any], queues: list[Any]) -> None:
+    """Stop our children and remove the channel; never raises, ignores a second Ctrl-C."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for q in queues:
+            q.cancel_join_thread()  # never block exit on data nobody will read
+        for p in children:
+            if p.is_alive():
+                p.terminate()
+        for p in children:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        with contextlib.suppress(Exception):
+            ch.unlink()
+        with contextlib.suppress(Exception):
+            ch.close()
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m shmchan.demo [options]`: parse options and run the demo."""
+    parser = argparse.ArgumentParser(prog="shmchan demo", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _accounts(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""`python -m shmchan bench`: runs end to end and reports well-formed figures.
+
+These tests check the benchmark's output, never its speed: a benchmark is not a timed
+test. One `--quick --json --plot` run (a few seconds on 2 cores) is shared by the tests
+that read its report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import queue
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shmchan
+from shmchan import bench
+
+RUN_TIMEOUT = 150  # seconds; a quick run takes ~10 s on 2 cores, this only catches a hang
+HAS_FASTER_FIFO = importlib.util.find_spec("faster_fifo") is not None
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _env() -> dict[str, str]:
+    """Make the child import the same shmchan as this test process (installed or in place)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmchan.__file__ or "")))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def _leftovers(pid: int) -> list[str]:
+    """/dev/shm entries (segments, semaphores) the bench process `pid` left behind."""
+    tag = f"bench-{pid}-"
+    return [n for n in os.listdir("/dev/shm") if tag in n]
+
+
+class QuickRun:
+    def __init__(self, report: dict[str, Any], pid: int, plot: Path, stderr: str) -> None:
+        self.report = report
+        self.pid = pid
+        self.plot = plot
+        self.stderr = stderr
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
+    plot = tmp_path_factory.mktemp("bench") / "bench.png"
+    args = [sys.executable, "-m", "shmchan", "bench", "--quick", "--json"]
+    if HAS_MATPLOTLIB:
+        args += ["--plot", str(plot)]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"bench --quick did not finish in {RUN_TIMEOUT} s\n{err}")
+    assert proc.returncode == 0, err
+    return QuickRun(json.loads(out), proc.pid, plot, err)
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def test_quick_json_report_has_its_sections(quick_run: QuickRun) -> None:
+    r = quick_run.report
+    assert r["schema"] == bench.SCHEMA
+    assert r["quick"] is True
+    assert r["repetitions"] == bench.QUICK.reps
+    for key in (
+        "started",
+        "seconds",
+        "machine",
+        "sizes",
+        "systems",
+        "skipped",
+        "results",
+        "targets",
+    ):
+        assert key in r, key
+    assert r["workloads"] == list(bench.WORKLOADS)
+
+
+def test_machine_description_names_cpu_cores_and_python(quick_run: QuickRun) -> None:
+    m = quick_run.report["machine"]
+    assert m["cpu_model"]
+    assert m["usable_cpus"] >= 1 and m["logical_cpus"] >= m["usable_cpus"]
+    assert m["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+def test_every_result_row_is_well_formed(quick_run: QuickRun) -> None:
+    for row in quick_run.report["results"]:
+        assert row["unit"] in ("msg/s", "MiB/s", "us", "us/msg"), row
+        assert len(row["samples"]) == bench.QUICK.reps, row
+        assert all(_positive(x) for x in row["samples"]), row
+        assert row["min"] <= row["median"] <= row["max"], row
+        assert _positive(row["median"]), row
+        assert isinstance(row["out_of_order"], int) and row["out_of_order"] >= 0
+        if row["reference"]:
+            assert row["vs_best_peer"] is None
+        else:
+            assert _positive(row["vs_best_peer"]), row
+
+
+def test_every_workload_ran_through_shmchan_and_its_peers(quick_run: QuickRun) -> None:
+    rows = {(row["workload"], row["system"]) for row in quick_run.report["results"]}
+    peers = [bench.MPQ] + ([bench.FFIFO] if HAS_FASTER_FIFO else [])
+    for n in bench.QUICK.producers:
+        for system in [bench.SHMCHAN, bench.NAIVE, *peers]:
+            assert (f"unbatched_p{n}", system) in rows
+    for system in [bench.SHMCHAN, bench.NAIVE, *peers]:
+        assert ("batched", system) in rows
+    for system in [bench.SHMCHAN, bench.COPY, *peers]:
+        assert ("1mib", system) in rows
+    for workload in ("dispatch_free", "dispatch_parked"):
+        assert (workload, bench.SHMCHAN) in rows and (workload, bench.NAIVE) in rows
+    for workload in ("latency_median", "latency_p99"):
+        for system in [bench.SHMCHAN, bench.SEMAPHORE, *peers]:
+            assert (workload, system) in rows
+
+
+def test_best_peer_of_each_workload_has_ratio_one(quick_run: QuickRun) -> None:
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    for row in quick_run.report["results"]:
+        if row["system"] != bench.SHMCHAN and not row["reference"]:
+            by_workload.setdefault(row["workload"], []).append(row)
+    for workload, peers in by_workload.items():
+        assert max(p["vs_best_peer"] for p in peers) == pytest.approx(1.0), workload
+
+
+def test_faster_fifo_is_run_or_skipped_with_a_note(quick_run: QuickRun) -> None:
+    r = quick_run.report
+    if HAS_FASTER_FIFO:
+        assert bench.FFIFO in r["systems"] and not r["skipped"]
+    else:
+        assert bench.FFIFO not in r["systems"]
+        assert [s["system"] for s in r["skipped"]] == [bench.FFIFO]
+
+
+def test_every_target_is_measured_with_a_verdict(quick_run: QuickRun) -> None:
+    targets = quick_run.report["targets"]
+    assert len(targets) == 6
+    for t in targets:
+        assert _positive(t["measured"]), t
+        assert _positive(t["target"]), t
+        assert t["comparison"] in (">=", "<=")
+        expected = (
+            t["measured"] >= t["target"]
+            if t["comparison"] == ">="
+            else (t["measured"] <= t["target"])
+        )
+        assert t["met"] is expected
+
+
+def test_the_run_leaves_no_channels_or_semaphores_behind(quick_run: QuickRun) -> None:
+    assert _leftovers(quick_run.pid) == []
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--plot needs matplotlib")
+def test_plot_is_a_png(quick_run: QuickRun) -> None:
+    assert quick_run.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_shows_every_row_and_target_verdict(quick_run: QuickRun) -> None:
+    text = bench.format_table(quick_run.report)
+    assert "vs best peer" in text
+    for t in quick_run.report["targets"]:
+        assert t["name"] in text
+    assert text.count("NOT met") + text.count(" met ") >= len(quick_run.report["targets"])
+    for system in quick_run.report["systems"]:
+        assert system in text
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_help_exits_zero_and_describes_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for option in ("--quick", "--json", "--plot", "--only", "--reps"):
+        assert option in out
+
+
+def test_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--only", "no-such-workload"]) == 2
+    assert bench.main(["--reps", "0"]) == 2
+    capsys.readouterr()
+
+
+# --------------------------------------------------------------------------- the naive peer
+
+
+def test_naive_dispatcher_skips_messages_whose_keys_are_held() -> None:
+    intake: queue.Queue[Any] = queue.Queue()
+    for keys, payload in [(("a",), 1), (("a", "b"), 2), (("c",), 3)]:
+        intake.put((keys, payload))
+    d = bench.NaiveKeyedDispatcher(lambda t: intake.get(timeout=t))
+    first = d.recv(1)
+    assert first[1] == 1
+    assert d.recv(1)[1] == 3  # message 2 waits for "a"; 3 is free
+    d.release(first)
+    assert d.recv(1)[1] == 2  # from the backlog, once "a" is free
+    with pytest.raises(queue.Empty):
+        d.recv(0.01)
+
+
+def test_naive_dispatcher_recv_many_hands_out_only_non_conflicting_messages() -> None:
+    batches: queue.Queue[Any] = queue.Queue()
+    batches.put([(("a",), 1), (("a",), 2), (("b",), 3)])
+    d = bench.NaiveKeyedDispatcher(lambda t: batches.get(timeout=t))
+    got = d.recv_many(10, 1)
+    assert [m[1] for m in got] == [1, 3]
+    for m in got:
+        d.release(m)
+    assert [m[1] for m in d.recv_many(10, 1)] == [2]

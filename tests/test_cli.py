@@ -1,0 +1,245 @@
+"""The command line, run as a user runs it: `python -m shmchan ls / stat / rm / bench`."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+import shmchan
+from shmchan import cli
+
+TIMEOUT = 60  # seconds; generous, a command normally takes well under one
+
+
+def _env() -> dict[str, str]:
+    """Make the child import the same shmchan as this test process (installed or in place)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmchan.__file__ or "")))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shmchan", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+    )
+
+
+@pytest.fixture
+def channel(make_channel: Callable[..., shmchan.Channel]) -> shmchan.Channel:
+    """A 1 MiB channel holding three queued messages (removed by conftest's fixtures)."""
+    ch = make_channel()
+    with ch.sender() as tx:
+        for i in range(3):
+            tx.send(b"x" * 10, keys=(f"k{i}",))
+    return ch
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], words: str) -> None:
+    assert result.returncode == 1, result
+    assert words in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+# --------------------------------------------------------------------------- usage
+
+
+def test_help_lists_every_command() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0, result
+    for command in ("ls", "stat", "rm", "demo", "bench"):
+        assert re.search(rf"^\s+{command}\s", result.stdout, re.M), command
+
+
+def test_missing_command_is_a_usage_error() -> None:
+    result = run_cli()
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    result = run_cli("frobnicate")
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def assert_ls_ok(result: subprocess.CompletedProcess[str], name: str) -> None:
+    """`ls` succeeded for `name`; other people's channels may fail to open (exit code 1)."""
+    assert "Traceback" not in result.stderr
+    if result.returncode != 0:
+        assert result.returncode == 1, result
+        assert name not in result.stderr, result
+
+
+def test_ls_shows_capacity_used_and_queued(channel: shmchan.Channel) -> None:
+    result = run_cli("ls")
+    assert_ls_ok(result, channel.name)
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "CAPACITY", "USED", "QUEUED"]
+    row = next(line for line in lines if line.split()[0] == channel.name)
+    assert cli._human_bytes(channel.capacity) in row
+    assert row.split()[-1] == "3"
+    used = channel.stats().used_bytes
+    assert used > 0
+    assert cli._human_bytes(used) in row
+
+
+def test_ls_stops_listing_a_removed_channel(channel: shmchan.Channel) -> None:
+    channel.unlink()
+    result = run_cli("ls")
+    assert_ls_ok(result, channel.name)
+    assert channel.name not in result.stdout
+
+
+# --------------------------------------------------------------------------- stat
+
+
+def test_stat_json_reports_the_channels_stats(channel: shmchan.Channel) -> None:
+    result = run_cli("stat", channel.name, "--json")
+    assert result.returncode == 0, result
+    data = json.loads(result.stdout)
+    field_names = {f.name for f in dataclasses.fields(shmchan.Stats)}
+    assert set(data) == field_names | {"name"}
+    assert data["name"] == channel.name
+    assert data["capacity"] == channel.capacity
+    assert data["queued"] == 3
+    assert data["sent"] == 3
+    assert data["inflight"] == 0
+
+
+def test_stat_text_shows_every_field(channel: shmchan.Channel) -> None:
+    result = run_cli("stat", channel.name)
+    assert result.returncode == 0, result
+    assert re.search(rf"^channel\s+{re.escape(channel.name)}$", result.stdout, re.M)
+    for field in dataclasses.fields(shmchan.Stats):
+        assert re.search(rf"^{field.name}\s+\S", result.stdout, re.M), field.name
+    assert re.search(r"^queued\s+3$", result.stdout, re.M)
+
+
+def test_stat_watch_samples_until_interrupted(channel: shmchan.Channel) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmchan", "stat", channel.name, "--json", "--watch", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # blocks until the first sample (or exit)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    samples = [json.loads(line) for line in (first + rest).splitlines()]
+    assert len(samples) >= 2
+    assert all(s["queued"] == 3 and s["name"] == channel.name for s in samples)
+    assert samples[-1]["time"] > samples[0]["time"]
+    assert "Traceback" not in err
+
+
+def test_stat_watch_stops_when_the_channel_is_removed(channel: shmchan.Channel) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmchan", "stat", channel.name, "--watch", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # it is watching
+        channel.unlink()
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert "was removed" in err
+    assert "Traceback" not in err
+
+
+def test_stat_watch_rejects_a_non_positive_interval(channel: shmchan.Channel) -> None:
+    result = run_cli("stat", channel.name, "--watch", "0")
+    assert result.returncode == 2
+    assert "must be positive" in result.stderr
+
+
+def test_stat_of_a_missing_channel_fails_cleanly(chan_name: str) -> None:
+    assert_user_error(run_cli("stat", chan_name), "no channel named")
+
+
+# --------------------------------------------------------------------------- rm
+
+
+def test_rm_removes_the_channel(channel: shmchan.Channel) -> None:
+    result = run_cli("rm", channel.name)
+    assert result.returncode == 0, result
+    assert channel.name not in shmchan.list_channels()
+    with pytest.raises(shmchan.ChannelNotFound):
+        shmchan.Channel.open(channel.name)
+
+
+def test_rm_of_a_missing_channel_fails_cleanly(chan_name: str) -> None:
+    assert_user_error(run_cli("rm", chan_name), "no channel named")
+
+
+def test_main_returns_the_exit_code_in_process(
+    chan_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = chan_name
+    assert cli.main(["rm", name]) == 1
+    assert cli.main(["stat", name, "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count(f"no channel named {name!r}") == 2
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_bench_runs_the_benchmark_module_or_says_it_is_missing() -> None:
+    if importlib.util.find_spec("shmchan.bench") is None:
+        result = run_cli("bench")
+        assert result.returncode == 2
+        assert "bench: not implemented yet" in result.stderr
+    else:
+        result = run_cli("bench", "--help")  # arguments after `bench` belong to the benchmark
+        assert result.returncode == 0, result
+        assert "usage:" in result.stdout
+
+
+# --------------------------------------------------------------------------- install
+
+
+def test_console_script_points_at_cli_main() -> None:
+    try:
+        dist = importlib.metadata.distribution("shmchan")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("shmchan is not installed (running in place); `pip install .` adds the script")
+    scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
+    assert scripts.get("shmchan") == "shmchan.cli:main"

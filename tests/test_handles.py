@@ -1,0 +1,310 @@
+"""Handles: what they report, every way of releasing one, leases, in-process pickling."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import shmchan
+
+
+def test_handle_reports_seq_keys_payload_and_first_attempt(tx, rx):
+    seq = tx.send({"n": 1}, keys=("a", 2))
+    h = rx.recv(timeout=5)
+    assert (h.seq, h.keys, h.payload, h.attempt) == (seq, ("a", 2), {"n": 1}, 1)
+
+
+def test_payload_can_be_read_twice(tx, rx):
+    tx.send({"n": 1})
+    h = rx.recv(timeout=5)
+    assert h.payload == h.payload == {"n": 1}
+
+
+# --- data --------------------------------------------------------------------------
+
+
+def test_data_is_a_memoryview_of_the_bytes(tx, rx):
+    tx.send(b"zero-copy")
+    h = rx.recv(timeout=5)
+    assert isinstance(h.data, memoryview)
+    assert h.data.tobytes() == b"zero-copy"
+
+
+def test_data_is_read_only(tx, rx):
+    tx.send(b"zero-copy")
+    h = rx.recv(timeout=5)
+    view = h.data
+    assert view.readonly
+    with pytest.raises(TypeError):
+        view[0] = 0
+
+
+def test_data_of_a_large_payload_has_its_full_length(tx, rx):
+    payload = bytes(range(256)) * 1000
+    tx.send(payload)
+    h = rx.recv(timeout=5)
+    assert h.data.nbytes == len(payload)
+    assert h.data == payload
+
+
+# --- release ------------------------------------------------------------------------
+
+
+def test_release_frees_the_key(tx, rx):
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    rx.recv(timeout=5).release()
+    assert rx.recv(timeout=5).payload == b"2"
+
+
+def test_ack_frees_the_key(tx, rx):
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    rx.recv(timeout=5).ack()
+    assert rx.recv(timeout=5).payload == b"2"
+
+
+def test_second_release_is_a_no_op(ch, tx, rx):
+    tx.send(b"1", keys="k")
+    h = rx.recv(timeout=5)
+    h.release()
+    h.release()
+    h.ack()
+    assert ch.stats().released == 1
+
+
+def test_with_releases_on_exit(tx, rx):
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    with rx.recv(timeout=5) as h:
+        assert h.payload == b"1"
+        assert rx.try_recv() is None
+    assert rx.recv(timeout=5).payload == b"2"
+
+
+def test_with_returns_the_handle(tx, rx):
+    tx.send(b"1")
+    h = rx.recv(timeout=5)
+    with h as entered:
+        assert entered is h
+
+
+def test_with_releases_when_the_body_raises(tx, rx):
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    with pytest.raises(RuntimeError):
+        with rx.recv(timeout=5):
+            raise RuntimeError("handler failed")
+    assert rx.recv(timeout=5).payload == b"2"
+
+
+def test_garbage_collected_handle_releases_its_keys(tx, rx):
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    h = rx.recv(timeout=5)
+    del h
+    gc.collect()
+    assert rx.recv(timeout=5).payload == b"2"
+
+
+def test_dropped_handle_is_released_not_redelivered(ch, tx, rx):
+    tx.send(b"1", keys="k")
+    rx.recv(timeout=5)  # result dropped at once
+    gc.collect()
+    assert rx.try_recv() is None
+    assert ch.stats().released == 1
+
+
+CYCLE_SCRIPT = """
+import gc, sys, shmchan
+name, close = sys.argv[1], sys.argv[2] == "close"
+try:
+    ch = shmchan.Channel.create(name, capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"1", keys="k")
+    class Holder: pass
+    cycle = Holder()
+    cycle.self, cycle.objects = cycle, (ch, tx, rx, rx.recv(timeout=5))
+    if close:
+        rx.close(); tx.close(); ch.close()
+    del ch, tx, rx, cycle
+    gc.collect()  # the handle is finalized together with everything it came from
+    print("survived")
+finally:
+    shmchan.unlink(name)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("close", ["close", "open"])
+def test_handle_collected_in_a_cycle_with_its_channel_does_not_crash(chan_name, close):
+    """Exception tracebacks make such cycles all the time (a test failing with a live handle)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CYCLE_SCRIPT), chan_name, close],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0, f"child died with {proc.returncode}:\n{proc.stderr[-2000:]}"
+    assert proc.stdout.strip() == "survived"
+
+
+def test_release_after_the_channel_closed_does_not_crash(make_channel):
+    ch = make_channel()
+    with ch.sender() as tx, ch.receiver() as rx:
+        tx.send(b"1", keys="k")
+        h = rx.recv(timeout=5)
+    ch.close()
+    h.release()  # may be a no-op, must not crash
+    assert h.seq >= 0
+
+
+def test_release_after_the_receiver_closed_does_not_crash(ch, tx):
+    tx.send(b"1", keys="k")
+    rx = ch.receiver()
+    h = rx.recv(timeout=5)
+    rx.close()
+    h.release()  # may be a no-op, must not crash
+    assert h.seq >= 0
+
+
+# --- nack -------------------------------------------------------------------------------
+
+
+def test_nack_then_release_is_a_no_op(ch, tx, rx):
+    tx.send(b"1", keys="k")
+    h = rx.recv(timeout=5)
+    h.nack()
+    h.release()
+    st = ch.stats()
+    assert (st.released, st.queued) == (0, 1)
+
+
+# --- leases ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_expired_lease_redelivers_the_message(make_channel):
+    ch = make_channel(lease=0.3)
+    with ch.sender() as tx, ch.receiver() as rx:
+        seq = tx.send(b"x", keys="k")
+        first = rx.recv(timeout=5)
+        again = rx.recv(timeout=10)
+        assert (again.seq, again.attempt) == (seq, 2)
+        assert first.seq == seq
+
+
+@pytest.mark.timeout(30)
+def test_release_of_an_expired_handle_does_not_free_the_redelivered_one(make_channel):
+    ch = make_channel(lease=0.3)
+    with ch.sender() as tx, ch.receiver() as rx:
+        tx.send(b"1", keys="k")
+        tx.send(b"2", keys="k")
+        expired = rx.recv(timeout=5)
+        again = rx.recv(timeout=10)
+        assert again.seq == expired.seq
+        expired.release()  # stale
+        assert rx.try_recv() is None
+        again.release()
+        assert rx.recv(timeout=5).payload == b"2"
+
+
+@pytest.mark.timeout(30)
+def test_extend_keeps_the_lease_alive(make_channel):
+    ch = make_channel(lease=0.5)
+    with ch.sender() as tx, ch.receiver() as rx:
+        tx.send(b"x", keys="k")
+        h = rx.recv(timeout=5)
+        h.extend(30)
+        with pytest.raises(shmchan.Empty):
+            rx.recv(timeout=1.5)
+        h.release()
+
+
+@pytest.mark.timeout(30)
+def test_released_handle_is_not_redelivered_after_its_lease(make_channel):
+    ch = make_channel(lease=0.2)
+    with ch.sender() as tx, ch.receiver() as rx:
+        tx.send(b"x", keys="k")
+        rx.recv(timeout=5).release()
+        with pytest.raises(shmchan.Empty):
+            rx.recv(timeout=0.8)
+
+
+def test_no_lease_means_no_redelivery(tx, rx):
+    tx.send(b"x", keys="k")
+    h = rx.recv(timeout=5)
+    with pytest.raises(shmchan.Empty):
+        rx.recv(timeout=0.5)
+    h.release()
+
+
+# --- max_attempts / dead letters ----------------------------------------------------------
+
+
+def test_message_out_of_attempts_becomes_a_dead_letter(make_channel):
+    ch = make_channel(max_attempts=2)
+    with ch.sender() as tx, ch.receiver() as rx:
+        tx.send(b"poison", keys="k")
+        tx.send(b"next", keys="k")
+        attempts = []
+        for _ in range(2):
+            h = rx.recv(timeout=5)
+            assert h.payload == b"poison"
+            attempts.append(h.attempt)
+            h.nack()
+        assert attempts == [1, 2]
+        assert rx.recv(timeout=5).payload == b"next"  # keys freed, not redelivered again
+        assert ch.stats().dead_letters == 1
+
+
+# --- pickling in one process -------------------------------------------------------------
+
+
+def test_unpickled_handle_reports_the_same_message(tx, rx):
+    seq = tx.send(b"payload", keys=("k", 3))
+    h = rx.recv(timeout=5)
+    copy = pickle.loads(pickle.dumps(h))
+    assert (copy.seq, copy.keys, copy.payload, copy.attempt) == (seq, ("k", 3), b"payload", 1)
+
+
+def test_unpickled_handle_can_release(tx, rx):
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    h = rx.recv(timeout=5)
+    copy = pickle.loads(pickle.dumps(h))
+    copy.release()
+    assert rx.recv(timeout=5).payload == b"2"
+
+
+def test_pickled_away_handle_is_not_released_by_garbage_collection(tx, rx):
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    h = rx.recv(timeout=5)
+    copy = pickle.loads(pickle.dumps(h))
+    del h
+    gc.collect()
+    assert rx.try_recv() is None  # the unpickled copy is the holder now
+    copy.release()
+    assert rx.recv(timeout=5).payload == b"2"
+
+
+def test_release_through_a_second_unpickled_copy_is_a_no_op(tx, rx):
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    tx.send(b"3", keys="k")
+    blob = pickle.dumps(rx.recv(timeout=5))
+    first, second = pickle.loads(blob), pickle.loads(blob)
+    first.release()
+    now_holding = rx.recv(timeout=5)
+    second.release()  # stale: must not free "k" from now_holding
+    assert rx.try_recv() is None
+    assert now_holding.payload == b"2"
+
