@@ -106,11 +106,13 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
     uint64_t pos = LOAD_ACQUIRE(&h->tail_hint);
     uint64_t head = c->cached_head;
     uint64_t hops = 0;
-    uint32_t spins = 0;
+    uint32_t spins = 0, restarts = 0;
     int stale = 0;
 
     for (;;) {
         if (UNLIKELY(stale || pos < head || pos - head > c->cap || hops > c->cap / REC_HDR)) {
+            /* A correct chain is found again within a few restarts; garbage never is. */
+            if (++restarts > 64) return SHM_E_CORRUPT;
             /* Stale: the bytes under pos may have been reused. Restart from fresh
              * positions; both are record boundaries at the time they are read. */
             /* acquire: pairs with the consumer's release store of head (ring_advance_head). */

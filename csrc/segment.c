@@ -188,6 +188,12 @@ void shm_detach(shm_chan *c) {
 }
 
 uint8_t *shm_base(shm_chan *c) { return c->base; }
+
+/* Write the segment back to its file (durable channels): see README "Durability". */
+int shm_sync(shm_chan *c) {
+    uint64_t len = c->map_len - c->cap; /* the first mapping: meta + ring once */
+    return msync(c->base, len, MS_SYNC) == 0 ? SHM_OK : SHM_E_SYS;
+}
 uint64_t shm_mapped_size(shm_chan *c) { return c->map_len; }
 
 int shm_read_config(shm_chan *c, shm_config *out) {
@@ -271,13 +277,25 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     /* Counters written by the consumer are read without synchronization: a snapshot. */
     uint64_t in_window = LOAD_RELAXED(&h->queued_in_window);
     uint64_t taken = LOAD_RELAXED(&h->ingested);
-    o->queued = in_window + (sent > taken ? sent - taken : 0);
-    o->inflight = LOAD_RELAXED(&h->inflight);
-    o->held_keys = LOAD_RELAXED(&h->held_keys);
+    /* Releases made in other processes reach the counters when the receiver next polls;
+     * count the ones still on their way so the snapshot does not lag behind. */
+    uint64_t released_pending = 0, nacked_pending = 0, keys_pending = 0;
+    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+        uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&c->slots[s].state)); /* pairs with holders' CAS */
+        if (st != SLOT_RELEASED && st != SLOT_NACKED) continue;
+        if (st == SLOT_RELEASED) released_pending++;
+        else nacked_pending++;
+        keys_pending += c->slots[s].nkeys;
+    }
+    uint64_t inflight = LOAD_RELAXED(&h->inflight), held = LOAD_RELAXED(&h->held_keys);
+    uint64_t pending = released_pending + nacked_pending;
+    o->inflight = inflight > pending ? inflight - pending : 0;
+    o->held_keys = held > keys_pending ? held - keys_pending : 0;
+    o->queued = in_window + (sent > taken ? sent - taken : 0) + nacked_pending;
     o->dead_letters = LOAD_RELAXED(&h->dead_letters);
     o->sent = sent;
     o->delivered = LOAD_RELAXED(&h->delivered);
-    o->released = LOAD_RELAXED(&h->released);
+    o->released = LOAD_RELAXED(&h->released) + released_pending;
     o->redelivered = LOAD_RELAXED(&h->redelivered);
     o->discarded = LOAD_RELAXED(&h->discarded);
     o->window = LOAD_RELAXED(&h->window);

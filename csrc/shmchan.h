@@ -105,6 +105,7 @@ int  shm_layout_size(const shm_config *cfg, uint64_t *total_out);
 int  shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_chan **out);
 void shm_detach(shm_chan *c);
 uint8_t *shm_base(shm_chan *c);
+int  shm_sync(shm_chan *c);
 uint64_t shm_mapped_size(shm_chan *c);
 int  shm_read_config(shm_chan *c, shm_config *out);
 

@@ -459,6 +459,13 @@ class Channel:
         _post(seg.rx_sem)
         _post(seg.tx_sem, 64)
 
+    def flush(self) -> None:
+        """Write the segment back to its file and wait for the disk (msync). Meaningful
+        for channels created with path=; see README "Durability"."""
+        rc = lib.shm_sync(self._live().ptr)
+        if rc:
+            raise_for(rc, "flush")
+
     def close(self) -> None:
         """Detach this process's Channel object (idempotent). Other processes carry on."""
         seg, self._seg = self._seg, None

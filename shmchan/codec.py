@@ -21,7 +21,7 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import TooManyKeys
+from .errors import ChannelCorrupted, TooManyKeys
 
 __all__ = ["Key", "encode_keys", "decode_keys", "encode_payload", "decode_payload", "RAW", "PICKLE"]
 
@@ -32,7 +32,7 @@ _MAX_KEY_BYTES = 0xFFFF - 1
 
 
 def _encode_one(key: object) -> bytes:
-    if type(key) is str or (isinstance(key, str)):
+    if isinstance(key, str):
         enc = b"s" + key.encode("utf-8", "surrogatepass")
     elif isinstance(key, bytes):
         enc = b"b" + bytes(key)
@@ -74,22 +74,29 @@ def encode_keys(keys: Key | Iterable[Key] | None, max_keys: int) -> tuple[bytes,
 
 
 def decode_keys(blob: bytes | memoryview, n: int) -> tuple[Key, ...]:
-    """The original key values from a key blob (validated by the C core's framing)."""
+    """The original key values from a key blob; ChannelCorrupted if it is malformed."""
     out: list[Key] = []
     off = 0
-    for _ in range(n):
-        size = blob[off] | (blob[off + 1] << 8)
-        enc = bytes(blob[off + 2 : off + 2 + size])
-        off += 2 + size
-        tag, body = enc[:1], enc[1:]
-        if tag == b"s":
-            out.append(body.decode("utf-8", "surrogatepass"))
-        elif tag == b"b":
-            out.append(body)
-        elif tag == b"i":
-            out.append(int.from_bytes(body, "big", signed=True))
-        else:
-            raise ValueError(f"unknown key tag {tag!r}")
+    try:
+        for _ in range(n):
+            size = blob[off] | (blob[off + 1] << 8)
+            enc = bytes(blob[off + 2 : off + 2 + size])
+            if len(enc) != size or size == 0:
+                raise ValueError("key runs past the blob")
+            off += 2 + size
+            tag, body = enc[:1], enc[1:]
+            if tag == b"s":
+                out.append(body.decode("utf-8", "surrogatepass"))
+            elif tag == b"b":
+                out.append(body)
+            elif tag == b"i":
+                out.append(int.from_bytes(body, "big", signed=True))
+            else:
+                raise ValueError(f"unknown key tag {tag!r}")
+        if off != len(blob):
+            raise ValueError("bytes left over after the last key")
+    except (IndexError, ValueError, UnicodeDecodeError) as e:
+        raise ChannelCorrupted(f"malformed key blob in the segment: {e}") from None
     return tuple(out)
 
 
