@@ -180,25 +180,15 @@ static int eager_try_take(shm_chan *c, uint32_t s, uint32_t *blocked_node, int64
 }
 
 /* ---- taking a message in ----------------------------------------------------------- */
-int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) {
-    shm_header *h = c->hdr;
-    uint32_t s = h->free_slots;
-    if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+/* Give slot s one node per distinct key hash of record r; under fifo, append each node
+ * to its key's line and count in pending the lines where s is not first. */
+static int attach_keys(shm_chan *c, uint32_t s, shm_record *r) {
     shm_slot *sl = &c->slots[s];
-    h->free_slots = sl->next;
-    h->window++;
-    sl->seq = r->seq;
-    sl->pos = pos;
-    sl->attempt = 0;
-    sl->pending = 0;
     sl->first_node = NIL;
     sl->nkeys = 0;
-    sl->deadline = 0;
-    sl->holder = 0;
-    sl->pin = PIN_FREE;
-    r->slot = s; /* the record is ours now: lets compaction find its slot */
-
+    sl->pending = 0;
     uint32_t nkeys = r->nkeys;
+    if (nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
     for (uint32_t i = 0; i < nkeys; i++) {
         uint64_t hash = r->hashes[i];
         int dup = 0;
@@ -219,6 +209,26 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
             line_append(c, &c->keys[k], n);
         }
     }
+    return SHM_OK;
+}
+
+int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) {
+    shm_header *h = c->hdr;
+    uint32_t s = h->free_slots;
+    if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+    shm_slot *sl = &c->slots[s];
+    h->free_slots = sl->next;
+    h->window++;
+    sl->seq = r->seq;
+    sl->pos = pos;
+    sl->attempt = 0;
+    sl->deadline = 0;
+    sl->holder = 0;
+    sl->pin = PIN_FREE;
+    r->slot = s; /* the record is ours now: lets compaction find its slot */
+
+    int rc = attach_keys(c, s, r);
+    if (rc) return rc;
     h->queued_in_window++;
     h->ingested++;
     *slot_out = s;
@@ -229,7 +239,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     }
     uint32_t bn;
     int64_t bk;
-    int rc = eager_try_take(c, s, &bn, &bk);
+    rc = eager_try_take(c, s, &bn, &bk);
     if (rc) return rc;
     if (bn == NIL) {
         ready_push(c, s, 0);
@@ -242,33 +252,13 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
 
 /* Recovery: a handed-out message rejoins its lines (it heads them) or retakes its keys. */
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r) {
-    shm_slot *sl = &c->slots[s];
-    sl->first_node = NIL;
-    sl->nkeys = 0;
-    sl->pending = 0;
-    uint32_t nkeys = r->nkeys;
-    if (nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
-    for (uint32_t i = 0; i < nkeys; i++) {
-        uint64_t hash = r->hashes[i];
-        int dup = 0;
-        for (uint32_t j = 0; j < i; j++) dup |= (r->hashes[j] == hash);
-        if (dup) continue;
-        uint32_t n = node_alloc(c);
-        if (n == NIL) return SHM_E_CORRUPT;
-        c->nodes[n].hash = hash;
-        c->nodes[n].slot = s;
-        c->nodes[n].sibling = sl->first_node;
-        c->nodes[n].next = NIL;
-        sl->first_node = n;
-        sl->nkeys++;
-        int64_t k = key_insert(c, hash);
+    int rc = attach_keys(c, s, r);
+    if (rc || c->cfg.order == SHM_ORDER_FIFO) return rc;
+    for (uint32_t n = c->slots[s].first_node, i = 0; i < c->slots[s].nkeys; i++) {
+        int64_t k = key_insert(c, c->nodes[n].hash);
         if (k < 0) return SHM_E_CORRUPT;
-        if (c->cfg.order == SHM_ORDER_FIFO) {
-            if (c->keys[k].head != NIL) sl->pending++;
-            line_append(c, &c->keys[k], n);
-        } else {
-            c->keys[k].held = s;
-        }
+        c->keys[k].held = s;
+        n = c->nodes[n].sibling;
     }
     return SHM_OK;
 }

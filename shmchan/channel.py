@@ -775,6 +775,9 @@ class Sender:
                     if not armed:
                         lib.shm_space_wait(seg.ptr, 1)
                         armed = True
+                        # An idle receiver may be able to free space by compacting
+                        # (csrc/compact.c): let it know someone is waiting.
+                        seg.rx_sem.release()
                         rc = attempt()  # re-check after announcing ourselves
                         continue
                     left = _remaining(deadline)
