@@ -67,8 +67,10 @@ static int finished(shm_chan *c, uint64_t pos) {
 int compact(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t head = h->head, stop = h->ingest_pos;
+    if (head >= stop || finished(c, head)) return 0; /* nothing pinned: the common case */
+    /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
-    if (head >= stop || tail - head <= c->cap / 2) return 0;
+    if (tail - head <= c->cap / 2) return 0;
 
     /* the pinned block [head, head + block) */
     uint32_t slots[COMPACT_MAX_RECORDS];

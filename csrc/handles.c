@@ -273,9 +273,27 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     return rc;
 }
 
+/* Busy-wait (without the lock) until something may have arrived, or `spins` pauses
+ * pass: the receiver's short spin before it sleeps. Watching two words in our own cache
+ * costs no bus traffic until a producer or releaser writes them. */
+int shm_rx_spin(shm_chan *c, uint32_t spins) {
+    shm_header *h = c->hdr;
+    uint64_t pos = LOAD_RELAXED(&h->ingest_pos);
+    shm_record *r = rec_at(c, pos);
+    for (uint32_t i = 0; i < spins; i++) {
+        /* acquire: pairs with prepare_successor / claimants (owner) and handles_push. */
+        if (LOAD_ACQUIRE(&r->owner) != OWNER_EMPTY(pos)) return SHM_OK;
+        if (LOAD_ACQUIRE(&h->release_stack) != NIL) return SHM_OK;
+        CPU_RELAX();
+    }
+    return SHM_EMPTY;
+}
+
 /* ---- holders (any process) ------------------------------------------------------------ */
-int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack, int *wake) {
-    *wake = 0;
+#define WAKE_RX (1 << 8)
+#define WAKE_TX_SHIFT 9
+
+int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
     shm_slot *sl = &c->slots[s];
     uint64_t expect = SLOT_WORD(gen, SLOT_INFLIGHT);
@@ -285,39 +303,42 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack, int *wake) {
     if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gen, nack ? SLOT_NACKED : SLOT_RELEASED)))
         return SHM_STALE;
     if (c->is_rx) {
+        int out = SHM_OK;
         pthread_mutex_lock(&c->rx_mu);
         STORE_RELAXED(&c->hdr->dirty, 1);
         int rc = handles_finish(c, s);
         if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
             FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
-            *wake = (int)(LOAD_RELAXED(&c->hdr->space_waiters) << 1);
+            uint32_t waiters = LOAD_RELAXED(&c->hdr->space_waiters);
+            if (waiters) out |= (int)((waiters > 64 ? 64 : waiters) << WAKE_TX_SHIFT);
         }
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
         pthread_mutex_unlock(&c->rx_mu);
-        return rc;
+        return rc ? rc : out;
     }
     handles_push(c, s);
     /* seq_cst fence: pairs with the receiver's store of rx_sleeping and re-check. */
     FENCE_SEQCST();
     if (LOAD_RELAXED(&c->hdr->rx_sleeping)) {
         uint32_t one = 1;
-        if (CAS_SEQCST(&c->hdr->rx_sleeping, &one, 0)) *wake |= 1;
+        if (CAS_SEQCST(&c->hdr->rx_sleeping, &one, 0)) return WAKE_RX;
     }
     return SHM_OK;
 }
 
 int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
                      int *wake) {
-    int rc = SHM_OK, rx = 0;
-    uint32_t tx = 0;
+    int rc = SHM_OK, rx = 0, tx = 0;
     for (uint32_t i = 0; i < n; i++) {
-        int w = 0;
-        int r = shm_release(c, slots[i], gens[i], 0, &w);
-        rx |= w & 1;
-        if ((uint32_t)(w >> 1) > tx) tx = (uint32_t)(w >> 1);
-        if (r < 0) rc = r;
+        int r = shm_release(c, slots[i], gens[i], 0);
+        if (r < 0) {
+            rc = r;
+            continue;
+        }
+        rx |= r & WAKE_RX;
+        if ((r >> WAKE_TX_SHIFT) > tx) tx = r >> WAKE_TX_SHIFT;
     }
-    *wake = rx | (int)(tx << 1);
+    *wake = (rx ? 1 : 0) | (tx << 1);
     return rc;
 }
 

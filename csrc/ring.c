@@ -265,11 +265,12 @@ static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
     return SHM_OK;
 }
 
-int shm_send(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len, const uint8_t *keys,
+int shm_send(shm_chan *c, uint32_t kind, const char *data, uint64_t len, const char *keys,
              uint32_t keys_len, uint32_t nkeys, uint64_t *seq_out, shm_stall *stall, int *wake) {
     *wake = 0;
     if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
-    int rc = send_one(c, kind, data, len, keys, keys_len, nkeys, seq_out, stall);
+    int rc = send_one(c, kind, (const uint8_t *)data, len, (const uint8_t *)keys, keys_len, nkeys,
+                      seq_out, stall);
     if (rc == SHM_OK) wake_receiver(c, wake);
     return rc;
 }

@@ -50,18 +50,21 @@ typedef struct {
     uint32_t max_producers; /* producer registry slots                          */
 } shm_config;
 
-/* --- what the receiver hands out ---------------------------------------- */
+/* --- what the receiver hands out ---------------------------------------
+ * Every field is a uint64_t, in this order, so Python can read a batch of them as
+ * one flat list (ffi.unpack) instead of field by field. */
+#define SHM_MSG_WORDS 12
 typedef struct {
-    uint32_t slot;          /* message table index   } the handle's identity  */
-    uint32_t gen;           /* slot generation       }                         */
+    uint64_t slot;          /* message table index   } the handle's identity  */
+    uint64_t gen;           /* slot generation       }                         */
     uint64_t seq;
-    uint32_t attempt;
-    uint32_t kind;          /* SHM_PAYLOAD_*                                   */
+    uint64_t attempt;
+    uint64_t kind;          /* SHM_PAYLOAD_*                                   */
     uint64_t data_off;      /* payload offset from the mapping's base          */
     uint64_t data_len;
     uint64_t keys_off;      /* encoded key blob offset from the mapping's base */
-    uint32_t keys_len;
-    uint32_t nkeys;
+    uint64_t keys_len;
+    uint64_t nkeys;
     uint64_t pos;           /* record position: changes if the consumer moves it    */
     uint64_t word;          /* the slot's state word this description is valid for  */
 } shm_msg;
@@ -118,8 +121,8 @@ int  shm_producer_attach(shm_chan *c);
 int  shm_producer_detach(shm_chan *c);
 int  shm_producer_slot_owner(shm_chan *c, uint32_t i, uint64_t *owner);
 int  shm_producer_reap(shm_chan *c, uint32_t i, uint64_t dead_owner);
-int  shm_send(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
-              const uint8_t *keys, uint32_t keys_len, uint32_t nkeys,
+int  shm_send(shm_chan *c, uint32_t kind, const char *data, uint64_t len,
+              const char *keys, uint32_t keys_len, uint32_t nkeys,
               uint64_t *seq_out, shm_stall *stall, int *wake);
 int  shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds,
                    const uint8_t *const *datas, const uint64_t *lens,
@@ -137,9 +140,12 @@ int  shm_rx_release_ownership(shm_chan *c);
 int  shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got,
               int arm_sleep, shm_stall *stall, uint32_t *space_waiters);
 int  shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner);
+int  shm_rx_spin(shm_chan *c, uint32_t spins);
 
 /* --- handles (any process) ---------------------------------------------- */
-int  shm_release(shm_chan *c, uint32_t slot, uint32_t gen, int nack, int *wake);
+/* returns a status code; on success also wake-up requests: bit 8 = post the
+ * receiver's semaphore, bits 9.. = senders waiting for space */
+int  shm_release(shm_chan *c, uint32_t slot, uint32_t gen, int nack);
 int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
                       uint32_t n, int *wake);
 int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);

@@ -38,10 +38,14 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 _PREFIX = "shmchan."
 _SHM_DIR = "/dev/shm"
 _SPIN_SECONDS = 50e-6  # poll this long before sleeping on the semaphore
+_SPIN_PAUSES = 500  # CPU pause instructions per spin round (a few microseconds)
 _MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least this often
 _STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
 _SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
 _HOLDER_REVOKED = 1  # csrc/core.h HOLDER_REVOKED
+_MSG_WORDS = lib.SHM_MSG_WORDS
+_WAKE_RX = 1 << 8  # shm_release's wake-up bits (csrc/handles.c)
+_WAKE_TX_SHIFT = 9
 _ORDERS = {"fifo": lib.SHM_ORDER_FIFO, "eager": lib.SHM_ORDER_EAGER}
 _SERIALIZERS = ("pickle", "raw")
 
@@ -693,7 +697,7 @@ class Sender:
         if not seg.registered:
             seg.register_producer()
         s = seg.scratch()
-        data = ffi.from_buffer("uint8_t[]", buf)
+        data = buf if type(buf) is bytes else ffi.from_buffer("char[]", buf)
         rc = lib.shm_send(seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake)
         if rc:
             deadline = _deadline(timeout)
@@ -885,7 +889,8 @@ class Receiver:
                 _post(seg.tx_sem, s.waiters[0])
             got = s.got[0]
             if got:
-                return [Handle._from_msg(seg, msgs[i]) for i in range(got)]
+                vals = ffi.unpack(ffi.cast("uint64_t *", msgs), _MSG_WORDS * got)
+                return [Handle._from_vals(seg, vals, i) for i in range(0, _MSG_WORDS * got, _MSG_WORDS)]
             if rc == lib.SHM_CLOSED:
                 raise errors.Closed(f"channel {seg.name!r} is shut down and drained")
             if rc == lib.SHM_STALLED:
@@ -908,7 +913,8 @@ class Receiver:
             if left is not None and left <= 0:
                 raise errors.Empty(f"recv: nothing arrived on {seg.name!r} in time")
             if not arm:
-                if time.monotonic() < spin_until:
+                if rc == lib.SHM_EMPTY and time.monotonic() < spin_until:
+                    lib.shm_rx_spin(seg.ptr, _SPIN_PAUSES)
                     continue
                 arm = 1
                 continue  # poll once more with the sleep flag armed
@@ -985,29 +991,47 @@ class Handle:
     attempt: int
 
     @classmethod
-    def _from_msg(cls, seg: _Segment, m: Any) -> Handle:
+    def _from_vals(cls, seg: _Segment, vals: list[int], i: int) -> Handle:
+        """A handle from words i..i+SHM_MSG_WORDS of unpacked shm_msg structs."""
         h = cls.__new__(cls)
         h._seg = seg
-        h._slot = m.slot
-        h._gen = m.gen
-        h.seq = m.seq
-        h.attempt = m.attempt
-        h._locate(m)
+        (
+            h._slot,
+            h._gen,
+            h.seq,
+            h.attempt,
+            h._kind,
+            h._data_off,
+            h._data_len,
+            h._keys_off,
+            h._keys_len,
+            h._nkeys,
+            h._pos,
+            h._word,
+        ) = vals[i : i + _MSG_WORDS]
         h._keys = None
         h._payload = _UNSET
         h._done = False
         h._pid = seg.pid
         return h
 
+    @classmethod
+    def _from_msg(cls, seg: _Segment, m: Any) -> Handle:
+        return cls._from_vals(seg, ffi.unpack(ffi.cast("uint64_t *", m), _MSG_WORDS), 0)
+
     def _locate(self, m: Any) -> None:
-        self._kind = m.kind
-        self._data_off = m.data_off
-        self._data_len = m.data_len
-        self._keys_off = m.keys_off
-        self._keys_len = m.keys_len
-        self._nkeys = m.nkeys
-        self._pos = m.pos
-        self._word = m.word
+        """Take the (possibly moved) location from a fresh description."""
+        vals = ffi.unpack(ffi.cast("uint64_t *", m), _MSG_WORDS)
+        (
+            self._kind,
+            self._data_off,
+            self._data_len,
+            self._keys_off,
+            self._keys_len,
+            self._nkeys,
+            self._pos,
+            self._word,
+        ) = vals[4:]
 
     def _check(self) -> _Segment:
         if self._done:
@@ -1077,20 +1101,21 @@ class Handle:
         seg = self._seg
         if seg.detached[0]:
             return False  # finalized together with its segment: nothing left to release
-        s = seg.scratch()
-        rc = lib.shm_release(seg.ptr, self._slot, self._gen, nack, s.wake)
-        wake = s.wake[0]
-        if wake & 1:
+        r = lib.shm_release(seg.ptr, self._slot, self._gen, nack)
+        if r == 0:
+            return True
+        if r < 0:
+            raise_for(r, "release")
+        if r & _WAKE_RX:
             seg.rx_sem.release()
-        if wake >> 1:
-            _post(seg.tx_sem, wake >> 1)
-        if rc < 0:
-            raise_for(rc, "release")
-        return rc == lib.SHM_OK
+        if r >> _WAKE_TX_SHIFT:
+            _post(seg.tx_sem, r >> _WAKE_TX_SHIFT)
+        return (r & 0xFF) == lib.SHM_OK
 
     def release(self) -> None:
         """Free the handle's keys for the next message in line. Idempotent."""
-        self._finish(0)
+        if not self._done:
+            self._finish(0)
 
     ack = release
 

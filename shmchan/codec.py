@@ -48,10 +48,35 @@ def _encode_one(key: object) -> bytes:
     return enc
 
 
+# Framed encodings of recently used keys, by exact type (so 1, True and 1.0 never mix).
+_CACHE_LIMIT = 1 << 16
+_framed_cache: dict[type, dict[Any, bytes]] = {str: {}, bytes: {}, int: {}}
+
+
+def _framed(key: object) -> bytes:
+    """u16 length + encoding of one key, cached for str, bytes and int keys."""
+    cache = _framed_cache.get(type(key))
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    enc = _encode_one(key)
+    framed = len(enc).to_bytes(2, "little") + enc
+    if cache is not None:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = framed
+    return framed
+
+
 def encode_keys(keys: Key | Iterable[Key] | None, max_keys: int) -> tuple[bytes, int]:
     """The key blob and the number of distinct keys. A single str, bytes or int is one key."""
     if keys is None:
         return b"", 0
+    if type(keys) is str or type(keys) is int or type(keys) is bytes:
+        if max_keys < 1:
+            raise TooManyKeys("1 distinct key, but this channel allows at most 0")
+        return _framed(keys), 1
     if isinstance(keys, (str, bytes, int)):
         items: Iterable[Any] = (keys,)
     else:
@@ -61,16 +86,10 @@ def encode_keys(keys: Key | Iterable[Key] | None, max_keys: int) -> tuple[bytes,
             raise TypeError(
                 f"keys must be a str, bytes, int or an iterable of them, not {type(keys).__name__}"
             ) from None
-    seen: dict[bytes, None] = {}
-    for key in items:
-        seen[_encode_one(key)] = None
+    seen = dict.fromkeys(map(_framed, items))
     if len(seen) > max_keys:
         raise TooManyKeys(f"{len(seen)} distinct keys, but this channel allows at most {max_keys}")
-    parts = []
-    for enc in seen:
-        parts.append(len(enc).to_bytes(2, "little"))
-        parts.append(enc)
-    return b"".join(parts), len(seen)
+    return b"".join(seen), len(seen)
 
 
 def decode_keys(blob: bytes | memoryview, n: int) -> tuple[Key, ...]:
