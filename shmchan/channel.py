@@ -949,8 +949,15 @@ class Receiver:
     def close(self) -> None:
         """Give up the receiver seat (idempotent). Handles already out stay valid."""
         seg, self._seg = self._seg, None
-        if seg is not None:
+        if seg is not None and not seg.detached[0] and seg.pid == os.getpid():
             lib.shm_rx_release_ownership(seg.ptr)
+
+    def __del__(self) -> None:
+        # A receiver nobody can reach any more must not keep the seat.
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def __enter__(self) -> Receiver:
         return self
