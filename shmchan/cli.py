@@ -47,10 +47,10 @@ def _human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _open(name: str) -> shmchan.Channel:
+def _open(name: str, path: str | None = None) -> shmchan.Channel:
     """Attach to an existing channel, turning every shmchan error into a user error."""
     try:
-        return shmchan.Channel.open(name)
+        return shmchan.Channel.open(name, path=path)
     except shmchan.ChannelNotFound:
         raise _UserError(f"no channel named {name!r}") from None
     except shmchan.LayoutMismatch as e:
@@ -59,8 +59,8 @@ def _open(name: str) -> shmchan.Channel:
         raise _UserError(f"channel {name!r} is corrupted: {e}") from None
 
 
-def _read_stats(name: str) -> shmchan.Stats:
-    ch = _open(name)
+def _read_stats(name: str, path: str | None = None) -> shmchan.Stats:
+    ch = _open(name, path)
     try:
         return ch.stats()
     finally:
@@ -118,7 +118,7 @@ _COUNTERS = ("sent", "delivered", "released", "redelivered", "discarded")
 def _cmd_stat(args: argparse.Namespace) -> int:
     name = args.name
     if args.watch is None:
-        s = _read_stats(name)
+        s = _read_stats(name, args.path)
         if args.json:
             print(json.dumps({"name": name, **dataclasses.asdict(s)}))
         else:
@@ -127,7 +127,7 @@ def _cmd_stat(args: argparse.Namespace) -> int:
 
     # --watch: keep one attachment open, sample every `interval` seconds until Ctrl-C.
     interval = args.watch
-    ch = _open(name)
+    ch = _open(name, args.path)
     clear = sys.stdout.isatty() and not args.json
     previous: tuple[float, shmchan.Stats] | None = None
     try:
@@ -159,7 +159,7 @@ def _cmd_stat(args: argparse.Namespace) -> int:
 
 def _cmd_rm(args: argparse.Namespace) -> int:
     try:
-        shmchan.unlink(args.name)
+        shmchan.unlink(args.name, path=args.path)
     except shmchan.ChannelNotFound:
         raise _UserError(f"no channel named {args.name!r}") from None
     return EXIT_OK
@@ -223,10 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="repeat every SECONDS (default 1) until Ctrl-C",
     )
+    p.add_argument("--path", metavar="FILE", help="the channel's file, for channels created with path=")
     p.set_defaults(func=_cmd_stat)
 
     p = sub.add_parser("rm", help="remove (unlink) a channel")
     p.add_argument("name", metavar="NAME", help="channel name")
+    p.add_argument("--path", metavar="FILE", help="the channel's file, for channels created with path=")
     p.set_defaults(func=_cmd_rm)
 
     p = sub.add_parser(
