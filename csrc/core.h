@@ -88,6 +88,7 @@ typedef struct {
     uint32_t max_nodes;   /* node table entries (index 0 unused) */
     uint32_t keytab_size; /* key table entries, a power of two */
     uint64_t segment_size;
+    uint64_t boot_id; /* hash of the boot the tokens below belong to (recovery.c) */
 
     /* -- producers: where the tail probably is (a hint; the ring is the truth) -- */
     _Alignas(SHM_CACHELINE) uint64_t tail_hint;

@@ -18,6 +18,13 @@
  * RELEASED (or NACKED) but nobody told the receiver. Maintenance finishes slots it found
  * in that state on two consecutive scans while the stack was empty.
  *
+ * The machine rebooted (a file-backed channel, path=): every token in the file names a
+ * process of the previous boot, and a process of this boot may by chance have the same
+ * pid and start tick. shm_boot_check, run by whoever opens the file first in a new boot,
+ * forgets them all: the receiver seat and producer registry are emptied, in-flight
+ * handles are marked revoked (the next receiver redelivers them), and claims left open
+ * in the ring are closed as discarded.
+ *
  * Receiver died. The next receiver takes the seat by CAS on the receiver word from the
  * dead token. If the dead one was between operations (dirty == 0) its state is whole and
  * the new receiver simply carries on; its handles are revoked like any dead holder's.
@@ -45,8 +52,9 @@ int shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64
         /* acquire: pairs with hand_out's release store; holder was written before it. */
         if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue;
         uint64_t dl = LOAD_ACQUIRE(&sl->deadline); /* pairs with shm_handle_extend */
-        if (dl && dl < now_ns) late++;
-        uint64_t t = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_adopt */
+        uint64_t t = LOAD_ACQUIRE(&sl->holder);     /* pairs with shm_handle_adopt */
+        /* a revocation a dead receiver left half done counts as work to do */
+        if ((dl && dl < now_ns) || t == HOLDER_REVOKED) late++;
         uint32_t i = 0;
         while (i < count && tokens[i] != t) i++;
         if (i == count && count < max) tokens[count++] = t;
@@ -86,9 +94,13 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
         uint64_t holder = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_adopt */
         uint64_t dl = LOAD_ACQUIRE(&sl->deadline);   /* pairs with shm_handle_extend */
         int late = dl && dl < now_ns;
-        if (!late && !in_set(dead, ndead, holder)) continue;
-        /* seq_cst: fence off a concurrent hand-over; pairs with the CAS in adopt. */
-        if (!CAS_SEQCST(&sl->holder, &holder, HOLDER_REVOKED)) continue;
+        /* HOLDER_REVOKED while still INFLIGHT: a receiver died between the two CASes
+         * below; finish its revocation. */
+        if (holder != HOLDER_REVOKED) {
+            if (!late && !in_set(dead, ndead, holder)) continue;
+            /* seq_cst: fence off a concurrent hand-over; pairs with the CAS in adopt. */
+            if (!CAS_SEQCST(&sl->holder, &holder, HOLDER_REVOKED)) continue;
+        }
         /* seq_cst: the same transition a nack makes; pairs with the holder's CAS. */
         if (!CAS_SEQCST(&sl->state, &w, SLOT_WORD(SLOT_GEN(w), SLOT_NACKED))) continue;
         rc = handles_finish(c, s);
@@ -138,6 +150,47 @@ int shm_dead_discard(shm_chan *c, uint32_t s, uint32_t gen, int *wake) {
     if (LOAD_RELAXED(&c->hdr->rx_sleeping)) {
         uint32_t one = 1;
         if (CAS_SEQCST(&c->hdr->rx_sleeping, &one, 0)) *wake |= 1;
+    }
+    return SHM_OK;
+}
+
+/* ---- a new boot ------------------------------------------------------------------------------ */
+int shm_boot_check(shm_chan *c, uint64_t boot_id) {
+    shm_header *h = c->hdr;
+    uint64_t old = LOAD_ACQUIRE(&h->boot_id); /* pairs with the CAS below */
+    if (old == boot_id) return SHM_OK;
+    /* seq_cst: one process per boot does the reset. */
+    if (!CAS_SEQCST(&h->boot_id, &old, boot_id)) return SHM_OK;
+    STORE_SEQCST(&h->receiver, 0);
+    STORE_RELAXED(&h->rx_sleeping, 0);
+    STORE_RELAXED(&h->space_waiters, 0);
+    for (uint32_t i = 0; i < c->cfg.max_producers; i++) {
+        c->producers[i].waiting = 0;
+        STORE_RELEASE(&c->producers[i].owner, 0); /* pairs with shm_producer_attach */
+    }
+    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+        shm_slot *sl = &c->slots[s];
+        if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) == SLOT_INFLIGHT)
+            STORE_RELEASE(&sl->holder, HOLDER_REVOKED); /* shm_revoke finishes these */
+        sl->pin = PIN_FREE;
+    }
+    /* Close the claims of the previous boot, from ingest_pos to the tail. */
+    uint64_t pos = h->ingest_pos;
+    for (uint64_t guard = 0; guard <= c->cap / REC_HDR; guard++) {
+        shm_record *r = rec_at(c, pos);
+        uint64_t owner = LOAD_ACQUIRE(&r->owner);
+        if (owner == OWNER_EMPTY(pos) || OWNER_IS_EMPTY(owner) || owner == 0) break;
+        uint64_t meta = LOAD_ACQUIRE(&r->meta);
+        if (META_STATE(meta) == REC_CLAIMED) {
+            shm_repair_claim(c, pos, OWNER_TOKEN(owner));
+            meta = LOAD_ACQUIRE(&r->meta);
+        } else if (META_STATE(meta) == REC_WRITING) {
+            meta = META(META_LEN(meta), REC_DISCARDED);
+            STORE_RELEASE(&r->meta, meta); /* pairs with ring_peek */
+        }
+        uint64_t len = META_LEN(meta);
+        if (len < REC_HDR || (len & 7u) || len > c->cap - REC_HDR) break;
+        pos += len;
     }
     return SHM_OK;
 }

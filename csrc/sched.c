@@ -97,9 +97,12 @@ static void key_delete(shm_chan *c, uint32_t i) {
 }
 
 /* ---- lists --------------------------------------------------------------------------- */
-static void ready_push(shm_chan *c, uint32_t s, int front) {
+static int ready_push(shm_chan *c, uint32_t s, int front) {
     shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
+    if ((h->ready_tail != NIL && !SLOT_OK(c, h->ready_tail)) ||
+        (h->ready_head != NIL && !SLOT_OK(c, h->ready_head)))
+        return SHM_E_CORRUPT;
     /* release: holders reading a handle's slot (shm_handle_info) pair with their acquire
      * of the state word; READY is never shared, so relaxed would do, but keep one rule. */
     STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_READY));
@@ -113,6 +116,7 @@ static void ready_push(shm_chan *c, uint32_t s, int front) {
         else c->slots[h->ready_tail].next = s;
         h->ready_tail = s;
     }
+    return SHM_OK;
 }
 
 uint32_t sched_pop_ready(shm_chan *c) {
@@ -140,11 +144,13 @@ static void node_free(shm_chan *c, uint32_t n) {
     c->hdr->nodes_used--;
 }
 
-static void line_append(shm_chan *c, shm_key *k, uint32_t n) {
+static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
+    if (k->head != NIL && (!NODE_OK(c, k->head) || !NODE_OK(c, k->tail))) return SHM_E_CORRUPT;
     c->nodes[n].next = NIL;
     if (k->head == NIL) k->head = n;
     else c->nodes[k->tail].next = n;
     k->tail = n;
+    return SHM_OK;
 }
 
 int sched_has_room(shm_chan *c, uint32_t nkeys) {
@@ -206,7 +212,7 @@ static int attach_keys(shm_chan *c, uint32_t s, shm_record *r) {
             int64_t k = key_insert(c, hash);
             if (k < 0) return SHM_E_CORRUPT;
             if (c->keys[k].head != NIL) sl->pending++;
-            line_append(c, &c->keys[k], n);
+            if (line_append(c, &c->keys[k], n)) return SHM_E_CORRUPT;
         }
     }
     return SHM_OK;
@@ -233,21 +239,17 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     h->ingested++;
     *slot_out = s;
     if (c->cfg.order == SHM_ORDER_FIFO) {
-        if (sl->pending == 0) ready_push(c, s, 0);
-        else STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
+        if (sl->pending == 0) return ready_push(c, s, 0);
+        STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
         return SHM_OK;
     }
     uint32_t bn;
     int64_t bk;
     rc = eager_try_take(c, s, &bn, &bk);
     if (rc) return rc;
-    if (bn == NIL) {
-        ready_push(c, s, 0);
-    } else {
-        STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
-        line_append(c, &c->keys[bk], bn);
-    }
-    return SHM_OK;
+    if (bn == NIL) return ready_push(c, s, 0);
+    STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
+    return line_append(c, &c->keys[bk], bn);
 }
 
 /* Recovery: a handed-out message rejoins its lines (it heads them) or retakes its keys. */
@@ -280,7 +282,7 @@ static int fifo_unlink(shm_chan *c, uint32_t s) {
             if (!NODE_OK(c, key->head)) return SHM_E_CORRUPT;
             uint32_t s2 = c->nodes[key->head].slot;
             if (!SLOT_OK(c, s2) || c->slots[s2].pending == 0) return SHM_E_CORRUPT;
-            if (--c->slots[s2].pending == 0) ready_push(c, s2, 0);
+            if (--c->slots[s2].pending == 0 && ready_push(c, s2, 0)) return SHM_E_CORRUPT;
         }
         node_free(c, n);
         n = sib;
@@ -321,8 +323,8 @@ static int eager_unlink(shm_chan *c, uint32_t s) {
             int64_t bk;
             int rc = eager_try_take(c, ws, &bn, &bk);
             if (rc) return rc;
-            if (bn == NIL) ready_push(c, ws, 0);
-            else line_append(c, &c->keys[bk], bn);
+            rc = bn == NIL ? ready_push(c, ws, 0) : line_append(c, &c->keys[bk], bn);
+            if (rc) return rc;
             /* key may have moved only by deletion, which we do not do inside this loop
              * except just above before break; re-find it on the next round. */
         }
@@ -349,9 +351,8 @@ int sched_requeue(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
     /* release: pairs with holders' acquire/CAS of the state word (see ready_push). */
     STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state) + 1, SLOT_READY));
-    ready_push(c, s, 1);
     c->hdr->queued_in_window++;
-    return SHM_OK;
+    return ready_push(c, s, 1);
 }
 
 /* ---- self-check ------------------------------------------------------------------------

@@ -162,6 +162,7 @@ int  shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_
 int  shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint32_t *n,
                    uint32_t *next);
 int  shm_dead_discard(shm_chan *c, uint32_t slot, uint32_t gen, int *wake);
+int  shm_boot_check(shm_chan *c, uint64_t boot_id);
 
 /* --- inspection --------------------------------------------------------- */
 int  shm_stats_read(shm_chan *c, shm_stats *out);

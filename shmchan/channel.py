@@ -129,6 +129,8 @@ class _Segment:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.registered = False
+        # Tokens recorded in a previous boot (file-backed channels) mean nothing now.
+        lib.shm_boot_check(ptr, liveness.boot_id())
         # scratch structs for the calling thread's C calls
         self._local = threading.local()
         _segments.add(self)
@@ -604,11 +606,9 @@ def _open_segment(name: str, path: str | os.PathLike[str] | None) -> _Segment:
             raise errors.LayoutMismatch(f"channel {name!r} was never initialized by its creator")
         if rc:
             raise_for(rc, f"open {name!r}")
-        try:
-            rx, tx = _open_sems(name, 0, 0o600)
-        except posix_ipc.ExistentialError:
-            lib.shm_detach(out[0])
-            raise errors.ChannelCorrupted(f"channel {name!r} has lost its semaphores") from None
+        # O_CREAT: a file-backed channel outlives /dev/shm (a reboot empties it), and a
+        # semaphore only ever carries wake-ups, so a fresh one loses nothing.
+        rx, tx = _open_sems(name, posix_ipc.O_CREAT, 0o600)
         return _Segment(name, None if path is None else os.fspath(path), out[0], rx, tx)
 
 
@@ -1091,7 +1091,12 @@ class Handle:
         """The message's object: bytes for bytes-like payloads, else the unpickled object."""
         if self._payload is _UNSET:
             raw = self._copy(keys=False)
-            self._payload = raw if self._kind == codec.RAW else codec.decode_payload(self._kind, memoryview(raw))
+            if self._kind == codec.RAW:
+                self._payload = raw
+            elif self._seg.raw_only:  # the C core refuses such records too; never unpickle
+                raise errors.ChannelCorrupted('a pickled record in a serializer="raw" channel')
+            else:
+                self._payload = codec.decode_payload(self._kind, memoryview(raw))
         return self._payload
 
     @property

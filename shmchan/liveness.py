@@ -17,7 +17,7 @@ import os
 
 import psutil
 
-__all__ = ["current_token", "token_of", "token_pid", "is_alive"]
+__all__ = ["current_token", "token_of", "token_pid", "is_alive", "boot_id"]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _TICKS_MASK = (1 << 40) - 1
@@ -60,3 +60,13 @@ def is_alive(token: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True  # it exists; we may not inspect it, so never declare it dead
+
+
+def boot_id() -> int:
+    """A 64-bit number that changes with every boot (tokens are only unique within one)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            text = f.read().strip()
+        return int(text.replace("-", ""), 16) & ((1 << 64) - 1)
+    except OSError:
+        return int(psutil.boot_time() * 1000) & ((1 << 64) - 1)

@@ -8,9 +8,9 @@ spawned interpreters can import them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import hashlib
+import itertools
 import multiprocessing
 import os
 import random
@@ -119,23 +119,6 @@ def hold_receiver(name: str, results, go) -> None:
         go.wait(WAIT)
 
 
-BODY_HEADER = struct.Struct("<II")  # producer index, message number
-
-
-@functools.lru_cache(maxsize=64)
-def _filler(index: int, variant: int) -> bytes:
-    seed = hashlib.sha256(f"{index}:{variant}".encode()).digest()
-    return seed * ((64 << 10) * (1 + variant) // 32)  # 64 KiB .. 1 MiB
-
-
-def body_for(index: int, i: int) -> bytes:
-    """A payload the consumer can check byte for byte: (index, i) then a filler of up to 1 MiB.
-
-    Big payloads make a SIGKILL likely to land while the producer is copying into its claim.
-    """
-    return BODY_HEADER.pack(index, i) + _filler(index, i % 16)
-
-
 def send_huge_after_signal(name: str, size: int, ready) -> None:
     """Build a huge payload, say so, then send it: a kill right after lands mid-copy."""
     payload = b"\x01" * size
@@ -145,23 +128,64 @@ def send_huge_after_signal(name: str, size: int, ready) -> None:
         ready.send_bytes(b"sent")
 
 
-REPORT = struct.Struct("<QII")  # seq, producer index, message number
+# Torture payloads: numbered, checksummed, with keys derived from the number, so the consumer
+# can tell a torn, corrupt, misattributed or mis-keyed message from a good one.
+TORTURE_KEYS = ("a", "b", "c", "d", "e")
+TORTURE_HEAD = struct.Struct("<IIQ")  # producer id, message number, body length
+TORTURE_DIGEST = 16  # blake2b digest of head + body, stored between the two
+SEND_LOG = struct.Struct("<QII")  # seq, producer id, message number: one write() per send
 
 
-def produce_until_killed(tx, index: int, report_path: str) -> None:
-    """Send forever; after each send returns, append one fixed-size record with one write()."""
-    fd = os.open(report_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    for i in range(10**9):
-        keys = (f"p{index}", "shared") if i % 2 else (f"p{index}",)
-        seq = tx.send(body_for(index, i), keys=keys, timeout=WAIT)
-        os.write(fd, REPORT.pack(seq, index, i))
+def torture_message(producer_id: int, n: int) -> tuple[bytes, tuple[str, ...]]:
+    """Message n of a producer: (payload, keys), the same in every process."""
+    rng = random.Random(f"{producer_id}:{n}")  # str seeds are hashed with sha512: stable
+    keys = tuple(rng.sample(TORTURE_KEYS, rng.randint(0, 3)))
+    # Mostly small records, now and then a large one: a 64 KiB channel is full often.
+    size = rng.randint(16 << 10, 24 << 10) if rng.random() < 0.1 else rng.randint(0, 3000)
+    body = rng.randbytes(size)
+    head = TORTURE_HEAD.pack(producer_id, n, size)
+    return head + hashlib.blake2b(head + body, digest_size=TORTURE_DIGEST).digest() + body, keys
 
 
-def read_reports(path: str) -> list[tuple[int, int, int]]:
-    with open(path, "rb") as f:
-        data = f.read()
-    usable = len(data) - len(data) % REPORT.size
-    return [REPORT.unpack_from(data, off) for off in range(0, usable, REPORT.size)]
+def check_torture_message(data: bytes) -> tuple[int, int]:
+    """(producer id, message number) of a whole, uncorrupted payload; AssertionError else."""
+    assert len(data) >= TORTURE_HEAD.size + TORTURE_DIGEST, f"payload too short: {len(data)}"
+    producer_id, n, size = TORTURE_HEAD.unpack_from(data)
+    head, digest = (
+        data[: TORTURE_HEAD.size],
+        data[TORTURE_HEAD.size : TORTURE_HEAD.size + TORTURE_DIGEST],
+    )
+    body = data[TORTURE_HEAD.size + TORTURE_DIGEST :]
+    assert len(body) == size, f"torn payload ({producer_id}, {n}): {len(body)} of {size} bytes"
+    assert hashlib.blake2b(head + body, digest_size=TORTURE_DIGEST).digest() == digest, (
+        f"corrupt payload ({producer_id}, {n})"
+    )
+    return producer_id, n
+
+
+def produce_logged(name: str, producer_id: int, log_path: str) -> None:
+    """Send torture messages until killed; log each one only after its send returned.
+
+    One write() per record on an O_APPEND file: a SIGKILL leaves whole records and at
+    worst a torn last one, which read_send_log drops.
+    """
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with shmchan.Sender.open(name) as tx:
+        for n in itertools.count():
+            payload, keys = torture_message(producer_id, n)
+            seq = tx.send(payload, keys=keys, timeout=WAIT)
+            os.write(fd, SEND_LOG.pack(seq, producer_id, n))
+
+
+def read_send_log(path: str) -> list[tuple[int, int, int]]:
+    """(seq, producer id, message number) records of a send log; a torn tail is ignored."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:  # killed before its first send returned
+        return []
+    usable = len(data) - len(data) % SEND_LOG.size
+    return [SEND_LOG.unpack_from(data, off) for off in range(0, usable, SEND_LOG.size)]
 
 
 def producer(ch, index: int, count: int, keyed: bool, results) -> multiprocessing.Process:
@@ -435,55 +459,128 @@ def test_consumer_is_not_stuck_behind_a_producer_killed_mid_send(make_channel, h
 
 # --- torture -------------------------------------------------------------------------------------
 
+TORTURE_SECONDS = 18.0  # how long producers are killed and replaced
+TORTURE_PRODUCERS = 3
+STALL_LIMIT = 10.0  # longest the consumer may go without a message while producers run
+
 
 @pytest.mark.torture
-@pytest.mark.timeout(300)
-def test_producers_killed_mid_send_never_tear_or_lose_a_returned_send(make_channel, tmp_path):
-    rng = random.Random(7)
-    ch = make_channel(capacity=8 << 20)
+@pytest.mark.timeout(120)
+def test_producers_killed_mid_send_never_tear_lose_or_duplicate(make_channel, tmp_path):
+    """DESIGN.md "Producer killed mid-send", issue #3 item 1.
+
+    Producers send into a 64 KiB channel (often full: they block in send) while one of them
+    is SIGKILLed every 50-400 ms and replaced. The consumer holds up to 6 handles and
+    releases them in random order. Checked at every recv: whole and uncorrupted payload
+    with the keys it was sent with, no duplicate, no key shared with a live handle, per-key
+    seq order; at the end: every logged send delivered, and the channel empty and idle.
+    """
+    rng = random.Random(1)
+    ch = make_channel(capacity=64 << 10)
     rx = ch.receiver()
-    received: dict[int, bytes] = {}
+    procs: dict[int, multiprocessing.process.BaseProcess] = {}
+    logs: list[str] = []
+    held: list = []
+    delivered: dict[int, tuple[int, int]] = {}  # seq -> (producer id, n)
+    origins: set[tuple[int, int]] = set()
+    last_seq_of_key: dict[str, int] = {}
+    kills = 0
 
-    def drain_for(seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            try:
-                batch = rx.recv_many(256, timeout=0.05)
-            except shmchan.Empty:
-                continue
-            for h in batch:
-                with h:
-                    assert h.seq not in received
-                    received[h.seq] = h.payload
+    def start_producer() -> None:
+        producer_id = len(logs)
+        logs.append(str(tmp_path / f"p{producer_id}.log"))
+        p = CTX.Process(target=produce_logged, args=(ch.name, producer_id, logs[-1]), daemon=True)
+        p.start()
+        procs[producer_id] = p
 
-    reports = []
+    def take(h) -> None:
+        data = h.data.tobytes()
+        origin = check_torture_message(data)
+        assert origin == check_torture_message(h.payload)
+        assert h.keys == torture_message(*origin)[1], f"message {origin} has the wrong keys"
+        assert h.seq not in delivered, f"seq {h.seq} delivered twice"
+        assert origin not in origins, f"message {origin} delivered twice (seq {h.seq})"
+        held_keys = {k for other in held for k in other.keys}
+        assert not held_keys & set(h.keys), f"seq {h.seq} shares keys with a live handle"
+        for k in h.keys:
+            assert h.seq > last_seq_of_key.get(k, 0), f"key {k!r}: seq {h.seq} out of order"
+            last_seq_of_key[k] = h.seq
+        assert h.attempt == 1  # no holder ever died
+        delivered[h.seq] = origin
+        origins.add(origin)
+        held.append(h)
+
+    def release_some(keep: int) -> None:
+        while len(held) > keep:
+            held.pop(rng.randrange(len(held))).release()
+
     try:
-        for round_ in range(5):
-            paths = [str(tmp_path / f"r{round_}p{i}") for i in range(3)]
-            procs = [
-                CTX.Process(target=produce_until_killed, args=(ch.sender(), i, paths[i]))
-                for i in range(3)
-            ]
-            with running(*procs):
-                drain_for(rng.uniform(0.8, 1.5))  # children start up and send for a while
-                if round_ % 2:
-                    time.sleep(0.3)  # stop draining: producers fill the ring and block in send
-                for p in procs:
-                    os.kill(p.pid, signal.SIGKILL)
-                for p in procs:
-                    p.join(WAIT)
-            reports += [r for path in paths if os.path.exists(path) for r in read_reports(path)]
-        drain_for(2.0)
-        with ch.sender() as tx:  # the consumer is not stuck behind dead claims
-            last = tx.send(b"sentinel", timeout=WAIT)
-        drain_for(2.0)
-        assert received.get(last) == b"sentinel"
+        for _ in range(TORTURE_PRODUCERS):
+            start_producer()
+        now = time.monotonic()
+        end, next_kill, last_progress = now + TORTURE_SECONDS, now + 1.0, now
+        while now < end:
+            if now >= next_kill:
+                victim = rng.choice(sorted(procs))
+                os.kill(procs[victim].pid, signal.SIGKILL)
+                procs.pop(victim).join(WAIT)  # reaped: its token no longer looks alive
+                kills += 1
+                start_producer()
+                next_kill = time.monotonic() + rng.uniform(0.05, 0.4)
+            if held:  # what is queued may wait for keys we hold: never block then
+                h = rx.try_recv()
+                if h is None:
+                    release_some(len(held) - 1)
+            else:
+                try:
+                    h = rx.recv(timeout=0.05)
+                except shmchan.Empty:
+                    h = None
+                    assert time.monotonic() - last_progress < STALL_LIMIT, "consumer stalled"
+            if h is not None:
+                take(h)
+                last_progress = time.monotonic()
+            release_some(rng.randint(0, 6))
+            now = time.monotonic()
+
+        for p in procs.values():
+            os.kill(p.pid, signal.SIGKILL)
+        for p in procs.values():
+            p.join(WAIT)
+        # Drain: everything committed comes out; claims of the dead are skipped.
+        while True:
+            release_some(rng.randint(0, 3))
+            try:
+                take(rx.recv(timeout=1.0))
+            except shmchan.Empty:
+                if not held:
+                    break
+                release_some(0)
+        assert rx.try_recv() is None  # also makes the receiver take in the releases
+        stats = ch.stats()
     finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(WAIT)
         rx.close()
 
-    assert reports, "no producer ever reported a send"
-    for seq, index, i in reports:
-        assert received.get(seq) == body_for(index, i), f"returned send {seq} lost or torn"
-    for seq, body in received.items():
-        if seq != last:
-            assert body == body_for(*BODY_HEADER.unpack_from(body)), f"message {seq} is torn"
+    sends = [r for path in logs for r in read_send_log(path)]
+    assert kills >= 20 and len(sends) > 1000, (
+        f"too little happened: {kills} kills, {len(sends)} sends"
+    )
+    for seq, producer_id, n in sends:
+        assert delivered.get(seq) == (producer_id, n), (
+            f"returned send {seq} ({producer_id}, {n}) lost"
+        )
+    assert (stats.used_bytes, stats.queued, stats.inflight, stats.producers) == (0, 0, 0, 0), stats
+    assert stats.delivered == stats.released == len(delivered)
+    # With records of at most 24 KiB a kill rarely lands between claim and commit (a few
+    # microseconds of memcpy against a Python loop): runs here saw 0 discarded
+    # reservations in ~80 kills, so it is reported, not required.
+    # test_consumer_is_not_stuck_behind_a_producer_killed_mid_send makes that case happen.
+    assert stats.discarded >= 0
+    print(
+        f"{kills} kills, {len(sends)} logged sends, {len(delivered)} delivered, "
+        f"{stats.discarded} reservations of dead producers discarded"
+    )
