@@ -108,7 +108,10 @@ typedef struct {
     _Alignas(SHM_CACHELINE) uint64_t receiver;
 
     /* -- consumer state: written only by the receiver process -- */
-    _Alignas(SHM_CACHELINE) uint64_t ingest_pos; /* next ring position to take in */
+    _Alignas(SHM_CACHELINE) uint64_t ingest_pos; /* first record not yet taken in (window.c) */
+    uint64_t scan_pos;   /* first record not yet looked at; >= ingest_pos (window.c) */
+    uint32_t newest, oldest; /* slots in order of taking in, via slot.newer / slot.older */
+    uint64_t skipped;    /* records between ingest_pos and scan_pos left out of the window */
     uint32_t dirty;      /* 1 while a consumer operation is half done */
     uint32_t free_slots; /* free list of message table slots (via slot.next) */
     uint32_t free_nodes; /* free list of nodes (via node.next) */
@@ -166,8 +169,8 @@ typedef struct {
     uint16_t pending;  /* fifo: lines in which this message is not yet first     */
     uint32_t seen;     /* maintenance: generation + 1 when last found RELEASED    */
     uint32_t pin;      /* PIN_*: may the consumer move this message's record?     */
+    uint32_t newer, older; /* the window's messages in order of taking in (window.c) */
     uint32_t pad;
-    uint64_t pad2;
 } shm_slot;
 
 /* slot.pin: a holder that takes a zero-copy view pins the record where it is (CAS
@@ -181,14 +184,14 @@ typedef struct {
     uint32_t slot;     /* the message this node belongs to                          */
     uint32_t next;     /* next node in the key's line (or the node free list)       */
     uint32_t sibling;  /* next key node of the same message                         */
-    uint32_t pad;
+    uint32_t prev;     /* previous node in the key's line (fifo): O(1) removal at the tail */
 } shm_node;
 
 typedef struct {
     uint64_t hash;
     uint32_t head, tail; /* the key's line of nodes; head == NIL means the entry is empty */
     uint32_t held;       /* eager order: slot holding the key, NIL = free               */
-    uint32_t pad;
+    uint32_t skipped;    /* fifo: messages with this key left out of the window (window.c) */
 } shm_key;
 
 /* ---- ring records ---------------------------------------------------------------------
@@ -278,12 +281,21 @@ uint32_t sched_pop_ready(shm_chan *c);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
 void sched_init(shm_chan *c);
+/* window.c */
+int window_ingest(shm_chan *c, shm_stall *stall, int *stalled);
+void window_link(shm_chan *c, uint32_t s);
+void window_unlink(shm_chan *c, uint32_t s);
+/* sched.c (for window.c) */
+int sched_evict(shm_chan *c, uint32_t s);
+int sched_skip_count(shm_chan *c, shm_record *r, int delta);
+int sched_is_skipped_key(shm_chan *c, shm_record *r);
 /* compact.c */
 int compact(shm_chan *c);
 /* handles.c */
 int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m);
 int handles_drain(shm_chan *c);
 int handles_finish(shm_chan *c, uint32_t s);
+void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
 /* recovery.c */
 int recovery_rebuild(shm_chan *c);

@@ -30,7 +30,6 @@
 
 #include "core.h"
 
-#define INGEST_BATCH 256u
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -84,12 +83,13 @@ int shm_rx_release_ownership(shm_chan *c) {
 }
 
 /* ---- finishing handles (receiver only, under rx_mu) ------------------------------------ */
-static void slot_free(shm_chan *c, uint32_t s) {
+void slot_free(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
     uint32_t gen = SLOT_GEN(sl->state) + 1;
     /* release: a holder's CAS against the old generation now fails; pairs with their
      * acquire in shm_release / shm_handle_info. */
     STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_FREE));
+    window_unlink(c, s);
     sl->next = c->hdr->free_slots;
     c->hdr->free_slots = s;
     c->hdr->window--;
@@ -174,33 +174,6 @@ static void hand_out(shm_chan *c, uint32_t s, shm_msg *m) {
     msg_fill(c, s, gen, m); /* validated when taken in */
 }
 
-/* Take in committed records from ingest_pos while the window has room. */
-static int ingest(shm_chan *c, shm_stall *stall, int *stalled) {
-    shm_header *h = c->hdr;
-    for (uint32_t i = 0; i < INGEST_BATCH; i++) {
-        uint64_t pos = h->ingest_pos, len;
-        shm_record *r;
-        int rc = ring_peek(c, pos, &r, &len, stall);
-        if (rc == SHM_EMPTY) return SHM_OK;
-        if (rc == SHM_STALLED) {
-            *stalled = 1;
-            return SHM_OK;
-        }
-        if (rc == SHM_CLOSED) { /* discarded or cancelled: skip */
-            if (META_STATE(LOAD_RELAXED(&r->meta)) == REC_DISCARDED) h->discarded++;
-            h->ingest_pos = pos + len;
-            continue;
-        }
-        if (rc) return rc;
-        if (!sched_has_room(c, r->nkeys)) return SHM_OK;
-        uint32_t s;
-        rc = sched_take_in(c, r, pos, &s);
-        if (rc) return rc;
-        h->ingest_pos = pos + len;
-    }
-    return SHM_OK;
-}
-
 /* Is there anything a poll could act on right now? (the re-check before sleeping) */
 static int work_pending(shm_chan *c) {
     shm_header *h = c->hdr;
@@ -209,9 +182,9 @@ static int work_pending(shm_chan *c) {
     if (LOAD_SEQCST(&h->release_stack) != NIL) return 1;
     if (LOAD_SEQCST(&h->shutdown)) return 1;
     if (h->ready_head != NIL) return 1;
-    shm_record *r = rec_at(c, h->ingest_pos);
+    shm_record *r = rec_at(c, h->scan_pos);
     uint64_t owner = LOAD_SEQCST(&r->owner);
-    if (owner == OWNER_EMPTY(h->ingest_pos)) return 0;
+    if (owner == OWNER_EMPTY(h->scan_pos)) return 0;
     uint32_t st = META_STATE(LOAD_SEQCST(&r->meta));
     if (st == REC_CLAIMED || st == REC_WRITING) return 0; /* its commit will wake us */
     return sched_has_room(c, c->cfg.max_keys) ? 1 : 0;
@@ -230,7 +203,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     for (int round = 0; round < 3; round++) {
         rc = handles_drain(c);
         if (rc) break;
-        rc = ingest(c, stall, &stalled);
+        rc = window_ingest(c, stall, &stalled);
         if (rc) break;
         while (*got < max) {
             uint32_t s = sched_pop_ready(c);
@@ -250,8 +223,8 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
             break;
         }
         /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see send_one. */
-        if (LOAD_SEQCST(&h->shutdown) && h->queued_in_window == 0 &&
-            LOAD_SEQCST(&rec_at(c, h->ingest_pos)->owner) == OWNER_EMPTY(h->ingest_pos)) {
+        if (LOAD_SEQCST(&h->shutdown) && h->queued_in_window == 0 && h->ingest_pos == h->scan_pos &&
+            LOAD_SEQCST(&rec_at(c, h->scan_pos)->owner) == OWNER_EMPTY(h->scan_pos)) {
             rc = SHM_CLOSED;
             break;
         }
@@ -278,7 +251,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
  * costs no bus traffic until a producer or releaser writes them. */
 int shm_rx_spin(shm_chan *c, uint32_t spins) {
     shm_header *h = c->hdr;
-    uint64_t pos = LOAD_RELAXED(&h->ingest_pos);
+    uint64_t pos = LOAD_RELAXED(&h->scan_pos);
     shm_record *r = rec_at(c, pos);
     for (uint32_t i = 0; i < spins; i++) {
         /* acquire: pairs with prepare_successor / claimants (owner) and handles_push. */

@@ -262,6 +262,8 @@ int recovery_rebuild(shm_chan *c) {
     h->free_nodes = 1;
     h->nodes_used = 0;
     h->ready_head = h->ready_tail = NIL;
+    h->newest = h->oldest = NIL;
+    h->skipped = 0;
     h->window = nkept;
     h->queued_in_window = 0;
     h->inflight = inflight;
@@ -279,6 +281,7 @@ int recovery_rebuild(shm_chan *c) {
             sl->nkeys = 0;
             continue;
         }
+        window_link(c, kept[i].slot);
         rc = sched_relink(c, kept[i].slot, rec_at(c, sl->pos));
         h->held_keys += sl->nkeys;
     }
@@ -323,9 +326,21 @@ int recovery_rebuild(shm_chan *c) {
         }
         pos += len;
     }
-    h->ingest_pos = pos;
+    h->ingest_pos = h->scan_pos = pos;
     free(kept);
     if (rc) return rc;
+    /* Records from here on are looked at afresh (window.c): none is taken in. */
+    for (uint64_t guard = 0; guard <= c->cap / REC_HDR; guard++) {
+        shm_record *r = rec_at(c, pos);
+        uint64_t owner = LOAD_ACQUIRE(&r->owner);
+        if (owner == OWNER_EMPTY(pos) || OWNER_IS_EMPTY(owner) || owner == 0) break;
+        uint64_t meta = LOAD_ACQUIRE(&r->meta);
+        uint64_t len = META_LEN(meta);
+        if (META_STATE(meta) == REC_CLAIMED || len < REC_HDR || (len & 7u) || len > c->cap - REC_HDR)
+            break;
+        if (META_STATE(meta) == REC_COMMITTED && len >= REC_BODY) r->slot = NIL;
+        pos += len;
+    }
 
     /* 5. finish releases, nacks and discards that were in progress; what is on the
      * release stack is among them (acquire: pairs with the pushers' CAS) */

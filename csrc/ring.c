@@ -68,6 +68,7 @@ void ring_init(shm_chan *c) {
     c->hdr->tail_hint = 0;
     c->hdr->head = 0;
     c->hdr->ingest_pos = 0;
+    c->hdr->scan_pos = 0;
 }
 
 /* A length read from the segment is usable only if it is a whole number of words and
@@ -389,7 +390,7 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
     pthread_mutex_lock(&c->rx_mu);
     int rc = SHM_STALE;
     shm_record *r = rec_at(c, pos);
-    if (pos == c->hdr->ingest_pos && LOAD_ACQUIRE(&r->owner) == OWNER_CLAIM(dead_owner)) {
+    if (pos == c->hdr->scan_pos && LOAD_ACQUIRE(&r->owner) == OWNER_CLAIM(dead_owner)) {
         uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the claimant's release */
         if (META_STATE(meta) == REC_WRITING && len_ok(c, META_LEN(meta))) {
             /* release: pairs with ring_peek's acquire load (we read it again next poll). */

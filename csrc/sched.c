@@ -46,7 +46,9 @@ void sched_init(shm_chan *c) {
 }
 
 /* ---- key table ------------------------------------------------------------------------- */
-static inline int key_empty(const shm_key *k) { return k->head == NIL && k->held == NIL; }
+static inline int key_empty(const shm_key *k) {
+    return k->head == NIL && k->held == NIL && k->skipped == 0;
+}
 
 /* Index of the entry for hash, or -1. */
 static int64_t key_find(shm_chan *c, uint64_t hash) {
@@ -93,6 +95,7 @@ static void key_delete(shm_chan *c, uint32_t i) {
     }
     c->keys[i].head = c->keys[i].tail = NIL;
     c->keys[i].held = NIL;
+    c->keys[i].skipped = 0;
     c->keys[i].hash = 0;
 }
 
@@ -147,6 +150,7 @@ static void node_free(shm_chan *c, uint32_t n) {
 static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
     if (k->head != NIL && (!NODE_OK(c, k->head) || !NODE_OK(c, k->tail))) return SHM_E_CORRUPT;
     c->nodes[n].next = NIL;
+    c->nodes[n].prev = k->head == NIL ? NIL : k->tail;
     if (k->head == NIL) k->head = n;
     else c->nodes[k->tail].next = n;
     k->tail = n;
@@ -232,6 +236,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     sl->holder = 0;
     sl->pin = PIN_FREE;
     r->slot = s; /* the record is ours now: lets compaction find its slot */
+    window_link(c, s);
 
     int rc = attach_keys(c, s, r);
     if (rc) return rc;
@@ -277,9 +282,11 @@ static int fifo_unlink(shm_chan *c, uint32_t s) {
         shm_key *key = &c->keys[k];
         key->head = c->nodes[n].next;
         if (key->head == NIL) {
-            key_delete(c, (uint32_t)k);
+            key->tail = NIL;
+            if (key_empty(key)) key_delete(c, (uint32_t)k);
         } else {
             if (!NODE_OK(c, key->head)) return SHM_E_CORRUPT;
+            c->nodes[key->head].prev = NIL;
             uint32_t s2 = c->nodes[key->head].slot;
             if (!SLOT_OK(c, s2) || c->slots[s2].pending == 0) return SHM_E_CORRUPT;
             if (--c->slots[s2].pending == 0 && ready_push(c, s2, 0)) return SHM_E_CORRUPT;
@@ -341,6 +348,70 @@ static int eager_unlink(shm_chan *c, uint32_t s) {
 int sched_release(shm_chan *c, uint32_t s) {
     if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
     return c->cfg.order == SHM_ORDER_FIFO ? fifo_unlink(c, s) : eager_unlink(c, s);
+}
+
+/* ---- leaving the window (window.c) ---------------------------------------------------
+ * fifo only. s, waiting, is the newest message taken in, so it is last in each of its
+ * lines (everything taken in after it is gone, and nothing behind it on a key can go
+ * before it): unlink it from the tails and count it as a skipped message of each key. */
+int sched_evict(shm_chan *c, uint32_t s) {
+    if (c->cfg.order != SHM_ORDER_FIFO || !SLOT_OK(c, s)) return SHM_STALE;
+    shm_slot *sl = &c->slots[s];
+    if (SLOT_STATE(sl->state) != SLOT_WAITING) return SHM_STALE;
+    uint32_t n = sl->first_node;
+    for (uint32_t i = 0; i < sl->nkeys; i++) { /* check before changing anything */
+        if (!NODE_OK(c, n)) return SHM_E_CORRUPT;
+        int64_t k = key_find(c, c->nodes[n].hash);
+        if (k < 0) return SHM_E_CORRUPT;
+        if (c->keys[k].tail != n) return SHM_STALE;
+        n = c->nodes[n].sibling;
+    }
+    n = sl->first_node;
+    for (uint32_t i = 0; i < sl->nkeys; i++) {
+        uint32_t sib = c->nodes[n].sibling, prev = c->nodes[n].prev;
+        shm_key *key = &c->keys[key_find(c, c->nodes[n].hash)];
+        if (prev == NIL) {
+            key->head = key->tail = NIL;
+        } else {
+            if (!NODE_OK(c, prev)) return SHM_E_CORRUPT;
+            c->nodes[prev].next = NIL;
+            key->tail = prev;
+        }
+        key->skipped++;
+        node_free(c, n);
+        n = sib;
+    }
+    sl->first_node = NIL;
+    sl->nkeys = 0;
+    return SHM_OK;
+}
+
+/* Add delta to the skipped count of each distinct key of r. */
+int sched_skip_count(shm_chan *c, shm_record *r, int delta) {
+    uint32_t nkeys = r->nkeys;
+    if (nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
+    for (uint32_t i = 0; i < nkeys; i++) {
+        uint64_t hash = r->hashes[i];
+        int dup = 0;
+        for (uint32_t j = 0; j < i; j++) dup |= (r->hashes[j] == hash);
+        if (dup) continue;
+        int64_t k = delta > 0 ? key_insert(c, hash) : key_find(c, hash);
+        if (k < 0) return SHM_E_CORRUPT;
+        shm_key *key = &c->keys[k];
+        if (delta < 0 && key->skipped == 0) return SHM_E_CORRUPT;
+        key->skipped += (uint32_t)delta;
+        if (key_empty(key)) key_delete(c, (uint32_t)k);
+    }
+    return SHM_OK;
+}
+
+/* Does r carry a key that a skipped message (ahead of it) also carries? */
+int sched_is_skipped_key(shm_chan *c, shm_record *r) {
+    for (uint32_t i = 0; i < r->nkeys && i < c->cfg.max_keys; i++) {
+        int64_t k = key_find(c, r->hashes[i]);
+        if (k >= 0 && c->keys[k].skipped) return 1;
+    }
+    return 0;
 }
 
 /* s was given back: it keeps its place (first in its lines, or its eager keys) and goes

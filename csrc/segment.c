@@ -312,3 +312,47 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     o->receiver = LOAD_ACQUIRE(&h->receiver); /* pairs with shm_rx_acquire */
     return SHM_OK;
 }
+
+/* ---- layout facts for tests and tools ---------------------------------------------------
+ * Tests that scribble on a segment on purpose ask here where things are, instead of
+ * hard-coding offsets that change with the layout. */
+int shm_layout_fact(const char *name, uint64_t *out) {
+    static const struct {
+        const char *name;
+        uint64_t value;
+    } facts[] = {
+        {"header.receiver", offsetof(shm_header, receiver)},
+        {"header.dirty", offsetof(shm_header, dirty)},
+        {"header.ready_head", offsetof(shm_header, ready_head)},
+        {"header.ready_tail", offsetof(shm_header, ready_tail)},
+        {"header.free_slots", offsetof(shm_header, free_slots)},
+        {"header.free_nodes", offsetof(shm_header, free_nodes)},
+        {"header.ingest_pos", offsetof(shm_header, ingest_pos)},
+        {"header.scan_pos", offsetof(shm_header, scan_pos)},
+        {"header.head", offsetof(shm_header, head)},
+        {"header.tail_hint", offsetof(shm_header, tail_hint)},
+        {"header.max_messages", offsetof(shm_header, cfg) + offsetof(shm_config, max_messages)},
+        {"header.slots_off", offsetof(shm_header, slots_off)},
+        {"header.nodes_off", offsetof(shm_header, nodes_off)},
+        {"header.keytab_off", offsetof(shm_header, keytab_off)},
+        {"header.ring_off", offsetof(shm_header, ring_off)},
+        {"header.size", sizeof(shm_header)},
+        {"slot.size", sizeof(shm_slot)},
+        {"slot.state", offsetof(shm_slot, state)},
+        {"slot.holder", offsetof(shm_slot, holder)},
+        {"slot.seq", offsetof(shm_slot, seq)},
+        {"slot.pos", offsetof(shm_slot, pos)},
+        {"node.size", sizeof(shm_node)},
+        {"key.size", sizeof(shm_key)},
+        {"key.tail", offsetof(shm_key, tail)},
+        {"record.kind", offsetof(shm_record, kind)},
+        {"record.meta", offsetof(shm_record, meta)},
+    };
+    for (size_t i = 0; i < sizeof facts / sizeof facts[0]; i++) {
+        if (strcmp(facts[i].name, name) == 0) {
+            *out = facts[i].value;
+            return SHM_OK;
+        }
+    }
+    return SHM_E_INVALID;
+}

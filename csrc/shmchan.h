@@ -167,3 +167,4 @@ int  shm_boot_check(shm_chan *c, uint64_t boot_id);
 /* --- inspection --------------------------------------------------------- */
 int  shm_stats_read(shm_chan *c, shm_stats *out);
 int  shm_check_scheduler(shm_chan *c, uint32_t *what);
+int  shm_layout_fact(const char *name, uint64_t *out);

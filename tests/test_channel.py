@@ -379,12 +379,6 @@ def test_one_held_message_does_not_stop_the_channel_accepting(tx, rx):
     held.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation (README 'Known limitations'): messages taken into the receiver's "
-    "window (max_messages) hold their slot while they wait, so a backlog larger than the window "
-    "on held keys hides later free-key messages until it shrinks",
-)
 def test_free_message_behind_more_blocked_messages_than_max_messages_is_handed_out(make_channel):
     """max_messages sizes the receiver's table; it must not cap what a free key can pass."""
     ch = make_channel(max_messages=16)  # the smallest table the implementation allows
@@ -554,3 +548,39 @@ def test_stats_used_bytes_shrinks_after_release(ch, tx, rx):
     full = ch.stats().used_bytes
     rx.recv(timeout=5).release()
     assert ch.stats().used_bytes <= full - 10_000
+
+
+def test_backlog_beyond_the_window_keeps_per_key_order(make_channel):
+    """Messages evicted from a full window come back in order on every key they carry."""
+    ch = make_channel(max_messages=16)
+    with ch.sender() as tx, ch.receiver() as rx:
+        for i in range(40):
+            tx.send(("hot", i), keys=("hot", f"k{i % 3}"))
+        tx.send(("cold", 0), keys="cold")
+        tx.send(("k1-only", 0), keys="k1")  # behind hot messages on k1: must wait
+        first = rx.recv(timeout=5)
+        assert first.payload == ("hot", 0)
+        assert rx.recv(timeout=2).payload == ("cold", 0)
+        assert rx.try_recv() is None
+        got = [first.payload]
+        first.release()
+        while len(got) < 41:
+            h = rx.recv(timeout=5)
+            got.append(h.payload)
+            h.release()
+        assert [p for p in got if p[0] == "hot"] == [("hot", i) for i in range(40)]
+        # k1-only shares k1 with hot 1, 4, ..., 37: it comes after the last of them
+        assert got.index(("k1-only", 0)) > got.index(("hot", 37))
+        assert ch.stats().queued == 0
+
+
+def test_window_full_of_handles_out_still_accepts_and_delivers_later(make_channel):
+    ch = make_channel(max_messages=16)
+    with ch.sender() as tx, ch.receiver() as rx:
+        for i in range(16):
+            tx.send(i, keys=f"k{i}")
+        held = [rx.recv(timeout=5) for _ in range(16)]
+        tx.send("later", keys="free")
+        assert rx.try_recv() is None  # every slot of the window is a live handle
+        held.pop().release()
+        assert rx.recv(timeout=5).payload == "later"

@@ -286,15 +286,18 @@ def test_handle_held_by_a_live_worker_stays_valid_after_its_consumer_is_killed(c
 
 
 # --- a receiver killed inside revocation ----------------------------------------------------
-# csrc/core.h, shm_header on LP64: the receiver's token (u64) at byte 448 and `dirty` (u32,
-# 1 while a receiver operation is half done) at byte 520. Every use checks first that the
-# bytes it reads are what it expects, so a changed layout fails loudly instead of testing
-# nothing.
-RECEIVER_OFFSET, DIRTY_OFFSET = 448, 520
-# csrc/core.h on LP64: shm_header.cfg.max_messages (u32) at byte 28, slots_off (u64) at 64,
-# dirty (u32) at 520; shm_slot is 80 bytes: state (u64) at 0, holder (u64) at 8, seq at 16.
-# The slot is found by its seq and checked to name the dead holder before anything is written.
-SLOT_SIZE, SLOT_HOLDER, SLOT_SEQ = 80, 8, 16
+def _fact(name: str) -> int:
+    """Where a field lives, from the C core itself (csrc/segment.c shm_layout_fact)."""
+    from shmchan._lib import ffi, lib
+
+    out = ffi.new("uint64_t *")
+    assert lib.shm_layout_fact(name.encode(), out) == 0, name
+    return int(out[0])
+
+
+RECEIVER_OFFSET, DIRTY_OFFSET = _fact("header.receiver"), _fact("header.dirty")
+MAX_MESSAGES_OFFSET, SLOTS_OFFSET = _fact("header.max_messages"), _fact("header.slots_off")
+SLOT_SIZE, SLOT_HOLDER, SLOT_SEQ = _fact("slot.size"), _fact("slot.holder"), _fact("slot.seq")
 HOLDER_REVOKED = 1  # csrc/core.h: a slot's holder word once revocation has claimed it
 SLOT_INFLIGHT = 3
 
@@ -314,8 +317,8 @@ def leave_revocation_half_done(segment_path: str, seq: int, dead_pid: int) -> No
     fd = os.open(segment_path, os.O_RDWR)
     try:
         header = os.pread(fd, 4096, 0)
-        max_messages = int.from_bytes(header[28:32], "little")
-        slots_off = int.from_bytes(header[64:72], "little")
+        max_messages = int.from_bytes(header[MAX_MESSAGES_OFFSET : MAX_MESSAGES_OFFSET + 4], "little")
+        slots_off = int.from_bytes(header[SLOTS_OFFSET : SLOTS_OFFSET + 8], "little")
         for s in range(1, max_messages + 1):
             slot = os.pread(fd, SLOT_SIZE, slots_off + s * SLOT_SIZE)
             if int.from_bytes(slot[SLOT_SEQ : SLOT_SEQ + 8], "little") != seq:

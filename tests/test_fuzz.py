@@ -35,25 +35,35 @@ MAX_FAILURES = 3  # stop a run after this many bad seeds (each may cost SEED_SEC
 # Used only to aim the scribbles at live structures; the worker checks the header against
 # the file (magic, sizes, page-aligned increasing offsets) before trusting any of it.
 MAGIC = 0x314E414843485353
+
+
+def _fact(name: str) -> int:
+    """Where a field lives, from the C core itself (csrc/segment.c shm_layout_fact)."""
+    from shmchan._lib import ffi, lib
+
+    out = ffi.new("uint64_t *")
+    assert lib.shm_layout_fact(name.encode(), out) == 0, name
+    return int(out[0])
+
+
 H_MAX_PRODUCERS_OFF = 52  # cfg.max_producers (u32)
-H_MAX_MESSAGES = 28  # cfg.max_messages (u32)
-H_REGIONS = 56  # producers_off, slots_off, nodes_off, keytab_off, ring_off (u64 each)
+H_MAX_MESSAGES = _fact("header.max_messages")
+H_REGIONS = _fact("header.slots_off") - 8  # producers_off, slots_off, nodes_off, keytab_off, ring_off
 H_MAX_NODES, H_KEYTAB_SIZE, H_SEGMENT_SIZE = 96, 100, 104
-H_HEAD, H_INGEST = 192, 512
-# every header word a process reads: cfg, offsets, positions, wake-up words, consumer state
-HEADER_WORDS = [
-    (0, 8), (8, 4), (12, 4), (16, 8), (24, 4), (28, 4), (32, 4), (36, 4), (40, 8), (48, 4),
-    (52, 4), (56, 8), (64, 8), (72, 8), (80, 8), (88, 8), (96, 4), (100, 4), (104, 8),
-    (128, 8), (192, 8), (256, 4), (260, 4), (320, 4), (384, 8), (448, 8), (512, 8), (520, 4),
-    (524, 4), (528, 4), (532, 4), (536, 4), (540, 4), (544, 4), (552, 8), (560, 8), (568, 8),
-    (576, 8), (584, 8), (592, 8), (600, 8), (608, 8), (616, 8),
-]  # fmt: skip
+H_HEAD, H_INGEST = _fact("header.head"), _fact("header.ingest_pos")
+H_READY_TAIL = _fact("header.ready_tail")
+# every header word a process may read, whatever the layout: all 4- and 8-byte words
+_HEADER_SIZE = _fact("header.size")
+HEADER_WORDS = [(o, 4) for o in range(0, _HEADER_SIZE, 4)] + [(o, 8) for o in range(0, _HEADER_SIZE, 8)]
 PRODUCER_SIZE, PRODUCER_WORDS = 64, [(0, 8), (8, 8), (16, 4)]
-SLOT_SIZE = 80
-SLOT_WORDS = [(0, 8), (0, 1), (4, 4), (8, 8), (16, 8), (24, 8), (32, 8), (40, 4), (44, 4),
-              (48, 4), (52, 4), (56, 2), (58, 2), (60, 4), (64, 4)]  # fmt: skip
-NODE_SIZE, NODE_WORDS = 24, [(0, 8), (8, 4), (12, 4), (16, 4)]
-KEY_SIZE, KEY_WORDS = 24, [(0, 8), (8, 4), (12, 4), (16, 4)]
+SLOT_SIZE = _fact("slot.size")
+SLOT_WORDS = [(0, 1)] + [(o, 4) for o in range(0, SLOT_SIZE, 4)] + [(o, 8) for o in range(0, SLOT_SIZE, 8)]
+NODE_SIZE = _fact("node.size")
+NODE_WORDS = [(o, 4) for o in range(0, NODE_SIZE, 4)] + [(0, 8)]
+KEY_SIZE = _fact("key.size")
+KEY_WORDS = [(o, 4) for o in range(0, KEY_SIZE, 4)] + [(0, 8)]
+KEY_TAIL = _fact("key.tail")
+RECORD_KIND = _fact("record.kind")
 RECORD_WORDS = [(0, 8), (8, 8), (8, 1), (16, 8), (24, 4), (28, 4), (32, 8), (40, 4), (44, 4),
                 (48, 8)]  # fmt: skip
 
@@ -596,12 +606,12 @@ def _assert_reported(outcome: tuple[str, str]) -> None:
 
 
 def test_out_of_range_ready_queue_tail_is_not_followed(make_channel):
-    """The ready queue's tail (shm_header.ready_tail, byte 536) is an index read from the
+    """The ready queue's tail (shm_header.ready_tail) is an index read from the
     segment; a bad one must be reported, not used (it crashed in sched.c ready_push)."""
     ch = make_channel(capacity=64 << 10, max_messages=16, serializer="raw")
     with ch.sender() as tx:
         tx.send(b"one", keys="k")
-    _poke(ch.name, 536, 0x7FFFFFFF, 4)
+    _poke(ch.name, H_READY_TAIL, 0x7FFFFFFF, 4)
     _assert_reported(consume_in_child(ch.name))
 
 
@@ -622,14 +632,14 @@ def test_out_of_range_key_line_tail_is_not_followed(make_channel):
     finally:
         os.close(fd)
     assert len(used) == 1, "expected exactly one key line"
-    _poke(ch.name, keytab + used[0] * KEY_SIZE + 12, 0x7FFFFFFF, 4)
+    _poke(ch.name, keytab + used[0] * KEY_SIZE + KEY_TAIL, 0x7FFFFFFF, 4)
     _assert_reported(consume_in_child(ch.name))
     held.release()
 
 
 def test_raw_channel_never_unpickles_a_record_marked_as_pickled(make_channel):
     """serializer="raw" promises that nothing is unpickled. A record whose kind word says
-    PICKLE (record byte 24) on such a channel is corrupt: it must be reported, not loaded."""
+    PICKLE on such a channel is corrupt: it must be reported, not loaded."""
     import pickle
 
     ch = make_channel(capacity=64 << 10, max_messages=16, serializer="raw")
@@ -638,10 +648,10 @@ def test_raw_channel_never_unpickles_a_record_marked_as_pickled(make_channel):
     fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDONLY)
     try:
         ring = _u(fd, H_REGIONS + 32, 8)
-        assert _u(fd, ring + 24, 4) == 0, "the first record is not where this test expects it"
+        assert _u(fd, ring + RECORD_KIND, 4) == 0, "the first record is not where this test expects it"
     finally:
         os.close(fd)
-    _poke(ch.name, ring + 24, 1, 4)  # the first record's kind: SHM_PAYLOAD_PICKLE
+    _poke(ch.name, ring + RECORD_KIND, 1, 4)  # the first record's kind: SHM_PAYLOAD_PICKLE
     kind, detail = consume_in_child(ch.name)
     assert "('unpickled', 42)" not in detail, f"a raw-only channel unpickled a payload: {detail}"
     _assert_reported((kind, detail))
