@@ -9,6 +9,7 @@
  *                                         is (slot index, slot generation)
  *   nodes_off           shm_node[]        one node per (message, distinct key): the key lines
  *   keytab_off          shm_key[]         open-addressing table: key hash -> its line
+ *   heap_off            uint32_t[]        the ready messages' slots, a binary min-heap by seq
  *   ring_off            ring bytes        the intake ring (ring.c), mapped twice in a row so a
  *                                         record that wraps is still contiguous in memory
  *
@@ -84,7 +85,7 @@ typedef struct {
     uint32_t layout_version; /* SHM_LAYOUT_VERSION */
     uint32_t header_bytes;   /* sizeof(shm_header) */
     shm_config cfg;
-    uint64_t producers_off, slots_off, nodes_off, keytab_off, ring_off;
+    uint64_t producers_off, slots_off, nodes_off, keytab_off, ring_off, heap_off;
     uint32_t max_nodes;   /* node table entries (index 0 unused) */
     uint32_t keytab_size; /* key table entries, a power of two */
     uint64_t segment_size;
@@ -115,7 +116,8 @@ typedef struct {
     uint32_t dirty;      /* 1 while a consumer operation is half done */
     uint32_t free_slots; /* free list of message table slots (via slot.next) */
     uint32_t free_nodes; /* free list of nodes (via node.next) */
-    uint32_t ready_head, ready_tail; /* messages free to hand out, FIFO via slot.next */
+    uint32_t ready_count; /* messages free to hand out: a min-heap by seq at heap_off */
+    uint32_t pad1;
     uint32_t window;     /* slots in use */
     uint32_t nodes_used;
     uint32_t pad0;
@@ -162,7 +164,7 @@ typedef struct {
     uint64_t pos;      /* ring position of the message's record                  */
     uint64_t deadline; /* lease end, CLOCK_MONOTONIC ns; 0 = none               */
     uint32_t first_node; /* the message's key nodes, chained by node.sibling     */
-    uint32_t next;     /* consumer lists: free list, ready queue                 */
+    uint32_t next;     /* the free list                                          */
     uint32_t rel_next; /* release stack link, written by the releasing process   */
     uint32_t attempt;  /* deliveries so far                                      */
     uint16_t nkeys;    /* distinct key hashes (nodes)                            */
@@ -246,6 +248,7 @@ struct shm_chan {
     shm_slot *slots;
     shm_node *nodes;
     shm_key *keys;
+    uint32_t *heap;     /* ready messages (sched.c)                                   */
     uint8_t *ring;      /* ring_off from base, 2 * capacity bytes of address space    */
     shm_config cfg;     /* validated local copy: never re-read from the segment       */
     uint64_t cap;       /* ring capacity                                              */

@@ -181,7 +181,7 @@ static int work_pending(shm_chan *c) {
      * wake_receiver (ring.c) and shm_release. */
     if (LOAD_SEQCST(&h->release_stack) != NIL) return 1;
     if (LOAD_SEQCST(&h->shutdown)) return 1;
-    if (h->ready_head != NIL) return 1;
+    if (h->ready_count != 0) return 1;
     shm_record *r = rec_at(c, h->scan_pos);
     uint64_t owner = LOAD_SEQCST(&r->owner);
     if (owner == OWNER_EMPTY(h->scan_pos)) return 0;

@@ -261,7 +261,7 @@ int recovery_rebuild(shm_chan *c) {
     for (uint32_t n = 1; n < c->max_nodes; n++) c->nodes[n].next = n + 1 < c->max_nodes ? n + 1 : NIL;
     h->free_nodes = 1;
     h->nodes_used = 0;
-    h->ready_head = h->ready_tail = NIL;
+    h->ready_count = 0;
     h->newest = h->oldest = NIL;
     h->skipped = 0;
     h->window = nkept;

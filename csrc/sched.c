@@ -42,7 +42,7 @@ void sched_init(shm_chan *c) {
     h->free_slots = 1;
     for (uint32_t n = 1; n < c->max_nodes; n++) c->nodes[n].next = n + 1 < c->max_nodes ? n + 1 : NIL;
     h->free_nodes = 1;
-    h->ready_head = h->ready_tail = NIL;
+    h->ready_count = 0;
 }
 
 /* ---- key table ------------------------------------------------------------------------- */
@@ -99,38 +99,59 @@ static void key_delete(shm_chan *c, uint32_t i) {
     c->keys[i].hash = 0;
 }
 
-/* ---- lists --------------------------------------------------------------------------- */
+/* ---- the ready queue: a binary min-heap of slots by seq ---------------------------------
+ * Messages free to go are handed out lowest seq first, whenever they became free: so a
+ * producer's messages come out in the order it sent them whenever their keys allow, and
+ * a nacked message (it keeps its seq) comes back before everything that was sent after
+ * it. O(log ready) per push and pop; entries are checked as they are read. */
+static inline uint64_t heap_key(shm_chan *c, uint32_t i) { return c->slots[c->heap[i]].seq; }
+
 static int ready_push(shm_chan *c, uint32_t s, int front) {
+    (void)front; /* the seq decides */
     shm_header *h = c->hdr;
+    uint32_t n = h->ready_count;
+    if (n >= c->cfg.max_messages) return SHM_E_CORRUPT;
     shm_slot *sl = &c->slots[s];
-    if ((h->ready_tail != NIL && !SLOT_OK(c, h->ready_tail)) ||
-        (h->ready_head != NIL && !SLOT_OK(c, h->ready_head)))
-        return SHM_E_CORRUPT;
     /* release: holders reading a handle's slot (shm_handle_info) pair with their acquire
      * of the state word; READY is never shared, so relaxed would do, but keep one rule. */
     STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_READY));
-    if (front) {
-        sl->next = h->ready_head;
-        h->ready_head = s;
-        if (h->ready_tail == NIL) h->ready_tail = s;
-    } else {
-        sl->next = NIL;
-        if (h->ready_tail == NIL) h->ready_head = s;
-        else c->slots[h->ready_tail].next = s;
-        h->ready_tail = s;
+    uint64_t key = sl->seq;
+    uint32_t i = n;
+    while (i > 0) { /* sift up */
+        uint32_t parent = (i - 1) / 2;
+        if (!SLOT_OK(c, c->heap[parent])) return SHM_E_CORRUPT;
+        if (heap_key(c, parent) <= key) break;
+        c->heap[i] = c->heap[parent];
+        i = parent;
     }
+    c->heap[i] = s;
+    h->ready_count = n + 1;
     return SHM_OK;
 }
 
 uint32_t sched_pop_ready(shm_chan *c) {
     shm_header *h = c->hdr;
-    uint32_t s = h->ready_head;
-    if (s == NIL) return NIL;
-    if (!SLOT_OK(c, s)) return UINT32_MAX;
-    h->ready_head = c->slots[s].next;
-    if (h->ready_head == NIL) h->ready_tail = NIL;
-    else if (!SLOT_OK(c, h->ready_head)) return UINT32_MAX;
-    return s;
+    uint32_t n = h->ready_count;
+    if (n == 0) return NIL;
+    if (n > c->cfg.max_messages || !SLOT_OK(c, c->heap[0]) || !SLOT_OK(c, c->heap[n - 1]))
+        return UINT32_MAX;
+    uint32_t top = c->heap[0], last = c->heap[--n];
+    h->ready_count = n;
+    uint64_t key = c->slots[last].seq;
+    uint32_t i = 0;
+    for (;;) { /* sift down */
+        uint32_t child = 2 * i + 1;
+        if (child >= n) break;
+        if (child + 1 < n && SLOT_OK(c, c->heap[child + 1]) && SLOT_OK(c, c->heap[child]) &&
+            heap_key(c, child + 1) < heap_key(c, child))
+            child++;
+        if (!SLOT_OK(c, c->heap[child])) return UINT32_MAX;
+        if (heap_key(c, child) >= key) break;
+        c->heap[i] = c->heap[child];
+        i = child;
+    }
+    c->heap[i] = last;
+    return top;
 }
 
 static uint32_t node_alloc(shm_chan *c) {
@@ -453,12 +474,13 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
         if (rc == SHM_OK && notfirst != sl->pending) { rc = SHM_E_CORRUPT; *what = 3; }
         if (rc == SHM_OK && st == SLOT_WAITING && sl->pending == 0) { rc = SHM_E_CORRUPT; *what = 4; }
     }
-    /* the ready queue holds exactly the READY messages */
-    uint32_t ready = 0, listed = 0;
+    /* the ready heap holds exactly the READY messages, each no earlier than its parent */
+    uint32_t ready = 0, listed = c->hdr->ready_count;
     for (uint32_t s = 1; s <= m; s++) ready += SLOT_STATE(c->slots[s].state) == SLOT_READY;
-    for (uint32_t s = c->hdr->ready_head; s != NIL && listed <= m; s = c->slots[s].next) {
-        if (!SLOT_OK(c, s) || SLOT_STATE(c->slots[s].state) != SLOT_READY) { rc = SHM_E_CORRUPT; *what = 10; break; }
-        listed++;
+    for (uint32_t i = 0; i < listed && i < m && rc == SHM_OK; i++) {
+        uint32_t s = c->heap[i];
+        if (!SLOT_OK(c, s) || SLOT_STATE(c->slots[s].state) != SLOT_READY) { rc = SHM_E_CORRUPT; *what = 10; }
+        else if (i > 0 && c->slots[c->heap[(i - 1) / 2]].seq > c->slots[s].seq) { rc = SHM_E_CORRUPT; *what = 12; }
     }
     if (rc == SHM_OK && listed != ready) { rc = SHM_E_CORRUPT; *what = 11; }
     /* every line's nodes belong to live messages, and the line is in seq order */

@@ -21,7 +21,7 @@
 #include "core.h"
 
 typedef struct {
-    uint64_t producers_off, slots_off, nodes_off, keytab_off, ring_off, total;
+    uint64_t producers_off, slots_off, nodes_off, keytab_off, heap_off, ring_off, total;
     uint32_t max_nodes, keytab_size;
 } layout;
 
@@ -55,6 +55,8 @@ static void compute_layout(const shm_config *cfg, layout *L) {
     L->keytab_size = ks;
     L->keytab_off = off;
     off = page_up(off + (uint64_t)ks * sizeof(shm_key));
+    L->heap_off = off;
+    off = page_up(off + ((uint64_t)cfg->max_messages + 1) * sizeof(uint32_t));
     L->ring_off = off;
     L->total = off + cfg->capacity;
 }
@@ -92,6 +94,7 @@ static void bind(shm_chan *c, const layout *L) {
     c->slots = (shm_slot *)(c->base + L->slots_off);
     c->nodes = (shm_node *)(c->base + L->nodes_off);
     c->keys = (shm_key *)(c->base + L->keytab_off);
+    c->heap = (uint32_t *)(c->base + L->heap_off);
     c->ring = c->base + L->ring_off;
     c->cap = c->cfg.capacity;
     c->max_nodes = L->max_nodes;
@@ -108,6 +111,7 @@ static void init_segment(shm_chan *c, const layout *L) {
     h->slots_off = L->slots_off;
     h->nodes_off = L->nodes_off;
     h->keytab_off = L->keytab_off;
+    h->heap_off = L->heap_off;
     h->ring_off = L->ring_off;
     h->max_nodes = L->max_nodes;
     h->keytab_size = L->keytab_size;
@@ -132,7 +136,7 @@ static int validate_header(shm_chan *c, int fd, layout *L) {
     c->cfg = hd.cfg;
     compute_layout(&c->cfg, L);
     if (hd.producers_off != L->producers_off || hd.slots_off != L->slots_off ||
-        hd.nodes_off != L->nodes_off || hd.keytab_off != L->keytab_off ||
+        hd.nodes_off != L->nodes_off || hd.keytab_off != L->keytab_off || hd.heap_off != L->heap_off ||
         hd.ring_off != L->ring_off || hd.max_nodes != L->max_nodes ||
         hd.keytab_size != L->keytab_size || hd.segment_size != L->total)
         return SHM_E_CORRUPT;
@@ -323,8 +327,8 @@ int shm_layout_fact(const char *name, uint64_t *out) {
     } facts[] = {
         {"header.receiver", offsetof(shm_header, receiver)},
         {"header.dirty", offsetof(shm_header, dirty)},
-        {"header.ready_head", offsetof(shm_header, ready_head)},
-        {"header.ready_tail", offsetof(shm_header, ready_tail)},
+        {"header.ready_count", offsetof(shm_header, ready_count)},
+        {"header.heap_off", offsetof(shm_header, heap_off)},
         {"header.free_slots", offsetof(shm_header, free_slots)},
         {"header.free_nodes", offsetof(shm_header, free_nodes)},
         {"header.ingest_pos", offsetof(shm_header, ingest_pos)},
@@ -336,6 +340,10 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.nodes_off", offsetof(shm_header, nodes_off)},
         {"header.keytab_off", offsetof(shm_header, keytab_off)},
         {"header.ring_off", offsetof(shm_header, ring_off)},
+        {"header.max_nodes", offsetof(shm_header, max_nodes)},
+        {"header.keytab_size", offsetof(shm_header, keytab_size)},
+        {"header.segment_size", offsetof(shm_header, segment_size)},
+        {"header.max_producers", offsetof(shm_header, cfg) + offsetof(shm_config, max_producers)},
         {"header.size", sizeof(shm_header)},
         {"slot.size", sizeof(shm_slot)},
         {"slot.state", offsetof(shm_slot, state)},

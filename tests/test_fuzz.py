@@ -46,12 +46,13 @@ def _fact(name: str) -> int:
     return int(out[0])
 
 
-H_MAX_PRODUCERS_OFF = 52  # cfg.max_producers (u32)
+H_MAX_PRODUCERS_OFF = _fact("header.max_producers")
 H_MAX_MESSAGES = _fact("header.max_messages")
 H_REGIONS = _fact("header.slots_off") - 8  # producers_off, slots_off, nodes_off, keytab_off, ring_off
-H_MAX_NODES, H_KEYTAB_SIZE, H_SEGMENT_SIZE = 96, 100, 104
+H_MAX_NODES, H_KEYTAB_SIZE = _fact("header.max_nodes"), _fact("header.keytab_size")
+H_SEGMENT_SIZE = _fact("header.segment_size")
 H_HEAD, H_INGEST = _fact("header.head"), _fact("header.ingest_pos")
-H_READY_TAIL = _fact("header.ready_tail")
+H_READY_COUNT = _fact("header.ready_count")
 # every header word a process may read, whatever the layout: all 4- and 8-byte words
 _HEADER_SIZE = _fact("header.size")
 HEADER_WORDS = [(o, 4) for o in range(0, _HEADER_SIZE, 4)] + [(o, 8) for o in range(0, _HEADER_SIZE, 8)]
@@ -605,13 +606,13 @@ def _assert_reported(outcome: tuple[str, str]) -> None:
     assert kind in ("ok", "error") and not detail.startswith("other"), f"{kind}: {detail}"
 
 
-def test_out_of_range_ready_queue_tail_is_not_followed(make_channel):
-    """The ready queue's tail (shm_header.ready_tail) is an index read from the
+def test_out_of_range_ready_queue_count_is_not_followed(make_channel):
+    """The ready queue's length (shm_header.ready_count) is read from the
     segment; a bad one must be reported, not used (it crashed in sched.c ready_push)."""
     ch = make_channel(capacity=64 << 10, max_messages=16, serializer="raw")
     with ch.sender() as tx:
         tx.send(b"one", keys="k")
-    _poke(ch.name, H_READY_TAIL, 0x7FFFFFFF, 4)
+    _poke(ch.name, H_READY_COUNT, 0x7FFFFFFF, 4)
     _assert_reported(consume_in_child(ch.name))
 
 

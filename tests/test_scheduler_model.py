@@ -538,3 +538,17 @@ def test_random_workload_never_has_two_live_handles_sharing_a_key(make_channel, 
                 else:
                     h.nack()
                     model.nack(seq)
+
+
+def test_messages_free_at_once_come_out_in_seq_order(tx, rx):
+    """One producer's messages come out in send order whenever their keys allow: B is free
+    again once A is released, so C (sent after B) must not overtake it."""
+    a = tx.send(b"A", keys="k1")
+    b = tx.send(b"B", keys="k1")
+    c = tx.send(b"C", keys="k2")
+    got = []
+    for _ in range(3):
+        h = rx.recv(timeout=5)
+        got.append(h.seq)
+        h.release()
+    assert got == [a, b, c]
