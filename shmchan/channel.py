@@ -876,6 +876,21 @@ class Receiver:
             raise errors.Closed("receiver is closed")
         return seg
 
+    def _poll_once(self, seg: _Segment, n: int) -> list[Handle] | None:
+        """The fast path: one poll, no clocks beyond the maintenance check."""
+        if time.monotonic() >= self._next_maintenance:
+            return None
+        s = seg.scratch()
+        msgs = s.msg_array(n)
+        lib.shm_recv(seg.ptr, msgs, n, s.got, 0, s.stall, s.waiters)
+        if s.waiters[0]:
+            _post(seg.tx_sem, s.waiters[0])
+        got = s.got[0]
+        if not got:
+            return None  # the slow path looks at why
+        vals = ffi.unpack(ffi.cast("uint64_t *", msgs), _MSG_WORDS * got)
+        return [Handle._from_vals(seg, vals, i) for i in range(0, _MSG_WORDS * got, _MSG_WORDS)]
+
     def _poll(self, seg: _Segment, n: int, deadline: float | None, block: bool) -> list[Handle]:
         s = seg.scratch()
         msgs = s.msg_array(n)
@@ -924,6 +939,9 @@ class Receiver:
     def recv(self, timeout: float | None = None) -> Handle:
         """The next message free to go; blocks. Empty on timeout, Closed when drained."""
         seg = self._live()
+        got = self._poll_once(seg, 1)
+        if got:
+            return got[0]
         return self._poll(seg, 1, _deadline(timeout), True)[0]
 
     def try_recv(self) -> Handle | None:
@@ -937,7 +955,29 @@ class Receiver:
         if not isinstance(max_items, int) or max_items < 1:
             raise ValueError("max_items must be a positive int")
         seg = self._live()
-        return self._poll(seg, max_items, _deadline(timeout), True)
+        return self._poll_once(seg, max_items) or self._poll(seg, max_items, _deadline(timeout), True)
+
+    def release_many(self, handles: Iterable[Handle]) -> None:
+        """Release several handles with one C call (each exactly once, as release())."""
+        seg = self._live()
+        todo = [h for h in handles if not h._done]
+        if not todo:
+            return
+        for h in todo:
+            if (h._seg.name, h._seg.path) != (seg.name, seg.path):
+                raise ValueError("release_many: a handle of another channel")
+            h._done = True
+        n = len(todo)
+        slots = ffi.new("uint32_t[]", [h._slot for h in todo])
+        gens = ffi.new("uint32_t[]", [h._gen for h in todo])
+        wake = ffi.new("int *")
+        rc = lib.shm_release_many(seg.ptr, slots, gens, n, wake)
+        if wake[0] & 1:
+            seg.rx_sem.release()
+        if wake[0] >> 1:
+            _post(seg.tx_sem, wake[0] >> 1)
+        if rc < 0:
+            raise_for(rc, "release_many")
 
     def __iter__(self) -> Iterator[Handle]:
         while True:
@@ -1075,7 +1115,7 @@ class Handle:
         Taking a view pins the record where it is: the receiver will not move it to
         free space behind it (use `payload` for handles you keep for long)."""
         seg = self._check()
-        m = ffi.new("shm_msg *")
+        m = seg.scratch().msgs  # element 0 of this thread's scratch array
         rc = lib.shm_handle_view(seg.ptr, self._slot, self._gen, m)
         if rc == lib.SHM_STALE:
             raise errors.Closed(f"handle seq={self.seq} is no longer held")
@@ -1084,7 +1124,7 @@ class Handle:
         if rc:
             raise_for(rc, "view handle")
         self._locate(m)
-        return seg.mem[m.data_off : m.data_off + m.data_len]
+        return seg.mem[self._data_off : self._data_off + self._data_len]
 
     @property
     def payload(self) -> Any:

@@ -308,3 +308,16 @@ def test_release_through_a_second_unpickled_copy_is_a_no_op(tx, rx):
     assert rx.try_recv() is None
     assert now_holding.payload == b"2"
 
+
+
+def test_release_many_frees_every_key_once(ch, tx, rx):
+    for i in range(6):
+        tx.send(i, keys=f"k{i % 3}")
+    first = rx.recv_many(16, timeout=5)
+    assert sorted(h.payload for h in first) == [0, 1, 2]
+    rx.release_many(first + first)  # duplicates and second releases are no-ops
+    second = rx.recv_many(16, timeout=5)
+    assert sorted(h.payload for h in second) == [3, 4, 5]
+    rx.release_many(second)
+    assert rx.try_recv() is None
+    assert ch.stats().released == 6
