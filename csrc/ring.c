@@ -276,18 +276,30 @@ int shm_send(shm_chan *c, uint32_t kind, const char *data, uint64_t len, const c
     return rc;
 }
 
-int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const uint8_t *const *datas,
-                  const uint64_t *lens, const uint8_t *const *keys, const uint32_t *keys_lens,
-                  const uint32_t *nkeys, uint64_t *seqs_out, uint32_t *done, shm_stall *stall,
-                  int *wake) {
+int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *data,
+                  uint64_t data_total, const uint64_t *data_lens, const char *keys,
+                  uint64_t keys_total, const uint32_t *keys_lens, const uint32_t *nkeys,
+                  uint64_t *seqs_out, uint32_t *done, shm_stall *stall, int *wake) {
     *wake = 0;
     if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
+    uint64_t doff = 0, koff = 0;
+    uint32_t i = 0;
+    for (; i < *done && i < n; i++) { /* skip what an earlier call already sent */
+        doff += data_lens[i];
+        koff += keys_lens[i];
+    }
     int rc = SHM_OK;
-    uint32_t i = *done;
     for (; i < n; i++) {
-        rc = send_one(c, kinds[i], datas[i], lens[i], keys[i], keys_lens[i], nkeys[i], &seqs_out[i],
-                      stall);
+        if (data_lens[i] > data_total - doff || doff > data_total || keys_lens[i] > keys_total - koff ||
+            koff > keys_total) {
+            rc = SHM_E_INVALID;
+            break;
+        }
+        rc = send_one(c, kinds[i], (const uint8_t *)data + doff, data_lens[i],
+                      (const uint8_t *)keys + koff, keys_lens[i], nkeys[i], &seqs_out[i], stall);
         if (rc) break;
+        doff += data_lens[i];
+        koff += keys_lens[i];
     }
     if (i > *done) wake_receiver(c, wake);
     *done = i;

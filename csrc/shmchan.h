@@ -124,9 +124,11 @@ int  shm_producer_reap(shm_chan *c, uint32_t i, uint64_t dead_owner);
 int  shm_send(shm_chan *c, uint32_t kind, const char *data, uint64_t len,
               const char *keys, uint32_t keys_len, uint32_t nkeys,
               uint64_t *seq_out, shm_stall *stall, int *wake);
+/* n messages packed back to back: payload i is data_lens[i] bytes of `data` after the
+ * previous ones (data_total in all), likewise its key blob in `keys`. Resumes at *done. */
 int  shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds,
-                   const uint8_t *const *datas, const uint64_t *lens,
-                   const uint8_t *const *keys, const uint32_t *keys_lens,
+                   const char *data, uint64_t data_total, const uint64_t *data_lens,
+                   const char *keys, uint64_t keys_total, const uint32_t *keys_lens,
                    const uint32_t *nkeys, uint64_t *seqs_out, uint32_t *done,
                    shm_stall *stall, int *wake);
 int  shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner);

@@ -20,7 +20,9 @@ How the numbers are taken (so they can be trusted and reproduced):
   machine hits every system alike.
 * Every payload carries its message index and producer number (struct-packed) and a
   check byte; the consumer checks them, and per-producer order, on every message.
-  shmchan and the naive dispatcher release every message.
+  shmchan and the naive dispatcher release every message. shmchan's consumer reads
+  64 B payloads with `h.payload` (a bytes object, as the peers hand out) and 1 MiB
+  payloads with the zero-copy `h.data`.
 * The cyclic garbage collector is paused during timed sections, for every system alike.
 * Latencies use `time.perf_counter_ns()`, which on Linux is CLOCK_MONOTONIC: one
   clock for all processes of the machine.
@@ -45,6 +47,7 @@ import platform
 import queue
 import statistics
 import struct
+import subprocess
 import sys
 import time
 import traceback
@@ -376,18 +379,24 @@ class _Group:
         self.system = system
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
-        for job, transport in jobs:
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(
-                target=_producer_main,
-                args=(theirs, job, transport),
-                name=f"shmchan-bench-{system}-{job.producer}",
-                daemon=True,
-            )
-            self.procs.append(proc)
-            self.conns.append(mine)
-            proc.start()
-            theirs.close()
+        try:
+            for job, transport in jobs:
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_producer_main,
+                    args=(theirs, job, transport),
+                    name=f"shmchan-bench-{system}-{job.producer}",
+                    daemon=True,
+                )
+                self.conns.append(mine)
+                try:
+                    proc.start()
+                finally:
+                    theirs.close()
+                self.procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
 
     def _answer(self, i: int, want: str, timeout: float) -> Any:
         conn, proc = self.conns[i], self.procs[i]
@@ -496,12 +505,15 @@ class _ShmchanEnd(_Endpoint):
         unpack = _HDR.unpack_from
         mid = size // 2
         got, total = 0, n * nprod
+        # The peers hand out bytes objects: the like-for-like call is h.payload (a copy).
+        # The zero-copy view h.data is what 1 MiB payloads are read with.
+        zero_copy = mode == "mib"
         if mode == "batch":
-            recv_many = self.rx.recv_many
+            recv_many, release_many = self.rx.recv_many, self.rx.release_many
             while got < total:
                 hs = recv_many(batch, TIMEOUT)
                 for h in hs:
-                    d = h.data
+                    d = h.payload
                     i, p = unpack(d)
                     if seen[p][i] or d[-1] != i & 0xFF or d[mid] != _FILL or len(d) != size:
                         raise _bad(self.system, d, size)
@@ -510,13 +522,13 @@ class _ShmchanEnd(_Endpoint):
                         late += 1
                     else:
                         high[p] = i
-                    h.release()
+                release_many(hs)  # the batch API: one C call for the whole batch
                 got += len(hs)
             return late
         recv = self.rx.recv
         while got < total:
             h = recv(TIMEOUT)
-            d = h.data
+            d = h.data if zero_copy else h.payload
             i, p = unpack(d)
             if seen[p][i] or d[-1] != i & 0xFF or d[mid] != _FILL or len(d) != size:
                 raise _bad(self.system, d, size)
@@ -1099,7 +1111,10 @@ def _run_unbatched(run: _Run) -> None:
             batch=1,
             size=PAYLOAD,
             unit="msg/s",
-            notes={SHMCHAN: "send / recv / release", NAIVE: "over mp.Queue, key bookkeeping"},
+            notes={
+                SHMCHAN: "send / recv / payload / release",
+                NAIVE: "over mp.Queue, key bookkeeping",
+            },
         )
 
 
@@ -1118,7 +1133,7 @@ def _run_batched(run: _Run) -> None:
         size=PAYLOAD,
         unit="msg/s",
         notes={
-            SHMCHAN: "send_many / recv_many / release",
+            SHMCHAN: "send_many / recv_many / payload / release",
             MPQ: f"a list of {b} per put (hand-batched)",
             FFIFO: "put_many / get_many",
             NAIVE: f"lists of {b} over mp.Queue",
@@ -1177,7 +1192,7 @@ def _run_mib(run: _Run) -> None:
             size=MIB,
             unit="MiB/s",
             notes={
-                SHMCHAN: "one copy into the ring; read in place",
+                SHMCHAN: "one copy into the ring; read in place (h.data)",
                 MPQ: "bytes() per message: put() pickles later, in a thread",
             },
             ceiling=ceiling,
@@ -1197,7 +1212,7 @@ def _dispatch_shmchan(end: _ShmchanEnd, tx: Any, payloads: list[bytes], n: int) 
         for i in range(n):
             send(payloads[i], i, TIMEOUT)
             h = recv(TIMEOUT)
-            d = h.data
+            d = h.payload
             if unpack(d)[0] != i or d[-1] != i & 0xFF:
                 raise _bad(SHMCHAN, d, PAYLOAD)
             h.release()
@@ -1409,6 +1424,31 @@ def _steps(sizes: Sizes, workloads: Sequence[str], nsys: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+def _revision() -> str | None:
+    """The git commit shmchan runs from (+ "-dirty" if its sources differ), if in a checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(shmchan.__file__ or "")))
+    if not os.path.isdir(os.path.join(root, ".git")):
+        return None
+    try:
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--", "csrc", "shmchan"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     model = ""
@@ -1429,6 +1469,7 @@ def machine() -> dict[str, Any]:
 
             versions[dist] = importlib.metadata.version(dist)
     return {
+        "revision": _revision(),
         "cpu_model": model or platform.processor() or "unknown",
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable,
@@ -1459,6 +1500,7 @@ def run(
     else:
         skipped.append({"system": FFIFO, "reason": "not installed (pip install 'shmchan[bench]')"})
     started = datetime.datetime.now(datetime.UTC)
+    load = [round(x, 2) for x in os.getloadavg()]  # before we add any load of our own
     bar = _Progress(_steps(sizes, workloads, len(systems)), progress)
     state = _Run(sizes, systems, multiprocessing.get_context("spawn"), bar)
     t0 = time.monotonic()
@@ -1474,7 +1516,7 @@ def run(
         "seconds": round(time.monotonic() - t0, 1),
         "quick": quick,
         "repetitions": sizes.reps,
-        "machine": machine(),
+        "machine": machine() | {"loadavg_at_start": load},
         "sizes": sizes.__dict__ | {"producers": list(sizes.producers)},
         "workloads": list(workloads),
         "systems": systems,
@@ -1520,6 +1562,14 @@ def format_table(report: dict[str, Any]) -> str:
         f"machine: {m['cpu_model']}, {m['usable_cpus']} usable of {m['logical_cpus']} "
         f"logical CPUs, {m['implementation']} {m['python']}, Linux {m['kernel']}",
     ]
+    if m.get("revision"):
+        lines.append(f"shmchan {m['versions']['shmchan']} at {m['revision']}")
+    load = m["loadavg_at_start"][0]
+    if load > 0.5 * max(m["usable_cpus"], 1):
+        lines.append(
+            f"WARNING: load average {load:.2f} at start on {m['usable_cpus']} CPUs: other work "
+            "was running, so figures and ratios may be noisy. Re-run on an idle machine."
+        )
     for s in report["skipped"]:
         lines.append(f"note: {s['system']} skipped: {s['reason']}")
     lines.append("")

@@ -721,31 +721,34 @@ class Sender:
         n = len(items)
         if n == 0:
             return []
-        kinds = ffi.new("uint32_t[]", n)
-        datas = ffi.new("uint8_t *[]", n)
-        lens = ffi.new("uint64_t[]", n)
-        keyps = ffi.new("uint8_t *[]", n)
-        keylens = ffi.new("uint32_t[]", n)
-        nkeys = ffi.new("uint32_t[]", n)
-        seqs = ffi.new("uint64_t[]", n)
-        done = ffi.new("uint32_t *")
-        keep = []  # buffers must outlive the call
+        kinds: list[int] = []
+        payloads: list[Any] = []
+        lens: list[int] = []
+        blobs: list[bytes] = []
+        nkeys: list[int] = []
+        encode_payload, encode_keys = codec.encode_payload, codec.encode_keys
+        raw_only, max_keys = seg.raw_only, seg.max_keys
         for i, item in enumerate(items):
             try:
                 obj, keys = item
             except (TypeError, ValueError):
                 raise TypeError(f"send_many items must be (payload, keys) pairs; item {i} is not") from None
-            kind, buf = codec.encode_payload(obj, seg.raw_only)
-            blob, nk = codec.encode_keys(keys, seg.max_keys)
-            data = ffi.from_buffer("uint8_t[]", buf)
-            kb = ffi.from_buffer("uint8_t[]", blob)
-            keep.append((data, kb))
-            kinds[i] = kind
-            datas[i] = data
-            lens[i] = len(data)
-            keyps[i] = kb
-            keylens[i] = len(blob)
-            nkeys[i] = nk
+            kind, buf = encode_payload(obj, raw_only)
+            blob, nk = encode_keys(keys, max_keys)
+            kinds.append(kind)
+            payloads.append(buf)
+            lens.append(memoryview(buf).nbytes if type(buf) is not bytes else len(buf))
+            blobs.append(blob)
+            nkeys.append(nk)
+        # One buffer each for payloads and keys: one conversion, not two per message.
+        data = b"".join(payloads)
+        keyblob = b"".join(blobs)
+        c_kinds = ffi.new("uint32_t[]", kinds)
+        c_lens = ffi.new("uint64_t[]", lens)
+        c_klens = ffi.new("uint32_t[]", [len(b) for b in blobs])
+        c_nkeys = ffi.new("uint32_t[]", nkeys)
+        seqs = ffi.new("uint64_t[]", n)
+        done = ffi.new("uint32_t *")
         if not seg.registered:
             seg.register_producer()
         s = seg.scratch()
@@ -753,7 +756,8 @@ class Sender:
         def attempt() -> int:
             return int(
                 lib.shm_send_many(
-                    seg.ptr, n, kinds, datas, lens, keyps, keylens, nkeys, seqs, done, s.stall, s.wake
+                    seg.ptr, n, c_kinds, data, len(data), c_lens, keyblob, len(keyblob), c_klens,
+                    c_nkeys, seqs, done, s.stall, s.wake,
                 )
             )
 
@@ -764,8 +768,7 @@ class Sender:
             rc = self._wait_and_retry(seg, rc, _deadline(timeout), attempt, "send_many")
             if s.wake[0]:
                 seg.rx_sem.release()
-        del keep
-        return [int(seqs[i]) for i in range(n)]
+        return ffi.unpack(seqs, n)
 
     def _wait_and_retry(self, seg: _Segment, rc: int, deadline: float | None, attempt: Any, what: str) -> int:
         """Retry a send that returned FULL or STALLED until it succeeds or time runs out."""

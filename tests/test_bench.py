@@ -99,6 +99,7 @@ def test_machine_description_names_cpu_cores_and_python(quick_run: QuickRun) -> 
     assert m["cpu_model"]
     assert m["usable_cpus"] >= 1 and m["logical_cpus"] >= m["usable_cpus"]
     assert m["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert len(m["loadavg_at_start"]) == 3
 
 
 def test_every_result_row_is_well_formed(quick_run: QuickRun) -> None:
