@@ -292,6 +292,8 @@ void window_unlink(shm_chan *c, uint32_t s);
 int sched_evict(shm_chan *c, uint32_t s);
 int sched_skip_count(shm_chan *c, shm_record *r, int delta);
 int sched_is_skipped_key(shm_chan *c, shm_record *r);
+int sched_key_has_line(shm_chan *c, uint64_t hash);
+int sched_is_held_key(shm_chan *c, shm_record *r);
 /* compact.c */
 int compact(shm_chan *c);
 /* handles.c */

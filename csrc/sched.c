@@ -426,6 +426,21 @@ int sched_skip_count(shm_chan *c, shm_record *r, int delta) {
     return SHM_OK;
 }
 
+/* Does the key with this hash have a line (a message taken in that carries it)? */
+int sched_key_has_line(shm_chan *c, uint64_t hash) {
+    int64_t k = key_find(c, hash);
+    return k >= 0 && c->keys[k].head != NIL;
+}
+
+/* eager: is any key of r held? */
+int sched_is_held_key(shm_chan *c, shm_record *r) {
+    for (uint32_t i = 0; i < r->nkeys && i < c->cfg.max_keys; i++) {
+        int64_t k = key_find(c, r->hashes[i]);
+        if (k >= 0 && c->keys[k].held != NIL) return 1;
+    }
+    return 0;
+}
+
 /* Does r carry a key that a skipped message (ahead of it) also carries? */
 int sched_is_skipped_key(shm_chan *c, shm_record *r) {
     for (uint32_t i = 0; i < r->nkeys && i < c->cfg.max_keys; i++) {

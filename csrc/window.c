@@ -20,9 +20,9 @@
  *     each of its lines (sched_evict), so unlinking it undoes its taking in exactly; it
  *     becomes a skipped record. This makes room for the record at scan_pos, and repeats
  *     while there is a waiting message to evict.
- *   - Skipped records return, oldest first from ingest_pos, whenever there is room, at
- *     the start of each poll; a returned message may be evicted again by a newer record
- *     in the same poll, which then has made progress: no poll can loop.
+ *   - Skipped records return (return_skipped) when they would be free to go at once, in
+ *     order; one that would only wait stays out, since waiting needs no slot. Returning
+ *     may evict the newest waiting message too, so the window fills with what can run.
  * Each record is looked at a bounded number of times per eviction, and every step is
  * O(keys of the record): no step scans the backlog.
  *
@@ -69,7 +69,7 @@ static int take(shm_chan *c, shm_record *r, uint64_t pos) {
 /* Evict the newest waiting message. Those newer than it are ready, in flight or dead:
  * none shares a key with it (it would be behind it in that line, so waiting), so it is
  * last in each of its lines. Returns 1 if it evicted one. */
-static int evict_newest(shm_chan *c, int *rc) {
+static int evict_newest(shm_chan *c, int *rc, uint64_t *evicted_pos) {
     shm_header *h = c->hdr;
     uint32_t s = h->newest;
     for (uint32_t steps = 0; SLOT_OK(c, s) && steps < EVICT_SEARCH; steps++) {
@@ -86,6 +86,7 @@ static int evict_newest(shm_chan *c, int *rc) {
         return 0;
     }
     rec_at(c, pos)->slot = NIL; /* a skipped record again */
+    *evicted_pos = pos;
     h->queued_in_window--;
     h->ingested--;
     h->skipped++;
@@ -94,27 +95,100 @@ static int evict_newest(shm_chan *c, int *rc) {
     return 1;
 }
 
-/* Phase 1: bring skipped records back, in order, while there is room to spare. */
+/* A small set of key hashes, local to one pass of return_skipped: the keys of skipped
+ * records the pass has gone by (records after them that share a key must wait). */
+#define PASSED_SLOTS 2048u
+typedef struct {
+    uint64_t h[PASSED_SLOTS]; /* 0 = empty (a real hash of 0 is stored as 1: it only errs
+                                 toward treating a key as passed, i.e. waiting longer) */
+    uint32_t n;
+} passed_set;
+
+static int passed_add(passed_set *p, uint64_t hash) {
+    hash = hash ? hash : 1;
+    if (p->n >= PASSED_SLOTS / 2) return 0; /* full: the caller stops its pass */
+    uint32_t i = (uint32_t)hash & (PASSED_SLOTS - 1);
+    while (p->h[i] && p->h[i] != hash) i = (i + 1) & (PASSED_SLOTS - 1);
+    if (!p->h[i]) {
+        p->h[i] = hash;
+        p->n++;
+    }
+    return 1;
+}
+
+static int passed_has(const passed_set *p, uint64_t hash) {
+    hash = hash ? hash : 1;
+    uint32_t i = (uint32_t)hash & (PASSED_SLOTS - 1);
+    while (p->h[i]) {
+        if (p->h[i] == hash) return 1;
+        i = (i + 1) & (PASSED_SLOTS - 1);
+    }
+    return 0;
+}
+
+static int passed_add_record(passed_set *p, shm_record *r, uint32_t max_keys) {
+    for (uint32_t k = 0; k < r->nkeys && k < max_keys; k++)
+        if (!passed_add(p, r->hashes[k])) return 0;
+    return 1;
+}
+
+/* Phase 1: bring skipped records back. The pass walks the skipped region in order and
+ * takes in each record that would be free to go at once -- none of its keys has a line,
+ * and no skipped record before it (in the passed set) shares a key -- evicting the newest
+ * waiting message if that is what it takes to make room. A record that would only wait
+ * stays skipped (a waiting message needs no slot to keep its place), and its keys join
+ * the passed set. So the window holds what can run, and a ready message is never left
+ * behind a window full of waiting ones. ingest_pos moves over the taken-in prefix. */
 static int return_skipped(shm_chan *c) {
     shm_header *h = c->hdr;
-    for (uint32_t i = 0; i < INGEST_BATCH && h->ingest_pos < h->scan_pos; i++) {
-        uint64_t pos = h->ingest_pos;
+    int fifo = c->cfg.order == SHM_ORDER_FIFO;
+    passed_set passed;
+    passed.n = 0;
+    memset(passed.h, 0, sizeof passed.h);
+    int prefix = 1; /* still in the run that ingest_pos may move over */
+    uint64_t pos = h->ingest_pos;
+    for (uint32_t i = 0; i < INGEST_BATCH && pos < h->scan_pos; i++) {
         shm_record *r = rec_at(c, pos);
         uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
         uint64_t len = META_LEN(meta);
         if (len < REC_HDR || (len & 7u) || len > h->scan_pos - pos) return SHM_E_CORRUPT;
         uint32_t st = META_STATE(meta);
         if (finished_state(st) || (st == REC_COMMITTED && r->slot != NIL)) {
-            h->ingest_pos = pos + len; /* finished, or taken in out of order */
+            pos += len; /* finished, or taken in out of order */
+            if (prefix) h->ingest_pos = pos;
             continue;
         }
         if (st != REC_COMMITTED || ring_validate_body(c, r, len)) return SHM_E_CORRUPT;
-        if (!sched_has_room(c, r->nkeys)) break;
-        int rc = sched_skip_count(c, r, -1);
+        int go = 1;
+        for (uint32_t k = 0; k < r->nkeys && go; k++)
+            if (passed_has(&passed, r->hashes[k]) || (fifo && sched_key_has_line(c, r->hashes[k])))
+                go = 0;
+        if (!fifo && sched_is_held_key(c, r)) go = 0;
+        int rc = SHM_OK;
+        while (go && !sched_has_room(c, r->nkeys)) {
+            uint64_t ev;
+            if (!fifo || !evict_newest(c, &rc, &ev)) {
+                go = 0;
+                break;
+            }
+            if (ev < pos) { /* now a skipped record before r: it blocks those after it */
+                prefix = 0;
+                if (!passed_add_record(&passed, rec_at(c, ev), c->cfg.max_keys)) return rc;
+            } /* else it lies ahead and this pass will look at it in turn */
+        }
+        if (rc) return rc;
+        if (!go) {
+            if (!passed_add_record(&passed, r, c->cfg.max_keys)) return SHM_OK;
+            prefix = 0;
+            pos += len;
+            continue;
+        }
+        rc = sched_skip_count(c, r, -1);
         if (rc == SHM_OK) rc = take(c, r, pos);
         if (rc) return rc;
         h->skipped--;
-        h->ingest_pos = pos + len;
+        pos += len;
+        if (prefix) h->ingest_pos = pos;
     }
     return SHM_OK;
 }
@@ -147,8 +221,9 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled) {
             r->slot = NIL;
             h->skipped++;
         } else {
+            uint64_t ev;
             while (!sched_has_room(c, r->nkeys)) {
-                if (!fifo || !evict_newest(c, &rc)) {
+                if (!fifo || !evict_newest(c, &rc, &ev)) {
                     /* Nothing to evict. rc is set only if the segment is corrupt */
                     return rc;
                 }
