@@ -584,3 +584,30 @@ def test_window_full_of_handles_out_still_accepts_and_delivers_later(make_channe
         assert rx.try_recv() is None  # every slot of the window is a live handle
         held.pop().release()
         assert rx.recv(timeout=5).payload == "later"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("view", [False, True], ids=["payload", "data-of-others"])
+def test_held_and_waiting_messages_do_not_stop_20_mib_of_other_traffic(make_channel, view):
+    """Issue #3's case: one handle held for good at the oldest position and a message waiting
+    behind it on the same key; a 1 MiB channel still carries 20 MiB on other keys, no Full."""
+    ch = make_channel(capacity=1 << 20)
+    chunk = bytes(range(256)) * 64  # 16 KiB
+    with ch.sender() as tx, ch.receiver() as rx:
+        tx.send(b"held", keys="pinned")
+        tx.send(b"waits", keys="pinned")
+        held = rx.recv(timeout=5)
+        assert held.payload == b"held"
+        carried = 0
+        for i in range((20 << 20) // len(chunk)):
+            tx.send(chunk, keys=f"k{i % 7}", timeout=5)  # Full here fails the test
+            h = rx.recv(timeout=5)
+            data = bytes(h.data) if view else h.payload
+            assert data == chunk
+            h.release()
+            carried += len(chunk)
+        assert carried >= 20 << 20
+        assert rx.try_recv() is None  # "waits" still waits behind the held one
+        assert held.payload == b"held"  # the held record is still readable after moves
+        held.release()
+        assert rx.recv(timeout=5).payload == b"waits"
