@@ -9,7 +9,16 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["ring.c", "sched.c", "handles.c", "window.c", "recovery.c", "compact.c", "segment.c", "hash.c"]
+SOURCES = [
+    "ring.c",
+    "sched.c",
+    "handles.c",
+    "window.c",
+    "recovery.c",
+    "compact.c",
+    "segment.c",
+    "hash.c",
+]
 
 ffi = FFI()
 ffi.cdef((HERE / "shmchan.h").read_text())

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-from . import errors
 from _shmchan_core import ffi, lib  # the compiled C core (csrc/build_ffi.py)
+
+from . import errors
 
 __all__ = ["ffi", "lib", "raise_for"]
 
@@ -15,7 +16,10 @@ _ERRORS: dict[int, tuple[type[BaseException], str]] = {
     lib.SHM_E_TOO_LARGE: (errors.MessageTooLarge, "{what}: message can never fit in this channel"),
     lib.SHM_E_TOO_MANY_KEYS: (errors.TooManyKeys, "{what}: more keys than the channel's max_keys"),
     lib.SHM_E_CORRUPT: (errors.ChannelCorrupted, "{what}: the shared segment is corrupt"),
-    lib.SHM_E_LAYOUT: (errors.LayoutMismatch, "{what}: not a shmchan segment of this layout version"),
+    lib.SHM_E_LAYOUT: (
+        errors.LayoutMismatch,
+        "{what}: not a shmchan segment of this layout version",
+    ),
     lib.SHM_E_INVALID: (ValueError, "{what}: invalid argument"),
     lib.SHM_E_NOMEM: (MemoryError, "{what}: out of memory"),
     lib.SHM_CLOSED: (errors.Closed, "{what}: the channel was shut down"),
@@ -28,6 +32,6 @@ def raise_for(rc: int, what: str, detail: str = "") -> NoReturn:
     if rc == lib.SHM_E_SYS:
         err = ffi.errno
         raise OSError(err, f"{what}: {os.strerror(err)}")
-    cls, template = _ERRORS.get(rc, (errors.Error, "{what}: unexpected status %d" % rc))
+    cls, template = _ERRORS.get(rc, (errors.Error, f"{{what}}: unexpected status {rc}"))
     message = template.format(what=what)
     raise cls(f"{message}{': ' + detail if detail else ''}")

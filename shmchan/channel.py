@@ -343,7 +343,9 @@ class Channel:
         cfg.max_messages = _positive_int("max_messages", max_messages, minimum=16)
         if max_messages > 1 << 24:
             raise ValueError("max_messages must be <= 16777216")
-        cfg.max_attempts = 0 if max_attempts is None else _positive_int("max_attempts", max_attempts)
+        cfg.max_attempts = (
+            0 if max_attempts is None else _positive_int("max_attempts", max_attempts)
+        )
         if lease is not None and not lease > 0:
             raise ValueError("lease must be a positive number of seconds or None")
         cfg.lease_ns = 0 if lease is None else int(lease * 1e9)
@@ -542,7 +544,9 @@ def _create_segment(
             try:
                 fd = os.open(os.fspath(path), os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
             except FileExistsError:
-                raise errors.ChannelExists(f"channel file {os.fspath(path)!r} already exists") from None
+                raise errors.ChannelExists(
+                    f"channel file {os.fspath(path)!r} already exists"
+                ) from None
         try:
             os.ftruncate(fd, total)
             # Reserve every page now: running out of /dev/shm must fail here, not as a
@@ -698,7 +702,9 @@ class Sender:
             seg.register_producer()
         s = seg.scratch()
         data = buf if type(buf) is bytes else ffi.from_buffer("char[]", buf)
-        rc = lib.shm_send(seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake)
+        rc = lib.shm_send(
+            seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake
+        )
         if rc:
             deadline = _deadline(timeout)
             rc = self._wait_and_retry(
@@ -714,7 +720,9 @@ class Sender:
             seg.rx_sem.release()
         return int(s.seq[0])
 
-    def send_many(self, items: Iterable[tuple[object, Any]], timeout: float | None = None) -> list[int]:
+    def send_many(
+        self, items: Iterable[tuple[object, Any]], timeout: float | None = None
+    ) -> list[int]:
         """Send (payload, keys) pairs in order with one C call per batch; returns their seqs."""
         seg = self._live()
         items = list(items)
@@ -732,7 +740,9 @@ class Sender:
             try:
                 obj, keys = item
             except (TypeError, ValueError):
-                raise TypeError(f"send_many items must be (payload, keys) pairs; item {i} is not") from None
+                raise TypeError(
+                    f"send_many items must be (payload, keys) pairs; item {i} is not"
+                ) from None
             kind, buf = encode_payload(obj, raw_only)
             blob, nk = encode_keys(keys, max_keys)
             kinds.append(kind)
@@ -756,8 +766,20 @@ class Sender:
         def attempt() -> int:
             return int(
                 lib.shm_send_many(
-                    seg.ptr, n, c_kinds, data, len(data), c_lens, keyblob, len(keyblob), c_klens,
-                    c_nkeys, seqs, done, s.stall, s.wake,
+                    seg.ptr,
+                    n,
+                    c_kinds,
+                    data,
+                    len(data),
+                    c_lens,
+                    keyblob,
+                    len(keyblob),
+                    c_klens,
+                    c_nkeys,
+                    seqs,
+                    done,
+                    s.stall,
+                    s.wake,
                 )
             )
 
@@ -770,7 +792,9 @@ class Sender:
                 seg.rx_sem.release()
         return ffi.unpack(seqs, n)
 
-    def _wait_and_retry(self, seg: _Segment, rc: int, deadline: float | None, attempt: Any, what: str) -> int:
+    def _wait_and_retry(
+        self, seg: _Segment, rc: int, deadline: float | None, attempt: Any, what: str
+    ) -> int:
         """Retry a send that returned FULL or STALLED until it succeeds or time runs out."""
         s = seg.scratch()
         armed = False
@@ -790,7 +814,9 @@ class Sender:
                     left = _remaining(deadline)
                     if left is not None and left <= 0:
                         raise errors.Full(f"{what}: channel {seg.name!r} stayed full")
-                    _sem_wait(seg.tx_sem, min(_MAINTENANCE_SECONDS, left if left is not None else 1e9))
+                    _sem_wait(
+                        seg.tx_sem, min(_MAINTENANCE_SECONDS, left if left is not None else 1e9)
+                    )
                 elif rc == lib.SHM_STALLED:
                     now = time.monotonic()
                     if stalled_since is None:
@@ -858,7 +884,8 @@ class Receiver:
         dead = [
             int(holders[i])
             for i in range(n[0])
-            if int(holders[i]) not in (me, _HOLDER_REVOKED) and not liveness.is_alive(int(holders[i]))
+            if int(holders[i]) not in (me, _HOLDER_REVOKED)
+            and not liveness.is_alive(int(holders[i]))
         ]
         sweep = now >= self._next_sweep
         if not dead and not expired[0] and not sweep:
@@ -908,7 +935,9 @@ class Receiver:
             got = s.got[0]
             if got:
                 vals = ffi.unpack(ffi.cast("uint64_t *", msgs), _MSG_WORDS * got)
-                return [Handle._from_vals(seg, vals, i) for i in range(0, _MSG_WORDS * got, _MSG_WORDS)]
+                return [
+                    Handle._from_vals(seg, vals, i) for i in range(0, _MSG_WORDS * got, _MSG_WORDS)
+                ]
             if rc == lib.SHM_CLOSED:
                 raise errors.Closed(f"channel {seg.name!r} is shut down and drained")
             if rc == lib.SHM_STALLED:
@@ -958,7 +987,9 @@ class Receiver:
         if not isinstance(max_items, int) or max_items < 1:
             raise ValueError("max_items must be a positive int")
         seg = self._live()
-        return self._poll_once(seg, max_items) or self._poll(seg, max_items, _deadline(timeout), True)
+        return self._poll_once(seg, max_items) or self._poll(
+            seg, max_items, _deadline(timeout), True
+        )
 
     def release_many(self, handles: Iterable[Handle]) -> None:
         """Release several handles with one C call (each exactly once, as release())."""
@@ -1104,7 +1135,9 @@ class Handle:
         record while we read (csrc/compact.c); accept only bytes it did not move."""
         seg = self._check()
         for _ in range(1000):
-            off, size = (self._keys_off, self._keys_len) if keys else (self._data_off, self._data_len)
+            off, size = (
+                (self._keys_off, self._keys_len) if keys else (self._data_off, self._data_len)
+            )
             raw = bytes(seg.mem[off : off + size])
             if lib.shm_unmoved(seg.ptr, self._slot, self._word, self._pos) == lib.SHM_OK:
                 return raw
@@ -1187,7 +1220,9 @@ class Handle:
         deadline = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(seconds * 1e9)
         rc = lib.shm_handle_extend(seg.ptr, self._slot, self._gen, deadline)
         if rc == lib.SHM_STALE:
-            raise errors.Closed(f"handle seq={self.seq} is no longer held (lease expired or released)")
+            raise errors.Closed(
+                f"handle seq={self.seq} is no longer held (lease expired or released)"
+            )
         if rc:
             raise_for(rc, "extend")
 

@@ -223,12 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="repeat every SECONDS (default 1) until Ctrl-C",
     )
-    p.add_argument("--path", metavar="FILE", help="the channel's file, for channels created with path=")
+    p.add_argument(
+        "--path", metavar="FILE", help="the channel's file, for channels created with path="
+    )
     p.set_defaults(func=_cmd_stat)
 
     p = sub.add_parser("rm", help="remove (unlink) a channel")
     p.add_argument("name", metavar="NAME", help="channel name")
-    p.add_argument("--path", metavar="FILE", help="the channel's file, for channels created with path=")
+    p.add_argument(
+        "--path", metavar="FILE", help="the channel's file, for channels created with path="
+    )
     p.set_defaults(func=_cmd_rm)
 
     p = sub.add_parser(

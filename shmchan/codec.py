@@ -40,9 +40,7 @@ def _encode_one(key: object) -> bytes:
         n = int(key)
         enc = b"i" + n.to_bytes((n + (n < 0)).bit_length() // 8 + 1, "big", signed=True)
     else:
-        raise TypeError(
-            f"keys must be str, bytes or int, not {type(key).__name__} ({key!r})"
-        )
+        raise TypeError(f"keys must be str, bytes or int, not {type(key).__name__} ({key!r})")
     if len(enc) > _MAX_KEY_BYTES:
         raise ValueError(f"key too long: {len(enc) - 1} bytes (limit {_MAX_KEY_BYTES - 1})")
     return enc

@@ -266,8 +266,18 @@ def _run_consumer(
         ctx.Process(
             target=_producer,
             name=f"demo-producer-{i}",
-            args=(tx, i, n, args.accounts, args.seed, args.no_keys, args.timeout, ready, go,
-                  logs_q),
+            args=(
+                tx,
+                i,
+                n,
+                args.accounts,
+                args.seed,
+                args.no_keys,
+                args.timeout,
+                ready,
+                go,
+                logs_q,
+            ),
             daemon=True,
         )
         for i, n in enumerate(_split(args.messages, args.producers))
@@ -380,7 +390,7 @@ def _check(outcome: _Outcome, args: argparse.Namespace) -> tuple[list[str], list
     problems: list[str] = []
     notes: list[str] = []
     sent: dict[int, Op] = {}
-    for producer, log in sorted(outcome.logs.items()):
+    for _producer, log in sorted(outcome.logs.items()):
         for seq, op in log:
             if seq in sent:
                 problems.append(f"seq {seq} returned by send() twice")
@@ -456,14 +466,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--workers", type=_positive_int, default=4, help="worker processes (default 4)")
     add("--accounts", type=_accounts, default=50, help="bank accounts, at least 2 (default 50)")
     add("--order", choices=("fifo", "eager"), default="fifo", help="channel order (default fifo)")
-    add("--capacity", type=_positive_int, default=1 << 20,
-        help="channel capacity in bytes (default 1 MiB)")
+    add(
+        "--capacity",
+        type=_positive_int,
+        default=1 << 20,
+        help="channel capacity in bytes (default 1 MiB)",
+    )
     add("--seed", type=int, default=0, help="workload seed (default 0)")
-    add("--timeout", type=_positive_float, default=60.0,
-        help="give up after this many seconds (default 60)")
-    add("--no-keys", action="store_true",
+    add(
+        "--timeout",
+        type=_positive_float,
+        default=60.0,
+        help="give up after this many seconds (default 60)",
+    )
+    add(
+        "--no-keys",
+        action="store_true",
         help="control experiment: send without keys, so nothing protects the balances "
-        "(expected to fail)")
+        "(expected to fail)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -499,8 +520,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"elapsed:    {outcome.elapsed:.2f} s")
     print(f"throughput: {n / max(outcome.elapsed, 1e-9):,.0f} msgs/s")
     if s is not None:
-        print(f"stats:      sent={s.sent} delivered={s.delivered} released={s.released} "
-              f"redelivered={s.redelivered}")
+        print(
+            f"stats:      sent={s.sent} delivered={s.delivered} released={s.released} "
+            f"redelivered={s.redelivered}"
+        )
     for note in notes:
         print(f"note:       {note}")
     if problems:
@@ -509,8 +532,10 @@ def run(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"  {p}")
         if args.no_keys:
-            print("(expected with --no-keys: nothing stopped two workers "
-                  "from touching one account at once)")
+            print(
+                "(expected with --no-keys: nothing stopped two workers "
+                "from touching one account at once)"
+            )
         return EXIT_MISMATCH
     if args.order == "fifo":
         print("OK: concurrent result equals serial replay in seq order")

@@ -202,13 +202,13 @@ def test_send_returns_int_seq(tx):
 
 def test_send_seqs_strictly_increase(tx):
     seqs = [tx.send(b"x") for _ in range(20)]
-    assert all(a < b for a, b in zip(seqs, seqs[1:]))
+    assert all(a < b for a, b in zip(seqs, seqs[1:], strict=False))
 
 
 def test_seqs_strictly_increase_across_senders(ch):
     with ch.sender() as a, shmchan.Sender.open(ch.name) as b:
         seqs = [s.send(b"x") for _ in range(10) for s in (a, b)]
-    assert all(x < y for x, y in zip(seqs, seqs[1:]))
+    assert all(x < y for x, y in zip(seqs, seqs[1:], strict=False))
 
 
 def test_handle_seq_is_the_seq_send_returned(tx, rx):
@@ -492,8 +492,18 @@ def test_stats_is_a_frozen_dataclass(ch):
 def test_stats_has_every_documented_field(ch):
     fields = {f.name for f in dataclasses.fields(ch.stats())}
     assert fields >= {
-        "capacity", "used_bytes", "queued", "inflight", "held_keys", "producers",
-        "dead_letters", "sent", "delivered", "released", "redelivered", "discarded",
+        "capacity",
+        "used_bytes",
+        "queued",
+        "inflight",
+        "held_keys",
+        "producers",
+        "dead_letters",
+        "sent",
+        "delivered",
+        "released",
+        "redelivered",
+        "discarded",
     }
 
 

@@ -22,29 +22,12 @@ import random
 import signal
 import struct
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from procs import CTX, WAIT, running
 
 import shmchan
-
-CTX = multiprocessing.get_context("spawn")
-WAIT = 30  # seconds any single cross-process wait may take before the test fails
-
-
-@contextlib.contextmanager
-def running(*procs: multiprocessing.process.BaseProcess) -> Iterator[None]:
-    """Start the processes; whatever happens, leave none of them alive."""
-    try:
-        for p in procs:
-            p.start()
-        yield
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(WAIT)
 
 
 def wait_dead_unreaped(pid: int) -> None:
@@ -317,7 +300,9 @@ def leave_revocation_half_done(segment_path: str, seq: int, dead_pid: int) -> No
     fd = os.open(segment_path, os.O_RDWR)
     try:
         header = os.pread(fd, 4096, 0)
-        max_messages = int.from_bytes(header[MAX_MESSAGES_OFFSET : MAX_MESSAGES_OFFSET + 4], "little")
+        max_messages = int.from_bytes(
+            header[MAX_MESSAGES_OFFSET : MAX_MESSAGES_OFFSET + 4], "little"
+        )
         slots_off = int.from_bytes(header[SLOTS_OFFSET : SLOTS_OFFSET + 8], "little")
         for s in range(1, max_messages + 1):
             slot = os.pread(fd, SLOT_SIZE, slots_off + s * SLOT_SIZE)

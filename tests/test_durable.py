@@ -14,34 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import multiprocessing
 import os
 import signal
 import stat
 import struct
 import time
-from collections.abc import Iterator
 
 import posix_ipc
 import pytest
+from procs import CTX, WAIT, running
 
 import shmchan
-
-CTX = multiprocessing.get_context("spawn")
-WAIT = 30
-
-
-@contextlib.contextmanager
-def running(*procs: multiprocessing.process.BaseProcess) -> Iterator[None]:
-    try:
-        for p in procs:
-            p.start()
-        yield
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(WAIT)
 
 
 def payload(n: int) -> bytes:

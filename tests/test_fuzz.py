@@ -48,17 +48,23 @@ def _fact(name: str) -> int:
 
 H_MAX_PRODUCERS_OFF = _fact("header.max_producers")
 H_MAX_MESSAGES = _fact("header.max_messages")
-H_REGIONS = _fact("header.slots_off") - 8  # producers_off, slots_off, nodes_off, keytab_off, ring_off
+H_REGIONS = (
+    _fact("header.slots_off") - 8
+)  # producers_off, slots_off, nodes_off, keytab_off, ring_off
 H_MAX_NODES, H_KEYTAB_SIZE = _fact("header.max_nodes"), _fact("header.keytab_size")
 H_SEGMENT_SIZE = _fact("header.segment_size")
 H_HEAD, H_INGEST = _fact("header.head"), _fact("header.ingest_pos")
 H_READY_COUNT = _fact("header.ready_count")
 # every header word a process may read, whatever the layout: all 4- and 8-byte words
 _HEADER_SIZE = _fact("header.size")
-HEADER_WORDS = [(o, 4) for o in range(0, _HEADER_SIZE, 4)] + [(o, 8) for o in range(0, _HEADER_SIZE, 8)]
+HEADER_WORDS = [(o, 4) for o in range(0, _HEADER_SIZE, 4)] + [
+    (o, 8) for o in range(0, _HEADER_SIZE, 8)
+]
 PRODUCER_SIZE, PRODUCER_WORDS = 64, [(0, 8), (8, 8), (16, 4)]
 SLOT_SIZE = _fact("slot.size")
-SLOT_WORDS = [(0, 1)] + [(o, 4) for o in range(0, SLOT_SIZE, 4)] + [(o, 8) for o in range(0, SLOT_SIZE, 8)]
+SLOT_WORDS = (
+    [(0, 1)] + [(o, 4) for o in range(0, SLOT_SIZE, 4)] + [(o, 8) for o in range(0, SLOT_SIZE, 8)]
+)
 NODE_SIZE = _fact("node.size")
 NODE_WORDS = [(o, 4) for o in range(0, NODE_SIZE, 4)] + [(0, 8)]
 KEY_SIZE = _fact("key.size")
@@ -649,7 +655,9 @@ def test_raw_channel_never_unpickles_a_record_marked_as_pickled(make_channel):
     fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDONLY)
     try:
         ring = _u(fd, H_REGIONS + 32, 8)
-        assert _u(fd, ring + RECORD_KIND, 4) == 0, "the first record is not where this test expects it"
+        assert _u(fd, ring + RECORD_KIND, 4) == 0, (
+            "the first record is not where this test expects it"
+        )
     finally:
         os.close(fd)
     _poke(ch.name, ring + RECORD_KIND, 1, 4)  # the first record's kind: SHM_PAYLOAD_PICKLE

@@ -309,7 +309,6 @@ def test_release_through_a_second_unpickled_copy_is_a_no_op(tx, rx):
     assert now_holding.payload == b"2"
 
 
-
 def test_release_many_frees_every_key_once(ch, tx, rx):
     for i in range(6):
         tx.send(i, keys=f"k{i % 3}")

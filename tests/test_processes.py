@@ -7,7 +7,6 @@ spawned interpreters can import them.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import itertools
@@ -17,30 +16,11 @@ import random
 import signal
 import struct
 import time
-from collections.abc import Iterator
 
 import pytest
+from procs import CTX, WAIT, running
 
 import shmchan
-
-CTX = multiprocessing.get_context("spawn")
-WAIT = 30  # seconds any single cross-process wait may take before the test fails
-
-
-@contextlib.contextmanager
-def running(*procs: multiprocessing.process.BaseProcess) -> Iterator[None]:
-    """Start the processes; whatever happens, leave none of them alive."""
-    try:
-        for p in procs:
-            p.start()
-        yield
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.join(0.5)
-            if p.is_alive():
-                p.kill()
-            p.join(10)
 
 
 def join_all(*procs: multiprocessing.process.BaseProcess) -> None:
@@ -78,7 +58,7 @@ def produce(tx, index: int, count: int, keyed: bool, results) -> None:
 
 def produce_by_name(name: str, payloads: list, keys: list) -> None:
     with shmchan.Sender.open(name) as tx:
-        for payload, k in zip(payloads, keys):
+        for payload, k in zip(payloads, keys, strict=True):
             tx.send(payload, keys=k, timeout=WAIT)
 
 
@@ -221,7 +201,7 @@ def test_each_producers_seqs_strictly_increase(ch, rx):
         sent = dict(results.get(timeout=WAIT) for _ in procs)
         join_all(*procs)
     for seqs in sent.values():
-        assert all(a < b for a, b in zip(seqs, seqs[1:]))
+        assert all(a < b for a, b in zip(seqs, seqs[1:], strict=False))
     assert not set(sent[0]) & set(sent[1])
 
 
