@@ -289,7 +289,7 @@ class DeadLetter:
             seg.rx_sem.release()
         if rc < 0:
             raise_for(rc, "discard dead letter")
-        return rc == lib.SHM_OK
+        return bool(rc == lib.SHM_OK)
 
     def resend(self, sender: Sender | None = None, timeout: float | None = None) -> int:
         """Send it again as a new message (new seq, attempt 1) and discard this one."""
@@ -790,7 +790,7 @@ class Sender:
             rc = self._wait_and_retry(seg, rc, _deadline(timeout), attempt, "send_many")
             if s.wake[0]:
                 seg.rx_sem.release()
-        return ffi.unpack(seqs, n)
+        return list(ffi.unpack(seqs, n))
 
     def _wait_and_retry(
         self, seg: _Segment, rc: int, deadline: float | None, attempt: Any, what: str
@@ -1070,6 +1070,21 @@ class Handle:
 
     seq: int
     attempt: int
+    _seg: _Segment
+    _slot: int
+    _gen: int
+    _kind: int
+    _data_off: int
+    _data_len: int
+    _keys_off: int
+    _keys_len: int
+    _nkeys: int
+    _pos: int
+    _word: int
+    _keys: tuple[codec.Key, ...] | None
+    _payload: Any
+    _done: bool
+    _pid: int
 
     @classmethod
     def _from_vals(cls, seg: _Segment, vals: list[int], i: int) -> Handle:
@@ -1198,7 +1213,7 @@ class Handle:
             seg.rx_sem.release()
         if r >> _WAKE_TX_SHIFT:
             _post(seg.tx_sem, r >> _WAKE_TX_SHIFT)
-        return (r & 0xFF) == lib.SHM_OK
+        return bool((r & 0xFF) == lib.SHM_OK)
 
     def release(self) -> None:
         """Free the handle's keys for the next message in line. Idempotent."""

@@ -298,7 +298,7 @@ def _run_consumer(
     deadline = time.monotonic() + args.timeout
 
     def remaining() -> float:
-        left = deadline - time.monotonic()
+        left: float = deadline - time.monotonic()
         if left <= 0:
             raise _DemoFailed(f"timed out after {args.timeout:g} s (raise --timeout?)")
         return left
@@ -339,7 +339,7 @@ def _run_consumer(
             continue
         if not hs:
             continue
-        handout.extend((h.seq, tuple(h.keys)) for h in hs)
+        handout.extend((h.seq, tuple(str(k) for k in h.keys)) for h in hs)
         # Spread the batch over the workers. Handles that are live at the same time
         # never share a key, so any worker may take any of them.
         size = min(CHUNK, -(-len(hs) // args.workers))  # ceil(len / workers), at most CHUNK
@@ -403,13 +403,13 @@ def _check(outcome: _Outcome, args: argparse.Namespace) -> tuple[list[str], list
         if seq in processed:
             problems.append(f"seq {seq} processed twice")
         processed[seq] = accepted
-        op = sent.get(seq)
-        if op is None:
+        found = sent.get(seq)
+        if found is None:
             problems.append(f"seq {seq} processed but never sent")
-        elif (op[4], op[5]) != (producer, index):
+        elif (found[4], found[5]) != (producer, index):
             problems.append(
                 f"seq {seq} carried message {producer}/{index}, "
-                f"but send() returned it for {op[4]}/{op[5]}"
+                f"but send() returned it for {found[4]}/{found[5]}"
             )
     missing = sorted(set(sent) - set(processed))
     if missing:

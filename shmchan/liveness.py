@@ -26,7 +26,7 @@ _cached: tuple[int, int] | None = None  # (pid, token) of this process
 
 def _token(proc: psutil.Process) -> int:
     ticks = round((proc.create_time() - psutil.boot_time()) * _CLK_TCK)
-    return (proc.pid << 40) | (ticks & _TICKS_MASK)
+    return int((proc.pid << 40) | (ticks & _TICKS_MASK))
 
 
 def token_of(pid: int) -> int:
