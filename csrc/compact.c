@@ -70,7 +70,7 @@ int compact(shm_chan *c) {
     if (head >= stop || finished(c, head)) return 0; /* nothing pinned: the common case */
     /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
-    if (tail - head <= c->cap / 2) return 0;
+    if (tail - head <= c->limit / 2) return 0;
 
     /* the pinned block [head, head + block) */
     uint32_t slots[COMPACT_MAX_RECORDS];

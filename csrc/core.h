@@ -251,7 +251,8 @@ struct shm_chan {
     uint32_t *heap;     /* ready messages (sched.c)                                   */
     uint8_t *ring;      /* ring_off from base, 2 * capacity bytes of address space    */
     shm_config cfg;     /* validated local copy: never re-read from the segment       */
-    uint64_t cap;       /* ring capacity                                              */
+    uint64_t cap;       /* ring size: the capacity rounded up to whole pages          */
+    uint64_t limit;     /* the capacity: bytes the ring may hold at once (cfg.capacity) */
     uint32_t max_nodes, keytab_mask;
     uint64_t token;     /* this process's identity                                    */
     uint32_t producer;  /* registry index + 1 while registered, 0 otherwise          */

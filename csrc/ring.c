@@ -129,11 +129,11 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
          * claimant's CAS (token), so meta and seq read below are at least as new. */
         uint64_t owner = LOAD_ACQUIRE(&r->owner);
         if (owner == OWNER_EMPTY(pos)) {
-            if (pos + n + REC_HDR > head + c->cap) {
+            if (pos + n + REC_HDR > head + c->limit) {
                 head = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
                 c->cached_head = head;
                 if (pos < head) continue; /* we were stale after all */
-                if (pos + n + REC_HDR > head + c->cap) return SHM_FULL;
+                if (pos + n + REC_HDR > head + c->limit) return SHM_FULL;
             }
             /* seq_cst: the claim. Pairs with other claimants' CAS on the same word and
              * with the release in prepare_successor (the EMPTY we expect). It is also
@@ -217,9 +217,9 @@ static int check_message(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys
     if (kind > SHM_PAYLOAD_PICKLE) return SHM_E_INVALID;
     if (kind != SHM_PAYLOAD_RAW && (c->cfg.flags & SHM_CFG_RAW_ONLY)) return SHM_E_INVALID;
     if (nkeys > c->cfg.max_keys) return SHM_E_TOO_MANY_KEYS;
-    if (len > c->cap || keys_len > c->cap) return SHM_E_TOO_LARGE;
+    if (len > c->limit || keys_len > c->limit) return SHM_E_TOO_LARGE;
     uint64_t n = rec_size(nkeys, keys_len, len);
-    if (n + REC_HDR > c->cap) return SHM_E_TOO_LARGE;
+    if (n + REC_HDR > c->limit) return SHM_E_TOO_LARGE;
     *n_out = n;
     return SHM_OK;
 }

@@ -28,8 +28,7 @@ typedef struct {
 static uint64_t page_up(uint64_t n) { return (n + SHM_PAGE - 1) & ~(uint64_t)(SHM_PAGE - 1); }
 
 static int config_ok(const shm_config *cfg) {
-    if (cfg->capacity < SHM_PAGE || cfg->capacity % SHM_PAGE || cfg->capacity > (1ull << 44))
-        return 0;
+    if (cfg->capacity < 64 || cfg->capacity > (1ull << 44)) return 0;
     if (cfg->max_keys > SHM_MAX_KEYS_LIMIT) return 0;
     if (cfg->max_messages < 16 || cfg->max_messages > (1u << 24)) return 0;
     if (cfg->order > SHM_ORDER_EAGER) return 0;
@@ -58,7 +57,7 @@ static void compute_layout(const shm_config *cfg, layout *L) {
     L->heap_off = off;
     off = page_up(off + ((uint64_t)cfg->max_messages + 1) * sizeof(uint32_t));
     L->ring_off = off;
-    L->total = off + cfg->capacity;
+    L->total = off + page_up(cfg->capacity); /* the ring is whole pages: it is mapped twice */
 }
 
 int shm_layout_size(const shm_config *cfg, uint64_t *total_out) {
@@ -96,7 +95,8 @@ static void bind(shm_chan *c, const layout *L) {
     c->keys = (shm_key *)(c->base + L->keytab_off);
     c->heap = (uint32_t *)(c->base + L->heap_off);
     c->ring = c->base + L->ring_off;
-    c->cap = c->cfg.capacity;
+    c->cap = page_up(c->cfg.capacity);
+    c->limit = c->cfg.capacity;
     c->max_nodes = L->max_nodes;
     c->keytab_mask = L->keytab_size - 1;
 }
@@ -166,7 +166,7 @@ int shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_ch
     } else {
         rc = validate_header(c, fd, &L);
     }
-    if (rc == SHM_OK) rc = map_segment(fd, &L, c->cfg.capacity, &c->base, &c->map_len);
+    if (rc == SHM_OK) rc = map_segment(fd, &L, page_up(c->cfg.capacity), &c->base, &c->map_len);
     if (rc != SHM_OK) {
         int e = errno;
         free(c);
@@ -275,9 +275,9 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     for (uint32_t i = 0; i < c->cfg.max_producers; i++) sent += LOAD_RELAXED(&c->producers[i].sent);
     uint64_t head = LOAD_ACQUIRE(&h->head);      /* pairs with ring_advance_head */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
-    o->capacity = c->cap;
+    o->capacity = c->limit;
     o->used_bytes = tail > head ? tail - head : 0;
-    if (o->used_bytes > c->cap) o->used_bytes = c->cap;
+    if (o->used_bytes > c->limit) o->used_bytes = c->limit;
     /* Counters written by the consumer are read without synchronization: a snapshot. */
     uint64_t in_window = LOAD_RELAXED(&h->queued_in_window);
     uint64_t taken = LOAD_RELAXED(&h->ingested);

@@ -40,7 +40,7 @@
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
-    uint64_t capacity;      /* ring bytes (rounded up to a page multiple)       */
+    uint64_t capacity;      /* bytes of messages the channel holds at most       */
     uint32_t max_keys;      /* 0..SHM_MAX_KEYS_LIMIT distinct keys per message   */
     uint32_t max_messages;  /* scheduler window: messages ingested at once       */
     uint32_t order;         /* SHM_ORDER_*                                      */

@@ -330,7 +330,7 @@ class Channel:
         """Make a new channel. Raises ChannelExists if the name is taken."""
         _check_name(name)
         cfg = ffi.new("shm_config *")
-        cfg.capacity = _page_round(_positive_int("capacity", capacity))
+        cfg.capacity = _positive_int("capacity", capacity, minimum=64)
         if order not in _ORDERS:
             raise ValueError(f"order must be 'fifo' or 'eager', not {order!r}")
         cfg.order = _ORDERS[order]
@@ -513,10 +513,6 @@ def _positive_int(what: str, value: object, minimum: int = 1) -> int:
         raise ValueError(f"{what} must be >= {minimum}, got {value}")
     return value
 
-
-def _page_round(n: int) -> int:
-    page = 4096
-    return max(page, (n + page - 1) // page * page)
 
 
 def _open_sems(name: str, flags: int, mode: int) -> tuple[Any, Any]:
