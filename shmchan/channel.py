@@ -860,7 +860,11 @@ class Receiver:
         self._next_maintenance = 0.0
         self._next_sweep = time.monotonic() + _SWEEP_SECONDS
         self._stall: tuple[int, int, float] | None = None  # (pos, owner, since)
-        self.maintain()
+        try:
+            self.maintain()  # a dead predecessor's handles come back at once
+        except BaseException:
+            self.close()  # do not keep a seat nobody can use
+            raise
 
     def maintain(self) -> int:
         """Redeliver handles whose holder died or whose lease ran out; returns how many.
