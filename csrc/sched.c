@@ -106,8 +106,7 @@ static void key_delete(shm_chan *c, uint32_t i) {
  * it. O(log ready) per push and pop; entries are checked as they are read. */
 static inline uint64_t heap_key(shm_chan *c, uint32_t i) { return c->slots[c->heap[i]].seq; }
 
-static int ready_push(shm_chan *c, uint32_t s, int front) {
-    (void)front; /* the seq decides */
+static int ready_push(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
     uint32_t n = h->ready_count;
     if (n >= c->cfg.max_messages) return SHM_E_CORRUPT;
@@ -265,7 +264,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     h->ingested++;
     *slot_out = s;
     if (c->cfg.order == SHM_ORDER_FIFO) {
-        if (sl->pending == 0) return ready_push(c, s, 0);
+        if (sl->pending == 0) return ready_push(c, s);
         STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
         return SHM_OK;
     }
@@ -273,7 +272,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     int64_t bk;
     rc = eager_try_take(c, s, &bn, &bk);
     if (rc) return rc;
-    if (bn == NIL) return ready_push(c, s, 0);
+    if (bn == NIL) return ready_push(c, s);
     STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
     return line_append(c, &c->keys[bk], bn);
 }
@@ -310,7 +309,7 @@ static int fifo_unlink(shm_chan *c, uint32_t s) {
             c->nodes[key->head].prev = NIL;
             uint32_t s2 = c->nodes[key->head].slot;
             if (!SLOT_OK(c, s2) || c->slots[s2].pending == 0) return SHM_E_CORRUPT;
-            if (--c->slots[s2].pending == 0 && ready_push(c, s2, 0)) return SHM_E_CORRUPT;
+            if (--c->slots[s2].pending == 0 && ready_push(c, s2)) return SHM_E_CORRUPT;
         }
         node_free(c, n);
         n = sib;
@@ -351,7 +350,7 @@ static int eager_unlink(shm_chan *c, uint32_t s) {
             int64_t bk;
             int rc = eager_try_take(c, ws, &bn, &bk);
             if (rc) return rc;
-            rc = bn == NIL ? ready_push(c, ws, 0) : line_append(c, &c->keys[bk], bn);
+            rc = bn == NIL ? ready_push(c, ws) : line_append(c, &c->keys[bk], bn);
             if (rc) return rc;
             /* key may have moved only by deletion, which we do not do inside this loop
              * except just above before break; re-find it on the next round. */
@@ -459,7 +458,7 @@ int sched_requeue(shm_chan *c, uint32_t s) {
     /* release: pairs with holders' acquire/CAS of the state word (see ready_push). */
     STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state) + 1, SLOT_READY));
     c->hdr->queued_in_window++;
-    return ready_push(c, s, 1);
+    return ready_push(c, s);
 }
 
 /* ---- self-check ------------------------------------------------------------------------
@@ -511,7 +510,8 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
             uint32_t st = SLOT_STATE(c->slots[s].state);
             if (st == SLOT_FREE || st == SLOT_DEAD) { rc = SHM_E_CORRUPT; *what = 7; break; }
             if (c->nodes[n].hash != key->hash) { rc = SHM_E_CORRUPT; *what = 8; break; }
-            if (c->slots[s].seq <= last) { rc = SHM_E_CORRUPT; *what = 9; break; }
+            /* fifo lines are in seq order; eager wait lines are in order of arrival */
+            if (c->cfg.order == SHM_ORDER_FIFO && c->slots[s].seq <= last) { rc = SHM_E_CORRUPT; *what = 9; break; }
             last = c->slots[s].seq;
             n = c->nodes[n].next;
         }

@@ -436,6 +436,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         gc.collect()
 
     @invariant()
+    def core_bookkeeping_is_consistent(self):
+        """The C core's own cross-check of its lines, pending counts and ready heap."""
+        from shmchan._lib import ffi, lib
+
+        what = ffi.new("uint32_t *")
+        assert lib.shm_check_scheduler(self.rx._seg.ptr, what) == 0, f"check {what[0]} failed"
+
+    @invariant()
     def no_two_live_handles_share_a_key(self):
         seen: set = set()
         for h in self.live.values():
