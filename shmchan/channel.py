@@ -82,9 +82,12 @@ def _remaining(deadline: float | None) -> float | None:
 
 
 def _sem_wait(sem: posix_ipc.Semaphore, seconds: float) -> None:
+    """Wait for a post, at most `seconds`. Callers loop and re-check, so a timeout and a
+    wait cut short by a signal (whose Python handler has run) are both just a return --
+    as PEP 475 retries system calls; a handler that raises propagates."""
     try:
         sem.acquire(max(seconds, 0.0))
-    except posix_ipc.BusyError:
+    except (posix_ipc.BusyError, posix_ipc.SignalError):
         pass
 
 

@@ -621,3 +621,18 @@ def test_held_and_waiting_messages_do_not_stop_20_mib_of_other_traffic(make_chan
         assert held.payload == b"held"  # the held record is still readable after moves
         held.release()
         assert rx.recv(timeout=5).payload == b"waits"
+
+
+@pytest.mark.timeout(30)
+def test_a_handled_signal_does_not_cut_a_blocking_recv_short(ch, rx):
+    import signal
+
+    old = signal.signal(signal.SIGUSR1, lambda *a: None)
+    try:
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        start = time.monotonic()
+        with pytest.raises(shmchan.Empty):
+            rx.recv(timeout=1.0)
+        assert time.monotonic() - start >= 0.9  # it kept waiting after the signal
+    finally:
+        signal.signal(signal.SIGUSR1, old)
