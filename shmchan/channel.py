@@ -517,7 +517,6 @@ def _positive_int(what: str, value: object, minimum: int = 1) -> int:
     return value
 
 
-
 def _open_sems(name: str, flags: int, mode: int) -> tuple[Any, Any]:
     rx_name, tx_name = _sem_names(name)
     rx = posix_ipc.Semaphore(rx_name, flags, mode=mode, initial_value=0)
