@@ -97,7 +97,7 @@ typedef struct {
     /* -- consumer -> producers: everything before head is free to reuse -- */
     _Alignas(SHM_CACHELINE) uint64_t head;
 
-    /* -- wake-up words (wake.c) -- */
+    /* -- wake-up words (the eventcount: handles.c, ring.c) -- */
     _Alignas(SHM_CACHELINE) uint32_t rx_sleeping; /* 1 while the receiver may block on its semaphore */
     uint32_t shutdown;                            /* 1 once shutdown() was called; never cleared */
     _Alignas(SHM_CACHELINE) uint32_t space_waiters; /* senders blocked (or about to block) on space */
@@ -146,7 +146,7 @@ typedef struct {
 enum {
     SLOT_FREE = 0,
     SLOT_WAITING = 1,  /* taken in, behind other messages in a key line      */
-    SLOT_READY = 2,    /* on the ready queue                                 */
+    SLOT_READY = 2,    /* on the ready heap                                  */
     SLOT_INFLIGHT = 3, /* handed out                                         */
     SLOT_RELEASED = 4, /* holder is done; consumer has not yet freed it      */
     SLOT_NACKED = 5,   /* holder gave it back; consumer will redeliver       */

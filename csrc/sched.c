@@ -450,8 +450,9 @@ int sched_is_skipped_key(shm_chan *c, shm_record *r) {
 }
 
 /* s was given back: it keeps its place (first in its lines, or its eager keys) and goes
- * to the front of the ready queue under a new generation, so the handle that gave it
- * back (or any stale copy of it) can never release the redelivery. */
+ * back on the ready heap (by its seq: ahead of everything sent after it) under a new
+ * generation, so the handle that gave it back, or any stale copy of it, can never
+ * release the redelivery. */
 int sched_requeue(shm_chan *c, uint32_t s) {
     if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
     shm_slot *sl = &c->slots[s];
