@@ -210,6 +210,14 @@ static int eager_try_take(shm_chan *c, uint32_t s, uint32_t *blocked_node, int64
 }
 
 /* ---- taking a message in ----------------------------------------------------------- */
+/* Is r's i-th hash the first of its value? A message counts each distinct hash once, so
+ * it never waits behind itself (keys are few: a quadratic check is the cheapest). */
+static inline int first_of_hash(const shm_record *r, uint32_t i) {
+    for (uint32_t j = 0; j < i; j++)
+        if (r->hashes[j] == r->hashes[i]) return 0;
+    return 1;
+}
+
 /* Give slot s one node per distinct key hash of record r; under fifo, append each node
  * to its key's line and count in pending the lines where s is not first. */
 static int attach_keys(shm_chan *c, uint32_t s, shm_record *r) {
@@ -220,10 +228,8 @@ static int attach_keys(shm_chan *c, uint32_t s, shm_record *r) {
     uint32_t nkeys = r->nkeys;
     if (nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
     for (uint32_t i = 0; i < nkeys; i++) {
+        if (!first_of_hash(r, i)) continue;
         uint64_t hash = r->hashes[i];
-        int dup = 0;
-        for (uint32_t j = 0; j < i; j++) dup |= (r->hashes[j] == hash);
-        if (dup) continue;
         uint32_t n = node_alloc(c);
         if (n == NIL) return SHM_E_CORRUPT; /* sched_has_room said there was room */
         c->nodes[n].hash = hash;
@@ -411,10 +417,8 @@ int sched_skip_count(shm_chan *c, shm_record *r, int delta) {
     uint32_t nkeys = r->nkeys;
     if (nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
     for (uint32_t i = 0; i < nkeys; i++) {
+        if (!first_of_hash(r, i)) continue;
         uint64_t hash = r->hashes[i];
-        int dup = 0;
-        for (uint32_t j = 0; j < i; j++) dup |= (r->hashes[j] == hash);
-        if (dup) continue;
         int64_t k = delta > 0 ? key_insert(c, hash) : key_find(c, hash);
         if (k < 0) return SHM_E_CORRUPT;
         shm_key *key = &c->keys[k];
