@@ -6,7 +6,6 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from procs import child_env, run_shmchan
 
 import shmchan
 from shmchan import cli
@@ -22,22 +22,8 @@ from shmchan import cli
 TIMEOUT = 60  # seconds; generous, a command normally takes well under one
 
 
-def _env() -> dict[str, str]:
-    """Make the child import the same shmchan as this test process (installed or in place)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(shmchan.__file__ or "")))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return env
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shmchan", *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=_env(),
-    )
+    return run_shmchan(*args, timeout=TIMEOUT)
 
 
 @pytest.fixture
@@ -141,7 +127,7 @@ def test_stat_watch_samples_until_interrupted(channel: shmchan.Channel) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=child_env(),
     )
     try:
         assert proc.stdout is not None
@@ -167,7 +153,7 @@ def test_stat_watch_stops_when_the_channel_is_removed(channel: shmchan.Channel) 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=child_env(),
     )
     try:
         assert proc.stdout is not None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from argparse import Namespace
 
 import pytest
+from procs import child_env, run_shmchan
 
 import shmchan
 from shmchan import demo
@@ -17,22 +17,8 @@ from shmchan import demo
 TIMEOUT = 120  # seconds; a 2000-message run normally takes a few
 
 
-def _env() -> dict[str, str]:
-    """Make the child import the same shmchan as this test process (installed or in place)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(shmchan.__file__ or "")))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return env
-
-
 def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shmchan", "demo", *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=_env(),
-    )
+    return run_shmchan("demo", *args, timeout=TIMEOUT)
 
 
 def channel_name(output: str) -> str:
@@ -84,7 +70,7 @@ def test_ctrl_c_stops_the_demo_and_removes_its_channel() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=child_env(),
     )
     try:
         assert proc.stdout is not None
