@@ -1,4 +1,19 @@
-# Only what pyproject.toml cannot say: the cffi extension (see csrc/build_ffi.py).
-from setuptools import setup
+# Only what pyproject.toml cannot say: the two compiled modules.
+#   _shmchan_core  the C core, through cffi (csrc/build_ffi.py)
+#   _shmchan_hot   the per-message calls as CPython types (csrc/hotpath.c); it calls the
+#                  core through function pointers taken from _shmchan_core at import
+from setuptools import Extension, setup
 
-setup(cffi_modules=["csrc/build_ffi.py:ffi"])
+setup(
+    cffi_modules=["csrc/build_ffi.py:ffi"],
+    ext_modules=[
+        Extension(
+            "_shmchan_hot",
+            sources=["csrc/hotpath.c"],
+            include_dirs=["csrc"],
+            depends=["csrc/shmchan.h"],
+            extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                                "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
+        )
+    ],
+)

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
 import posix_ipc
 
 from . import codec, errors, liveness
@@ -43,7 +44,6 @@ _MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least
 _STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
 _SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
 _HOLDER_REVOKED = 1  # csrc/core.h HOLDER_REVOKED
-_MSG_WORDS = lib.SHM_MSG_WORDS
 _WAKE_RX = 1 << 8  # shm_release's wake-up bits (csrc/handles.c)
 _WAKE_TX_SHIFT = 9
 _ORDERS = {"fifo": lib.SHM_ORDER_FIFO, "eager": lib.SHM_ORDER_EAGER}
@@ -101,8 +101,15 @@ def _post(sem: posix_ipc.Semaphore, times: int = 1) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-class _Segment:
-    """One process's mapping of a channel plus its two semaphores."""
+def _address(p: Any) -> int:
+    return int(ffi.cast("uintptr_t", p))
+
+
+class _Segment(_hot.SegmentBase):
+    """One process's mapping of a channel plus its two semaphores.
+
+    The base class holds what the per-message calls read: the core's pointer, the
+    mapping, `registered`, `closed` and `pid`."""
 
     def __init__(self, name: str, path: str | None, ptr: Any, rx_sem: Any, tx_sem: Any) -> None:
         self.name = name
@@ -129,6 +136,7 @@ class _Segment:
 
         base = ffi.gc(lib.shm_base(ptr), _detach, size=size)
         self.mem = memoryview(ffi.buffer(base, size)).toreadonly()
+        self._bind(_address(ptr), _address(base), size, self.max_keys, self.raw_only, detached)
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.registered = False
@@ -137,6 +145,10 @@ class _Segment:
         # scratch structs for the calling thread's C calls
         self._local = threading.local()
         _segments.add(self)
+
+    def wake_rx(self) -> None:
+        """Post the receiver's semaphore (it said it was going to sleep)."""
+        self.rx_sem.release()
 
     def scratch(self) -> Any:
         s = getattr(self._local, "s", None)
@@ -480,6 +492,8 @@ class Channel:
     def close(self) -> None:
         """Detach this process's Channel object (idempotent). Other processes carry on."""
         seg, self._seg = self._seg, None
+        if seg is not None:
+            seg.closed = True  # its senders refuse from now on (csrc/hotpath.c reads this)
         if seg is not None and seg.registered:
             lib.shm_producer_detach(seg.ptr)
             seg.registered = False
@@ -668,8 +682,11 @@ def list_channels() -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 
-class Sender:
-    """Sends messages into a channel. Picklable; works after fork, spawn and forkserver."""
+class Sender(_hot.SenderBase):
+    """Sends messages into a channel. Picklable; works after fork, spawn and forkserver.
+
+    `send` is implemented in C (csrc/hotpath.c); it calls `_send_slow` for whatever is
+    not a bytes payload with plain keys on an open channel with room."""
 
     def __init__(self, channel: Channel) -> None:
         self._channel = channel
@@ -688,12 +705,10 @@ class Sender:
             raise errors.Closed("sender is closed")
         return self._seg
 
-    def send(self, obj: object, keys: Any = (), timeout: float | None = None) -> int:
-        """Send one message; returns its sequence number.
-
-        Blocks while the channel is full; with `timeout`, raises Full when it runs out.
-        """
+    def _send_slow(self, obj: object, keys: Any, timeout: float | None) -> int:
+        """send() for everything its C fast path leaves to Python."""
         seg = self._live()
+        _deadline(timeout)  # a bad timeout is refused before anything is sent
         kind, buf = codec.encode_payload(obj, seg.raw_only)
         blob, nkeys = codec.encode_keys(keys, seg.max_keys)
         if not seg.registered:
@@ -715,7 +730,7 @@ class Sender:
                 "send",
             )
         if s.wake[0]:
-            seg.rx_sem.release()
+            seg.wake_rx()
         return int(s.seq[0])
 
     def send_many(
@@ -723,38 +738,16 @@ class Sender:
     ) -> list[int]:
         """Send (payload, keys) pairs in order with one C call per batch; returns their seqs."""
         seg = self._live()
-        items = list(items)
-        n = len(items)
+        deadline = _deadline(timeout)
+        # One C call packs the batch (payload and key encoding included) into the
+        # arrays shm_send_many takes; a second sends it.
+        n, kinds, data, lens, keyblob, klens, nkeys = self._pack(items)
         if n == 0:
             return []
-        kinds: list[int] = []
-        payloads: list[Any] = []
-        lens: list[int] = []
-        blobs: list[bytes] = []
-        nkeys: list[int] = []
-        encode_payload, encode_keys = codec.encode_payload, codec.encode_keys
-        raw_only, max_keys = seg.raw_only, seg.max_keys
-        for i, item in enumerate(items):
-            try:
-                obj, keys = item
-            except (TypeError, ValueError):
-                raise TypeError(
-                    f"send_many items must be (payload, keys) pairs; item {i} is not"
-                ) from None
-            kind, buf = encode_payload(obj, raw_only)
-            blob, nk = encode_keys(keys, max_keys)
-            kinds.append(kind)
-            payloads.append(buf)
-            lens.append(memoryview(buf).nbytes if type(buf) is not bytes else len(buf))
-            blobs.append(blob)
-            nkeys.append(nk)
-        # One buffer each for payloads and keys: one conversion, not two per message.
-        data = b"".join(payloads)
-        keyblob = b"".join(blobs)
-        c_kinds = ffi.new("uint32_t[]", kinds)
-        c_lens = ffi.new("uint64_t[]", lens)
-        c_klens = ffi.new("uint32_t[]", [len(b) for b in blobs])
-        c_nkeys = ffi.new("uint32_t[]", nkeys)
+        c_kinds = ffi.from_buffer("uint32_t[]", kinds)
+        c_lens = ffi.from_buffer("uint64_t[]", lens)
+        c_klens = ffi.from_buffer("uint32_t[]", klens)
+        c_nkeys = ffi.from_buffer("uint32_t[]", nkeys)
         seqs = ffi.new("uint64_t[]", n)
         done = ffi.new("uint32_t *")
         if not seg.registered:
@@ -783,11 +776,11 @@ class Sender:
 
         rc = attempt()
         if s.wake[0]:
-            seg.rx_sem.release()
+            seg.wake_rx()
         if rc:
-            rc = self._wait_and_retry(seg, rc, _deadline(timeout), attempt, "send_many")
+            rc = self._wait_and_retry(seg, rc, deadline, attempt, "send_many")
             if s.wake[0]:
-                seg.rx_sem.release()
+                seg.wake_rx()
         return list(ffi.unpack(seqs, n))
 
     def _wait_and_retry(
@@ -853,8 +846,12 @@ def _open_sender(name: str, path: str | None) -> Sender:
 # ---------------------------------------------------------------------------------------
 
 
-class Receiver:
-    """The one consumer of a channel: hands out key-locked handles."""
+class Receiver(_hot.ReceiverBase):
+    """The one consumer of a channel: hands out key-locked handles.
+
+    `recv`, `recv_many` and `release_many` are implemented in C (csrc/hotpath.c): one
+    poll of the core, Handles built in C. Whenever that poll finds nothing, maintenance
+    is due or an argument needs checking, they call the `_*_slow` methods below."""
 
     def __init__(self, channel: Channel, seg: _Segment) -> None:
         self._channel = channel
@@ -908,21 +905,6 @@ class Receiver:
             raise errors.Closed("receiver is closed")
         return seg
 
-    def _poll_once(self, seg: _Segment, n: int) -> list[Handle] | None:
-        """The fast path: one poll, no clocks beyond the maintenance check."""
-        if time.monotonic() >= self._next_maintenance:
-            return None
-        s = seg.scratch()
-        msgs = s.msg_array(n)
-        lib.shm_recv(seg.ptr, msgs, n, s.got, 0, s.stall, s.waiters)
-        if s.waiters[0]:
-            _post(seg.tx_sem, s.waiters[0])
-        got = s.got[0]
-        if not got:
-            return None  # the slow path looks at why
-        vals = ffi.unpack(ffi.cast("uint64_t *", msgs), _MSG_WORDS * got)
-        return [Handle._from_vals(seg, vals, i) for i in range(0, _MSG_WORDS * got, _MSG_WORDS)]
-
     def _poll(self, seg: _Segment, n: int, deadline: float | None, block: bool) -> list[Handle]:
         s = seg.scratch()
         msgs = s.msg_array(n)
@@ -936,10 +918,8 @@ class Receiver:
                 _post(seg.tx_sem, s.waiters[0])
             got = s.got[0]
             if got:
-                vals = ffi.unpack(ffi.cast("uint64_t *", msgs), _MSG_WORDS * got)
-                return [
-                    Handle._from_vals(seg, vals, i) for i in range(0, _MSG_WORDS * got, _MSG_WORDS)
-                ]
+                handles: list[Handle] = _hot.handles_from(seg, _address(msgs), got)
+                return handles
             if rc == lib.SHM_CLOSED:
                 raise errors.Closed(f"channel {seg.name!r} is shut down and drained")
             if rc == lib.SHM_STALLED:
@@ -970,13 +950,8 @@ class Receiver:
             wait = _MAINTENANCE_SECONDS if rc == lib.SHM_EMPTY else 0.002
             _sem_wait(seg.rx_sem, wait if left is None else min(wait, left))
 
-    def recv(self, timeout: float | None = None) -> Handle:
-        """The next message free to go; blocks. Empty on timeout, Closed when drained."""
-        seg = self._live()
-        got = self._poll_once(seg, 1)
-        if got:
-            return got[0]
-        return self._poll(seg, 1, _deadline(timeout), True)[0]
+    def _recv_slow(self, timeout: float | None) -> Handle:
+        return self._poll(self._live(), 1, _deadline(timeout), True)[0]
 
     def try_recv(self) -> Handle | None:
         """The next message free to go, or None right away."""
@@ -984,36 +959,38 @@ class Receiver:
         got = self._poll(seg, 1, None, False)
         return got[0] if got else None
 
-    def recv_many(self, max_items: int = 256, timeout: float | None = None) -> list[Handle]:
-        """Up to max_items handles with one C call; at least one unless it raises Empty."""
-        if not isinstance(max_items, int) or max_items < 1:
-            raise ValueError("max_items must be a positive int")
-        seg = self._live()
-        return self._poll_once(seg, max_items) or self._poll(
-            seg, max_items, _deadline(timeout), True
-        )
+    def _recv_many_slow(self, max_items: object, timeout: float | None) -> list[Handle]:
+        if type(max_items) is not int or max_items < 1:
+            raise ValueError(f"max_items must be a positive int, not {max_items!r}")
+        return self._poll(self._live(), min(max_items, 65536), _deadline(timeout), True)
 
-    def release_many(self, handles: Iterable[Handle]) -> None:
-        """Release several handles with one C call (each exactly once, as release())."""
+    def _release_many_slow(self, handles: list[object]) -> None:
+        """release_many() for lists its C fast path does not take (handles of another
+        attachment of the channel, or not handles at all)."""
         seg = self._live()
-        todo = [h for h in handles if not h._done]
-        if not todo:
-            return
-        for h in todo:
+        todo = []
+        for h in handles:
+            if not isinstance(h, Handle):
+                raise TypeError(f"release_many: not a Handle: {type(h).__name__}")
             if (h._seg.name, h._seg.path) != (seg.name, seg.path):
                 raise ValueError("release_many: a handle of another channel")
-            h._done = True
-        n = len(todo)
-        slots = ffi.new("uint32_t[]", [h._slot for h in todo])
-        gens = ffi.new("uint32_t[]", [h._gen for h in todo])
-        wake = ffi.new("int *")
-        rc = lib.shm_release_many(seg.ptr, slots, gens, n, wake)
-        if wake[0] & 1:
-            seg.rx_sem.release()
-        if wake[0] >> 1:
-            _post(seg.tx_sem, wake[0] >> 1)
+            todo.append(h)
+        for h in todo:
+            h._finish(0)
+
+    def _released_many(self, rc: int, wake: int) -> None:
+        seg = self._live()
+        if wake & 1:
+            seg.wake_rx()
+        if wake >> 1:
+            _post(seg.tx_sem, wake >> 1)
         if rc < 0:
             raise_for(rc, "release_many")
+
+    def _wake_senders(self, n: int) -> None:
+        seg = self._seg
+        if seg is not None:
+            _post(seg.tx_sem, n)
 
     def __iter__(self) -> Iterator[Handle]:
         while True:
@@ -1047,79 +1024,23 @@ class Receiver:
 # ---------------------------------------------------------------------------------------
 
 
-class Handle:
-    """A message on loan with its keys locked, until released (or nacked)."""
+class Handle(_hot.HandleBase):
+    """A message on loan with its keys locked, until released (or nacked).
 
-    __slots__ = (
-        "_seg",
-        "_slot",
-        "_gen",
-        "seq",
-        "attempt",
-        "_kind",
-        "_data_off",
-        "_data_len",
-        "_keys_off",
-        "_keys_len",
-        "_nkeys",
-        "_pos",
-        "_word",
-        "_keys",
-        "_payload",
-        "_done",
-        "_pid",
-    )
+    The per-message part is implemented in C (csrc/hotpath.c): the fields, `payload`
+    for bytes, `release` / `ack`, `with`, and releasing on garbage collection in the
+    process that holds it."""
 
-    seq: int
-    attempt: int
-    _seg: _Segment
-    _slot: int
-    _gen: int
-    _kind: int
-    _data_off: int
-    _data_len: int
-    _keys_off: int
-    _keys_len: int
-    _nkeys: int
-    _pos: int
-    _word: int
-    _keys: tuple[codec.Key, ...] | None
-    _payload: Any
-    _done: bool
-    _pid: int
-
-    @classmethod
-    def _from_vals(cls, seg: _Segment, vals: list[int], i: int) -> Handle:
-        """A handle from words i..i+SHM_MSG_WORDS of unpacked shm_msg structs."""
-        h = cls.__new__(cls)
-        h._seg = seg
-        (
-            h._slot,
-            h._gen,
-            h.seq,
-            h.attempt,
-            h._kind,
-            h._data_off,
-            h._data_len,
-            h._keys_off,
-            h._keys_len,
-            h._nkeys,
-            h._pos,
-            h._word,
-        ) = vals[i : i + _MSG_WORDS]
-        h._keys = None
-        h._payload = _UNSET
-        h._done = False
-        h._pid = seg.pid
-        return h
+    __slots__ = ()
 
     @classmethod
     def _from_msg(cls, seg: _Segment, m: Any) -> Handle:
-        return cls._from_vals(seg, ffi.unpack(ffi.cast("uint64_t *", m), _MSG_WORDS), 0)
+        handles: list[Handle] = _hot.handles_from(seg, _address(m), 1)
+        return handles[0]
 
     def _locate(self, m: Any) -> None:
         """Take the (possibly moved) location from a fresh description."""
-        vals = ffi.unpack(ffi.cast("uint64_t *", m), _MSG_WORDS)
+        vals = ffi.unpack(ffi.cast("uint64_t *", m), lib.SHM_MSG_WORDS)
         (
             self._kind,
             self._data_off,
@@ -1134,7 +1055,8 @@ class Handle:
     def _check(self) -> _Segment:
         if self._done:
             raise errors.Closed(f"handle seq={self.seq} was already released")
-        return self._seg
+        seg: _Segment = self._seg
+        return seg
 
     def _refresh(self, seg: _Segment) -> None:
         m = ffi.new("shm_msg *")
@@ -1179,50 +1101,35 @@ class Handle:
         self._locate(m)
         return seg.mem[self._data_off : self._data_off + self._data_len]
 
-    @property
-    def payload(self) -> Any:
-        """The message's object: bytes for bytes-like payloads, else the unpickled object."""
-        if self._payload is _UNSET:
-            raw = self._copy(keys=False)
-            if self._kind == codec.RAW:
-                self._payload = raw
-            elif self._seg.raw_only:  # the C core refuses such records too; never unpickle
-                raise errors.ChannelCorrupted('a pickled record in a serializer="raw" channel')
-            else:
-                self._payload = codec.decode_payload(self._kind, memoryview(raw))
-        return self._payload
+    def _payload_slow(self) -> Any:
+        """payload for what the C getter leaves to Python: pickled objects, records that
+        moved while being copied, released handles."""
+        raw = self._copy(keys=False)
+        if self._kind == codec.RAW:
+            return raw
+        if self._seg.raw_only:  # the C core refuses such records too; never unpickle
+            raise errors.ChannelCorrupted('a pickled record in a serializer="raw" channel')
+        return codec.decode_payload(self._kind, memoryview(raw))
 
     @property
     def keys(self) -> tuple[codec.Key, ...]:
         """The message's keys as they were sent (duplicates merged)."""
-        if self._keys is None:
-            self._keys = codec.decode_keys(self._copy(keys=True), self._nkeys)
-        return self._keys
+        keys: tuple[codec.Key, ...] | None = self._keys
+        if keys is None:
+            keys = self._keys = codec.decode_keys(self._copy(keys=True), self._nkeys)
+        return keys
 
-    def _finish(self, nack: int) -> bool:
-        if self._done:
-            return False
-        self._done = True
-        seg = self._seg
-        if seg.detached[0]:
-            return False  # finalized together with its segment: nothing left to release
-        r = lib.shm_release(seg.ptr, self._slot, self._gen, nack)
-        if r == 0:
-            return True
+    def _released(self, r: int) -> bool:
+        """The rest of a release whose core call asked for more than nothing (C calls
+        this): raise its error, or post the wake-ups it requests."""
         if r < 0:
             raise_for(r, "release")
+        seg = self._seg
         if r & _WAKE_RX:
-            seg.rx_sem.release()
+            seg.wake_rx()
         if r >> _WAKE_TX_SHIFT:
             _post(seg.tx_sem, r >> _WAKE_TX_SHIFT)
         return bool((r & 0xFF) == lib.SHM_OK)
-
-    def release(self) -> None:
-        """Free the handle's keys for the next message in line. Idempotent."""
-        if not self._done:
-            self._finish(0)
-
-    ack = release
 
     def nack(self) -> None:
         """Give the message back: it is delivered again (attempt + 1) before anything
@@ -1243,12 +1150,6 @@ class Handle:
         if rc:
             raise_for(rc, "extend")
 
-    def __enter__(self) -> Handle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
     def __reduce__(self) -> tuple[Any, ...]:
         seg = self._check()
         # Hand-over: from now on the unpickling process holds it; we no longer release
@@ -1256,23 +1157,9 @@ class Handle:
         self._pid = -1
         return (_adopt_handle, (seg.name, seg.path, self._slot, self._gen))
 
-    def __del__(self) -> None:
-        try:
-            if not self._done and self._pid == os.getpid():
-                self._finish(0)
-        except Exception:
-            pass
-
     def __repr__(self) -> str:
         state = "released" if self._done else "held"
         return f"<shmchan.Handle seq={self.seq} attempt={self.attempt} {state}>"
-
-
-class _Unset:
-    pass
-
-
-_UNSET: Any = _Unset()
 
 
 def _adopt_handle(name: str, path: str | None, slot: int, gen: int) -> Handle:
@@ -1289,3 +1176,16 @@ def _adopt_handle(name: str, path: str | None, slot: int, gen: int) -> Handle:
     if rc:
         raise_for(rc, "unpickle handle")
     return Handle._from_msg(seg, m)
+
+
+# The per-message calls reach the core through the functions of the cffi module loaded
+# above (whichever build it is), and build Handles of the class defined here.
+_hot.bind(
+    {
+        name: _address(ffi.addressof(lib, name))
+        for name in ("shm_send", "shm_recv", "shm_release", "shm_release_many", "shm_unmoved")
+    },
+    Handle,
+    codec.encode_payload,
+    codec.encode_keys,
+)

@@ -1,0 +1,957 @@
+/* hotpath.c -- the per-message calls (send, recv, payload, release) as CPython types,
+ * so that each one is a single C call with no Python frame around it.
+ *
+ * Why this is not cffi like the rest: a cffi call costs about 100 ns before any work
+ * (argument conversion, errno save, GIL release) and a Handle built in Python from the
+ * core's description cost about 1.4 us (measured, issue #4). At millions of messages
+ * per second that is the whole budget. Here `Receiver.recv` builds the Handle in C,
+ * `Handle.payload` copies the bytes in C, `Handle.release` and `Sender.send` encode
+ * and call straight into the core.
+ *
+ * What this file is not: it holds no shared-memory protocol. It calls the core through
+ * function pointers that the Python layer takes from the cffi module it loaded (so an
+ * instrumented build of the core, e.g. under AddressSanitizer, is the one exercised
+ * here too), and it reads the segment only to copy a payload whose offset and length
+ * the core validated, accepting the copy only if the core's seqlock check
+ * (shm_unmoved, csrc/handles.c) says the record did not move meanwhile.
+ *
+ * Everything off the fast path -- a full channel, a pickled payload, an unusual key,
+ * a closed object, a semaphore to post, an error to raise -- is handed to a Python
+ * method of the same object (`_send_slow`, `_recv_slow`, `_released`, ...), so each
+ * behaviour is decided in one place, shmchan/channel.py.
+ *
+ * The classes here are bases: shmchan.channel subclasses each (Segment, Sender,
+ * Receiver, Handle) and adds everything that is not per-message.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include "shmchan.h"
+
+/* ---------------------------------------------------------------------------------
+ * the core's entry points, set once by bind() from the loaded cffi module
+ * --------------------------------------------------------------------------------- */
+typedef int (*send_fn)(shm_chan *, uint32_t, const char *, uint64_t, const char *, uint32_t,
+                       uint32_t, uint64_t *, shm_stall *, int *);
+typedef int (*recv_fn)(shm_chan *, shm_msg *, uint32_t, uint32_t *, int, shm_stall *,
+                       uint32_t *);
+typedef int (*release_fn)(shm_chan *, uint32_t, uint32_t, int);
+typedef int (*release_many_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t, int *);
+typedef int (*unmoved_fn)(shm_chan *, uint32_t, uint64_t, uint64_t);
+
+static struct {
+    send_fn send;
+    recv_fn recv;
+    release_fn release;
+    release_many_fn release_many;
+    unmoved_fn unmoved;
+} core;
+
+static PyTypeObject *handle_type;   /* shmchan.Handle (a subclass of HandleBase)      */
+static PyObject *encode_payload_fn; /* shmchan.codec.encode_payload, for pickling     */
+static PyObject *encode_keys_fn;    /* shmchan.codec.encode_keys, for unusual keys    */
+
+/* interned names of the Python-side slow paths */
+static PyObject *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_slow,
+    *s_released, *s_payload_slow, *s_wake_rx;
+
+#define MAX_BATCH 65536u   /* messages one recv_many call takes at most */
+#define KEY_BUF 2048u      /* key blob bytes the fast path encodes; longer -> Python */
+
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock time.monotonic() reads */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Keyword-aware parsing for METH_FASTCALL: fills out[0..nmax) from positional and
+ * keyword arguments; out[] holds the defaults on entry. */
+static int parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames, const char *const *names, int nreq, int nmax,
+                      PyObject **out) {
+    if (nargs > nmax) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fname, nmax,
+                     nargs);
+        return -1;
+    }
+    char given[8] = {0};
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        out[i] = args[i];
+        given[i] = 1;
+    }
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *kw = PyTuple_GET_ITEM(kwnames, k);
+        int j = 0;
+        while (j < nmax && PyUnicode_CompareWithASCIIString(kw, names[j]) != 0) j++;
+        if (j == nmax) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fname,
+                         kw);
+            return -1;
+        }
+        if (given[j]) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname,
+                         names[j]);
+            return -1;
+        }
+        out[j] = args[nargs + k];
+        given[j] = 1;
+    }
+    for (int j = 0; j < nreq; j++) {
+        if (!given[j]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fname,
+                         names[j]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A timeout the fast path may ignore: None or a non-negative number. Anything else goes
+ * to the slow path, which raises the right error. */
+static int timeout_plain(PyObject *t) {
+    if (t == Py_None) return 1;
+    if (PyFloat_CheckExact(t)) return PyFloat_AS_DOUBLE(t) >= 0.0;
+    if (PyLong_CheckExact(t)) return Py_SIZE(t) >= 0; /* CPython 3.11: sign of the size */
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------
+ * SegmentBase: one process's attachment, as the hot path needs it
+ * --------------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    shm_chan *c;
+    const uint8_t *base;  /* start of the mapping                                  */
+    uint64_t size;        /* bytes mapped from base                                */
+    uint32_t max_keys;
+    char raw_only;        /* serializer="raw"                                      */
+    char registered;      /* this process holds a producer registry entry          */
+    char closed;          /* the owning Channel object was closed                   */
+    long pid;             /* the process this attachment belongs to (fork check)   */
+    PyObject *detached;   /* list [bool], True once the mapping is gone             */
+} SegmentObject;
+
+static PyTypeObject SegmentType;
+
+static int seg_detached(SegmentObject *s) {
+    PyObject *d = s->detached;
+    return d == NULL || !PyList_Check(d) || PyList_GET_SIZE(d) < 1 ||
+           PyList_GET_ITEM(d, 0) != Py_False;
+}
+
+static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
+    unsigned long long ptr, base, size;
+    unsigned int max_keys;
+    int raw_only;
+    PyObject *detached;
+    if (!PyArg_ParseTuple(args, "KKKIpO!", &ptr, &base, &size, &max_keys, &raw_only,
+                          &PyList_Type, &detached))
+        return NULL;
+    if (core.send == NULL || handle_type == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "_shmchan_hot.bind() was not called");
+    if (ptr == 0 || base == 0) return PyErr_Format(PyExc_ValueError, "NULL attachment");
+    self->c = (shm_chan *)(uintptr_t)ptr;
+    self->base = (const uint8_t *)(uintptr_t)base;
+    self->size = size;
+    self->max_keys = max_keys;
+    self->raw_only = (char)raw_only;
+    Py_XSETREF(self->detached, Py_NewRef(detached));
+    Py_RETURN_NONE;
+}
+
+static void Segment_dealloc(SegmentObject *self) {
+    Py_CLEAR(self->detached);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Segment_methods[] = {
+    {"_bind", (PyCFunction)Segment_bind, METH_VARARGS,
+     "_bind(ptr, base, size, max_keys, raw_only, detached): what the hot path reads"},
+    {NULL},
+};
+
+static PyMemberDef Segment_members[] = {
+    {"registered", T_BOOL, offsetof(SegmentObject, registered), 0,
+     "this process holds a producer registry entry"},
+    {"closed", T_BOOL, offsetof(SegmentObject, closed), 0, "the Channel object was closed"},
+    {"pid", T_LONG, offsetof(SegmentObject, pid), 0, "the process this attachment is for"},
+    {NULL},
+};
+
+static PyTypeObject SegmentType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_shmchan_hot.SegmentBase",
+    .tp_basicsize = sizeof(SegmentObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "One process's attachment to a channel, as the hot path reads it.",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)Segment_dealloc,
+    .tp_methods = Segment_methods,
+    .tp_members = Segment_members,
+};
+
+/* Setter shared by Sender._seg and Receiver._seg: None or a SegmentBase. */
+static int set_seg(SegmentObject **slot, PyObject *v) {
+    if (v == NULL || v == Py_None) {
+        Py_CLEAR(*slot);
+        return 0;
+    }
+    if (!PyObject_TypeCheck(v, &SegmentType) || ((SegmentObject *)v)->c == NULL) {
+        PyErr_SetString(PyExc_TypeError, "_seg must be a bound segment or None");
+        return -1;
+    }
+    Py_XSETREF(*slot, (SegmentObject *)Py_NewRef(v));
+    return 0;
+}
+
+static PyObject *get_seg(SegmentObject *s) { return Py_NewRef(s ? (PyObject *)s : Py_None); }
+
+/* ---------------------------------------------------------------------------------
+ * HandleBase: a message on loan
+ * --------------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    SegmentObject *seg;
+    uint32_t slot, gen;     /* the handle's identity in the core                    */
+    unsigned long long seq, attempt, kind, data_off, data_len, keys_off, keys_len, nkeys, pos,
+        word;               /* the core's description (shm_msg), see shmchan.h       */
+    PyObject *keys;         /* decoded keys, once asked for                          */
+    PyObject *payload;      /* the payload object, once asked for                     */
+    char done;              /* released, nacked or handed over as already gone       */
+    long pid;               /* releases on collection only in this process; -1 after
+                               it was pickled away (hand-over)                       */
+} HandleObject;
+
+static PyTypeObject HandleType;
+
+static PyObject *make_handle(SegmentObject *seg, const shm_msg *m) {
+    HandleObject *h = (HandleObject *)handle_type->tp_alloc(handle_type, 0);
+    if (h == NULL) return NULL;
+    h->seg = (SegmentObject *)Py_NewRef(seg);
+    h->slot = (uint32_t)m->slot;
+    h->gen = (uint32_t)m->gen;
+    h->seq = m->seq;
+    h->attempt = m->attempt;
+    h->kind = m->kind;
+    h->data_off = m->data_off;
+    h->data_len = m->data_len;
+    h->keys_off = m->keys_off;
+    h->keys_len = m->keys_len;
+    h->nkeys = m->nkeys;
+    h->pos = m->pos;
+    h->word = m->word;
+    h->pid = seg->pid;
+    return (PyObject *)h;
+}
+
+/* Release (nack = 0) or give back (nack = 1) once. Returns a new bool reference (True if
+ * this call released a current handle) or NULL with an exception set. */
+static PyObject *handle_finish(HandleObject *h, int nack) {
+    if (h->done) Py_RETURN_FALSE;
+    h->done = 1;
+    SegmentObject *seg = h->seg;
+    if (seg == NULL || seg_detached(seg)) Py_RETURN_FALSE; /* the mapping went first */
+    int r = core.release(seg->c, h->slot, h->gen, nack);
+    if (r == SHM_OK) Py_RETURN_TRUE;
+    /* wake-ups to post, a stale handle or an error: Handle._released decides */
+    PyObject *code = PyLong_FromLong(r);
+    if (code == NULL) return NULL;
+    PyObject *res = PyObject_CallMethodOneArg((PyObject *)h, s_released, code);
+    Py_DECREF(code);
+    return res;
+}
+
+static void Handle_finalize(PyObject *self) {
+    HandleObject *h = (HandleObject *)self;
+    if (h->done || h->seg == NULL || h->pid != h->seg->pid) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *res = handle_finish(h, 0);
+    if (res == NULL)
+        PyErr_Clear(); /* as a __del__ would: nothing can be raised to anyone here */
+    Py_XDECREF(res);
+    PyErr_Restore(type, value, tb);
+}
+
+static void Handle_dealloc(PyObject *self) {
+    HandleObject *h = (HandleObject *)self;
+    /* Subclass instances were finalized by subtype_dealloc already (done is set). */
+    if (!h->done && PyObject_CallFinalizerFromDealloc(self) < 0) return; /* resurrected */
+    Py_CLEAR(h->seg);
+    Py_CLEAR(h->keys);
+    Py_CLEAR(h->payload);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyObject *Handle_release(HandleObject *h, PyObject *unused) {
+    if (h->done) Py_RETURN_NONE;
+    PyObject *res = handle_finish(h, 0);
+    if (res == NULL) return NULL;
+    Py_DECREF(res);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Handle_finish(HandleObject *h, PyObject *arg) {
+    int nack = PyObject_IsTrue(arg);
+    if (nack < 0) return NULL;
+    return handle_finish(h, nack);
+}
+
+static PyObject *Handle_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+static PyObject *Handle_exit(HandleObject *h, PyObject *const *args, Py_ssize_t nargs) {
+    return Handle_release(h, NULL);
+}
+
+/* payload: raw bytes are copied here, seqlock-style; anything else (a pickled object,
+ * a record that moved while we copied, a released handle) goes to _payload_slow. */
+static PyObject *Handle_get_payload(HandleObject *h, void *closure) {
+    if (h->payload) return Py_NewRef(h->payload);
+    SegmentObject *seg = h->seg;
+    if (!h->done && h->kind == SHM_PAYLOAD_RAW && seg && !seg_detached(seg) &&
+        h->data_off <= seg->size && h->data_len <= seg->size - h->data_off) {
+        PyObject *b = PyBytes_FromStringAndSize((const char *)seg->base + h->data_off,
+                                                (Py_ssize_t)h->data_len);
+        if (b == NULL) return NULL;
+        /* accept the bytes only if the receiver did not move the record meanwhile */
+        if (core.unmoved(seg->c, h->slot, h->word, h->pos) == SHM_OK) {
+            h->payload = Py_NewRef(b);
+            return b;
+        }
+        Py_DECREF(b);
+    }
+    PyObject *v = PyObject_CallMethodNoArgs((PyObject *)h, s_payload_slow);
+    if (v == NULL) return NULL;
+    Py_XSETREF(h->payload, Py_NewRef(v));
+    return v;
+}
+
+static PyObject *Handle_get_seg(HandleObject *h, void *closure) { return get_seg(h->seg); }
+
+static PyGetSetDef Handle_getset[] = {
+    {"payload", (getter)Handle_get_payload, NULL,
+     "The message's object: bytes for bytes-like payloads, else the unpickled object.", NULL},
+    {"_seg", (getter)Handle_get_seg, NULL, "the attachment the handle belongs to", NULL},
+    {NULL},
+};
+
+static PyMethodDef Handle_methods[] = {
+    {"release", (PyCFunction)Handle_release, METH_NOARGS,
+     "Free the handle's keys for the next message in line. Idempotent."},
+    {"ack", (PyCFunction)Handle_release, METH_NOARGS, "Same as release()."},
+    {"_finish", (PyCFunction)Handle_finish, METH_O,
+     "_finish(nack) -> bool: release or give back, once"},
+    {"__enter__", (PyCFunction)Handle_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))Handle_exit, METH_FASTCALL, NULL},
+    {NULL},
+};
+
+#define HM(name, type, field, flags, doc) {name, type, offsetof(HandleObject, field), flags, doc}
+static PyMemberDef Handle_members[] = {
+    HM("seq", T_ULONGLONG, seq, READONLY, "The channel-wide sequence number of the message."),
+    HM("attempt", T_ULONGLONG, attempt, READONLY, "1 on first delivery, +1 per redelivery."),
+    HM("_slot", T_UINT, slot, READONLY, NULL),
+    HM("_gen", T_UINT, gen, READONLY, NULL),
+    HM("_kind", T_ULONGLONG, kind, 0, NULL),
+    HM("_data_off", T_ULONGLONG, data_off, 0, NULL),
+    HM("_data_len", T_ULONGLONG, data_len, 0, NULL),
+    HM("_keys_off", T_ULONGLONG, keys_off, 0, NULL),
+    HM("_keys_len", T_ULONGLONG, keys_len, 0, NULL),
+    HM("_nkeys", T_ULONGLONG, nkeys, 0, NULL),
+    HM("_pos", T_ULONGLONG, pos, 0, NULL),
+    HM("_word", T_ULONGLONG, word, 0, NULL),
+    HM("_keys", T_OBJECT, keys, 0, NULL),
+    HM("_done", T_BOOL, done, 0, NULL),
+    HM("_pid", T_LONG, pid, 0, NULL),
+    {NULL},
+};
+
+static PyTypeObject HandleType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_shmchan_hot.HandleBase",
+    .tp_basicsize = sizeof(HandleObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "A message on loan (the per-message half of shmchan.Handle).",
+    .tp_dealloc = Handle_dealloc,
+    .tp_finalize = Handle_finalize,
+    .tp_methods = Handle_methods,
+    .tp_members = Handle_members,
+    .tp_getset = Handle_getset,
+};
+
+/* handles_from(seg, address, n): Handles for n shm_msg structs at `address` (the slow
+ * path's cffi array). */
+static PyObject *handles_from(PyObject *mod, PyObject *args) {
+    PyObject *seg;
+    unsigned long long addr;
+    unsigned int n;
+    if (!PyArg_ParseTuple(args, "O!KI", &SegmentType, &seg, &addr, &n)) return NULL;
+    if (((SegmentObject *)seg)->c == NULL)
+        return PyErr_Format(PyExc_ValueError, "an unbound segment");
+    const shm_msg *m = (const shm_msg *)(uintptr_t)addr;
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (unsigned int i = 0; i < n; i++) {
+        PyObject *h = make_handle((SegmentObject *)seg, &m[i]);
+        if (h == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, h);
+    }
+    return out;
+}
+
+/* ---------------------------------------------------------------------------------
+ * ReceiverBase: recv, recv_many, release_many
+ * --------------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    SegmentObject *seg;       /* NULL once closed                                  */
+    double next_maintenance;  /* time.monotonic() when recv() must run maintain()  */
+    shm_msg *msgs;            /* the core's descriptions land here                */
+    uint32_t nmsgs;
+} ReceiverObject;
+
+static int ensure_msgs(ReceiverObject *r, uint32_t n) {
+    if (n <= r->nmsgs) return 0;
+    shm_msg *m = PyMem_Realloc(r->msgs, (size_t)n * sizeof(shm_msg));
+    if (m == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->msgs = m;
+    r->nmsgs = n;
+    return 0;
+}
+
+/* One non-blocking poll for up to n messages. Returns a new list (possibly empty) or
+ * NULL with an exception. Only messages the core handed out become Handles. */
+static PyObject *poll_fast(ReceiverObject *self, uint32_t n) {
+    SegmentObject *seg = self->seg;
+    if (ensure_msgs(self, n) < 0) return NULL;
+    uint32_t got = 0, waiters = 0;
+    shm_stall stall;
+    core.recv(seg->c, self->msgs, n, &got, 0, &stall, &waiters);
+    PyObject *out = PyList_New(got);
+    if (out == NULL) return NULL;
+    for (uint32_t i = 0; i < got; i++) {
+        PyObject *h = make_handle(seg, &self->msgs[i]);
+        if (h == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, h);
+    }
+    if (waiters) {
+        /* Senders wait for the space this call freed. The handles are out already, so
+         * a failure to post must not lose them: report it and go on. */
+        PyObject *res = PyObject_CallMethod((PyObject *)self, "_wake_senders", "I", waiters);
+        if (res == NULL) PyErr_WriteUnraisable((PyObject *)self);
+        Py_XDECREF(res);
+    }
+    return out;
+}
+
+static int fast_ok(ReceiverObject *self) {
+    return self->seg != NULL && monotonic() < self->next_maintenance;
+}
+
+static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames) {
+    static const char *const names[] = {"timeout"};
+    PyObject *a[1] = {Py_None};
+    if (parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) return NULL;
+    if (timeout_plain(a[0]) && fast_ok(self)) {
+        PyObject *got = poll_fast(self, 1);
+        if (got == NULL) return NULL;
+        if (PyList_GET_SIZE(got)) {
+            PyObject *h = Py_NewRef(PyList_GET_ITEM(got, 0));
+            Py_DECREF(got);
+            return h;
+        }
+        Py_DECREF(got);
+    }
+    return PyObject_CallMethodOneArg((PyObject *)self, s_recv_slow, a[0]);
+}
+
+static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
+                                    Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"max_items", "timeout"};
+    PyObject *a[2] = {NULL, Py_None};
+    if (parse_args("recv_many", args, nargs, kwnames, names, 0, 2, a) < 0) return NULL;
+    if (a[0] == NULL) a[0] = PyLong_FromLong(256);
+    else Py_INCREF(a[0]);
+    if (a[0] == NULL) return NULL;
+    PyObject *res = NULL;
+    long n = PyLong_CheckExact(a[0]) ? PyLong_AsLong(a[0]) : -1;
+    if (n == -1 && PyErr_Occurred()) PyErr_Clear(); /* huge: the slow path says why */
+    if (n >= 1 && timeout_plain(a[1]) && fast_ok(self)) {
+        res = poll_fast(self, n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n);
+        if (res == NULL || PyList_GET_SIZE(res)) goto out;
+        Py_CLEAR(res);
+    }
+    res = PyObject_CallMethodObjArgs((PyObject *)self, s_recv_many_slow, a[0], a[1], NULL);
+out:
+    Py_DECREF(a[0]);
+    return res;
+}
+
+static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) {
+    PyObject *seq = PySequence_Fast(handles, "release_many() takes an iterable of handles");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int fast = self->seg != NULL && !seg_detached(self->seg) && n <= (Py_ssize_t)MAX_BATCH;
+    for (Py_ssize_t i = 0; fast && i < n; i++)
+        fast = Py_TYPE(items[i]) == handle_type &&
+               ((HandleObject *)items[i])->seg == self->seg;
+    if (!fast) {
+        PyObject *res = PyObject_CallMethodOneArg((PyObject *)self, s_release_many_slow, seq);
+        Py_DECREF(seq);
+        return res;
+    }
+    uint32_t stack_slots[256], stack_gens[256];
+    uint32_t *slots = stack_slots, *gens = stack_gens;
+    if (n > 256) {
+        slots = PyMem_Malloc((size_t)n * sizeof(uint32_t));
+        gens = PyMem_Malloc((size_t)n * sizeof(uint32_t));
+        if (slots == NULL || gens == NULL) {
+            PyMem_Free(slots == stack_slots ? NULL : slots);
+            PyMem_Free(gens == stack_gens ? NULL : gens);
+            Py_DECREF(seq);
+            return PyErr_NoMemory();
+        }
+    }
+    uint32_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        HandleObject *h = (HandleObject *)items[i];
+        if (h->done) continue;
+        h->done = 1; /* each exactly once, also when a handle appears twice in the list */
+        slots[k] = h->slot;
+        gens[k] = h->gen;
+        k++;
+    }
+    int wake = 0, rc = SHM_OK;
+    if (k) rc = core.release_many(self->seg->c, slots, gens, k, &wake);
+    if (slots != stack_slots) {
+        PyMem_Free(slots);
+        PyMem_Free(gens);
+    }
+    Py_DECREF(seq);
+    if (rc == SHM_OK && wake == 0) Py_RETURN_NONE;
+    return PyObject_CallMethod((PyObject *)self, "_released_many", "ii", rc, wake);
+}
+
+static void Receiver_dealloc(ReceiverObject *self) {
+    PyMem_Free(self->msgs);
+    Py_CLEAR(self->seg);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Receiver_get_seg(ReceiverObject *r, void *c) { return get_seg(r->seg); }
+static int Receiver_set_seg(ReceiverObject *r, PyObject *v, void *c) { return set_seg(&r->seg, v); }
+
+static PyGetSetDef Receiver_getset[] = {
+    {"_seg", (getter)Receiver_get_seg, (setter)Receiver_set_seg, "None once closed", NULL},
+    {NULL},
+};
+
+static PyMemberDef Receiver_members[] = {
+    {"_next_maintenance", T_DOUBLE, offsetof(ReceiverObject, next_maintenance), 0,
+     "time.monotonic() at which recv() runs maintain() again"},
+    {NULL},
+};
+
+static PyMethodDef Receiver_methods[] = {
+    {"recv", (PyCFunction)(void (*)(void))Receiver_recv, METH_FASTCALL | METH_KEYWORDS,
+     "recv(timeout=None) -> Handle: the next message free to go; blocks.\n\n"
+     "Raises Empty on timeout, Closed once the channel is shut down and drained."},
+    {"recv_many", (PyCFunction)(void (*)(void))Receiver_recv_many,
+     METH_FASTCALL | METH_KEYWORDS,
+     "recv_many(max_items=256, timeout=None) -> list[Handle]: up to max_items handles\n"
+     "with one C call; at least one unless it raises Empty."},
+    {"release_many", (PyCFunction)Receiver_release_many, METH_O,
+     "release_many(handles): release several handles with one C call (each exactly once)."},
+    {NULL},
+};
+
+static PyTypeObject ReceiverType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_shmchan_hot.ReceiverBase",
+    .tp_basicsize = sizeof(ReceiverObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "The per-message half of shmchan.Receiver.",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)Receiver_dealloc,
+    .tp_methods = Receiver_methods,
+    .tp_members = Receiver_members,
+    .tp_getset = Receiver_getset,
+};
+
+/* ---------------------------------------------------------------------------------
+ * keys: the common cases of shmchan/codec.py's encoding, byte for byte
+ * --------------------------------------------------------------------------------- */
+typedef struct {
+    uint8_t buf[KEY_BUF];
+    uint32_t len;                        /* bytes used                         */
+    uint32_t n;                          /* distinct keys                      */
+    uint32_t start[SHM_MAX_KEYS_LIMIT];  /* where each key's frame begins      */
+} keyblob;
+
+/* Append one key's frame (u16 LE length, tag, body), merging a duplicate. Returns 1 if
+ * done, 0 if this key is not for the fast path (codec.py handles it and its errors). */
+static int key_append(keyblob *kb, PyObject *k) {
+    uint8_t num[8];
+    const uint8_t *body;
+    Py_ssize_t blen;
+    uint8_t tag;
+    if (PyUnicode_CheckExact(k)) {
+        body = (const uint8_t *)PyUnicode_AsUTF8AndSize(k, &blen);
+        if (body == NULL) { /* lone surrogates: codec.py passes them through */
+            PyErr_Clear();
+            return 0;
+        }
+        tag = 's';
+    } else if (PyBytes_CheckExact(k)) {
+        body = (const uint8_t *)PyBytes_AS_STRING(k);
+        blen = PyBytes_GET_SIZE(k);
+        tag = 'b';
+    } else if (PyLong_CheckExact(k)) { /* exact: bool is not a key type */
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(k, &overflow);
+        if (overflow) return 0;
+        /* minimal two's complement, big-endian: bit length of v (or of -v-1) + sign bit */
+        unsigned long long mag = v < 0 ? ~(unsigned long long)v : (unsigned long long)v;
+        int bits = mag ? 64 - __builtin_clzll(mag) : 0;
+        int nb = bits / 8 + 1;
+        for (int i = 0; i < nb; i++) num[nb - 1 - i] = (uint8_t)((unsigned long long)v >> (8 * i));
+        body = num;
+        blen = nb;
+        tag = 'i';
+    } else {
+        return 0;
+    }
+    size_t enc = 1 + (size_t)blen;
+    if (enc > 0xFFFE || kb->len + 2 + enc > KEY_BUF) return 0;
+    uint8_t *f = kb->buf + kb->len;
+    f[0] = (uint8_t)(enc & 0xFF);
+    f[1] = (uint8_t)(enc >> 8);
+    f[2] = tag;
+    memcpy(f + 3, body, (size_t)blen);
+    for (uint32_t j = 0; j < kb->n; j++) {
+        const uint8_t *g = kb->buf + kb->start[j];
+        size_t glen = (size_t)g[0] | ((size_t)g[1] << 8);
+        if (glen == enc && memcmp(g + 2, f + 2, enc) == 0) return 1; /* a duplicate */
+    }
+    if (kb->n == SHM_MAX_KEYS_LIMIT) return 0;
+    kb->start[kb->n++] = kb->len;
+    kb->len += (uint32_t)(2 + enc);
+    return 1;
+}
+
+/* The blob for `keys` (None, one str/bytes/int, or a tuple or list of them). Returns 1
+ * if encoded, 0 if codec.py must do it (other types, too many keys, errors). */
+static int keys_encode(keyblob *kb, PyObject *keys, uint32_t max_keys) {
+    kb->len = kb->n = 0;
+    if (keys == Py_None) return 1;
+    if (PyTuple_CheckExact(keys) || PyList_CheckExact(keys)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+        PyObject **items = PySequence_Fast_ITEMS(keys);
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (!key_append(kb, items[i])) return 0;
+    } else if (!key_append(kb, keys)) {
+        return 0;
+    }
+    return kb->n <= max_keys;
+}
+
+/* ---------------------------------------------------------------------------------
+ * SenderBase: send, and the packing half of send_many
+ * --------------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    SegmentObject *seg; /* NULL once closed */
+} SenderObject;
+
+static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames) {
+    static const char *const names[] = {"obj", "keys", "timeout"};
+    PyObject *a[3] = {NULL, NULL, Py_None};
+    if (parse_args("send", args, nargs, kwnames, names, 1, 3, a) < 0) return NULL;
+    PyObject *keys = a[1] ? a[1] : Py_None; /* the default () and None both mean no keys */
+    SegmentObject *seg = self->seg;
+    const char *data = NULL;
+    Py_ssize_t len = 0;
+    if (PyBytes_CheckExact(a[0])) {
+        data = PyBytes_AS_STRING(a[0]);
+        len = PyBytes_GET_SIZE(a[0]);
+    } else if (PyByteArray_CheckExact(a[0])) { /* we hold the GIL: it cannot resize */
+        data = PyByteArray_AS_STRING(a[0]);
+        len = PyByteArray_GET_SIZE(a[0]);
+    }
+    keyblob kb;
+    if (data && seg && !seg->closed && seg->registered && timeout_plain(a[2]) &&
+        keys_encode(&kb, keys, seg->max_keys)) {
+        uint64_t seq = 0;
+        shm_stall stall;
+        int wake = 0;
+        int rc = core.send(seg->c, SHM_PAYLOAD_RAW, data, (uint64_t)len, (const char *)kb.buf,
+                           kb.len, kb.n, &seq, &stall, &wake);
+        if (rc == SHM_OK) {
+            if (wake) { /* the receiver sleeps: post its semaphore */
+                PyObject *r = PyObject_CallMethodNoArgs((PyObject *)seg, s_wake_rx);
+                if (r == NULL) return NULL;
+                Py_DECREF(r);
+            }
+            return PyLong_FromUnsignedLongLong(seq);
+        }
+        /* full, stalled or an error: nothing was sent; the slow path waits or raises */
+    }
+    PyObject *keys_arg = a[1] ? Py_NewRef(a[1]) : PyTuple_New(0);
+    if (keys_arg == NULL) return NULL;
+    PyObject *res =
+        PyObject_CallMethodObjArgs((PyObject *)self, s_send_slow, a[0], keys_arg, a[2], NULL);
+    Py_DECREF(keys_arg);
+    return res;
+}
+
+/* A growable byte buffer for packing. */
+typedef struct {
+    char *p;
+    size_t len, cap;
+} gbuf;
+
+static int gbuf_put(gbuf *b, const void *src, size_t n) {
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n) cap *= 2;
+        char *p = PyMem_Realloc(b->p, cap);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    if (n) memcpy(b->p + b->len, src, n);
+    b->len += n;
+    return 0;
+}
+
+static PyObject *gbuf_bytes(gbuf *b) { return PyBytes_FromStringAndSize(b->p ? b->p : "", b->len); }
+
+/* Append one payload (raw or through codec.encode_payload) to the batch. */
+static int pack_payload(SegmentObject *seg, PyObject *obj, gbuf *kinds, gbuf *data, gbuf *lens) {
+    uint32_t kind = SHM_PAYLOAD_RAW;
+    PyObject *enc = NULL, *buf = obj;
+    if (!(PyBytes_Check(obj) || PyByteArray_Check(obj) || PyMemoryView_Check(obj))) {
+        enc = PyObject_CallFunction(encode_payload_fn, "OO", obj,
+                                    seg->raw_only ? Py_True : Py_False);
+        if (enc == NULL) return -1;
+        if (!PyTuple_Check(enc) || PyTuple_GET_SIZE(enc) != 2) {
+            Py_DECREF(enc);
+            PyErr_SetString(PyExc_SystemError, "encode_payload returned a bad value");
+            return -1;
+        }
+        kind = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(enc, 0));
+        buf = PyTuple_GET_ITEM(enc, 1);
+        if (PyErr_Occurred()) {
+            Py_DECREF(enc);
+            return -1;
+        }
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) {
+        Py_XDECREF(enc);
+        return -1;
+    }
+    uint64_t n = (uint64_t)view.len;
+    int rc = gbuf_put(data, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    Py_XDECREF(enc);
+    if (rc == 0) rc = gbuf_put(kinds, &kind, sizeof kind);
+    if (rc == 0) rc = gbuf_put(lens, &n, sizeof n);
+    return rc;
+}
+
+/* Append one message's key blob (fast encoding, or codec.encode_keys). */
+static int pack_keys(SegmentObject *seg, PyObject *keys, keyblob *kb, gbuf *blob, gbuf *klens,
+                     gbuf *nkeys) {
+    uint32_t len, n;
+    if (keys_encode(kb, keys, seg->max_keys)) {
+        len = kb->len;
+        n = kb->n;
+        if (gbuf_put(blob, kb->buf, len) < 0) return -1;
+    } else {
+        PyObject *enc = PyObject_CallFunction(encode_keys_fn, "OI", keys, seg->max_keys);
+        if (enc == NULL) return -1;
+        if (!PyTuple_Check(enc) || PyTuple_GET_SIZE(enc) != 2 ||
+            !PyBytes_Check(PyTuple_GET_ITEM(enc, 0))) {
+            Py_DECREF(enc);
+            PyErr_SetString(PyExc_SystemError, "encode_keys returned a bad value");
+            return -1;
+        }
+        PyObject *b = PyTuple_GET_ITEM(enc, 0);
+        len = (uint32_t)PyBytes_GET_SIZE(b);
+        n = (uint32_t)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(enc, 1));
+        int rc = PyErr_Occurred() ? -1 : gbuf_put(blob, PyBytes_AS_STRING(b), len);
+        Py_DECREF(enc);
+        if (rc < 0) return -1;
+    }
+    if (gbuf_put(klens, &len, sizeof len) < 0) return -1;
+    return gbuf_put(nkeys, &n, sizeof n);
+}
+
+/* _pack(items) -> (n, kinds, data, lens, keys, key_lens, nkeys): the arrays
+ * shm_send_many takes, as bytes (uint32 / uint64 native-endian elements). */
+static PyObject *Sender_pack(SenderObject *self, PyObject *items) {
+    SegmentObject *seg = self->seg;
+    if (seg == NULL) return PyErr_Format(PyExc_RuntimeError, "sender is not bound");
+    PyObject *seq = PySequence_Fast(items, "send_many() takes an iterable of (payload, keys)");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    gbuf kinds = {0}, data = {0}, lens = {0}, blob = {0}, klens = {0}, nkeys = {0};
+    keyblob kb;
+    PyObject *res = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *pair = PySequence_Fast(item, "");
+        if (pair == NULL || PySequence_Fast_GET_SIZE(pair) != 2) {
+            Py_XDECREF(pair);
+            PyErr_Format(PyExc_TypeError,
+                         "send_many items must be (payload, keys) pairs; item %zd is not", i);
+            goto done;
+        }
+        int rc = pack_payload(seg, PySequence_Fast_GET_ITEM(pair, 0), &kinds, &data, &lens);
+        if (rc == 0)
+            rc = pack_keys(seg, PySequence_Fast_GET_ITEM(pair, 1), &kb, &blob, &klens, &nkeys);
+        Py_DECREF(pair);
+        if (rc < 0) goto done;
+    }
+    res = Py_BuildValue("nNNNNNN", n, gbuf_bytes(&kinds), gbuf_bytes(&data), gbuf_bytes(&lens),
+                        gbuf_bytes(&blob), gbuf_bytes(&klens), gbuf_bytes(&nkeys));
+done:
+    PyMem_Free(kinds.p);
+    PyMem_Free(data.p);
+    PyMem_Free(lens.p);
+    PyMem_Free(blob.p);
+    PyMem_Free(klens.p);
+    PyMem_Free(nkeys.p);
+    Py_DECREF(seq);
+    return res;
+}
+
+static void Sender_dealloc(SenderObject *self) {
+    Py_CLEAR(self->seg);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Sender_get_seg(SenderObject *s, void *c) { return get_seg(s->seg); }
+static int Sender_set_seg(SenderObject *s, PyObject *v, void *c) { return set_seg(&s->seg, v); }
+
+static PyGetSetDef Sender_getset[] = {
+    {"_seg", (getter)Sender_get_seg, (setter)Sender_set_seg, "None once closed", NULL},
+    {NULL},
+};
+
+static PyMethodDef Sender_methods[] = {
+    {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL | METH_KEYWORDS,
+     "send(obj, keys=(), timeout=None) -> int: send one message; returns its sequence\n"
+     "number. Blocks while the channel is full; with `timeout`, raises Full when it runs out."},
+    {"_pack", (PyCFunction)Sender_pack, METH_O,
+     "_pack(items): the packed arrays of a send_many batch"},
+    {NULL},
+};
+
+static PyTypeObject SenderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_shmchan_hot.SenderBase",
+    .tp_basicsize = sizeof(SenderObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "The per-message half of shmchan.Sender.",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)Sender_dealloc,
+    .tp_methods = Sender_methods,
+    .tp_getset = Sender_getset,
+};
+
+/* ---------------------------------------------------------------------------------
+ * module
+ * --------------------------------------------------------------------------------- */
+
+/* bind(addresses, handle_type, encode_payload, encode_keys): `addresses` maps the core
+ * functions' names to their addresses in the loaded cffi module. */
+static PyObject *bind(PyObject *mod, PyObject *args) {
+    PyObject *addrs, *htype, *encp, *enck;
+    if (!PyArg_ParseTuple(args, "O!O!OO", &PyDict_Type, &addrs, &PyType_Type, &htype, &encp,
+                          &enck))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)htype, &HandleType))
+        return PyErr_Format(PyExc_TypeError, "handle type must subclass HandleBase");
+    static const char *const fnames[] = {"shm_send", "shm_recv", "shm_release",
+                                         "shm_release_many", "shm_unmoved"};
+    void *fp[5];
+    for (int i = 0; i < 5; i++) {
+        PyObject *v = PyDict_GetItemString(addrs, fnames[i]);
+        if (v == NULL) return PyErr_Format(PyExc_KeyError, "no address for %s", fnames[i]);
+        fp[i] = PyLong_AsVoidPtr(v);
+        if (fp[i] == NULL) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s is NULL", fnames[i]);
+            return NULL;
+        }
+    }
+    core.send = (send_fn)fp[0];
+    core.recv = (recv_fn)fp[1];
+    core.release = (release_fn)fp[2];
+    core.release_many = (release_many_fn)fp[3];
+    core.unmoved = (unmoved_fn)fp[4];
+    Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(htype));
+    Py_XSETREF(encode_payload_fn, Py_NewRef(encp));
+    Py_XSETREF(encode_keys_fn, Py_NewRef(enck));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"bind", bind, METH_VARARGS,
+     "bind(addresses, handle_type, encode_payload, encode_keys): wire up the hot path"},
+    {"handles_from", handles_from, METH_VARARGS,
+     "handles_from(seg, address, n): Handles for n shm_msg structs at address"},
+    {NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_shmchan_hot",
+    "shmchan's per-message calls (csrc/hotpath.c); private to shmchan.channel.", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__shmchan_hot(void) {
+    PyTypeObject *types[] = {&SegmentType, &HandleType, &ReceiverType, &SenderType};
+    const char *tnames[] = {"SegmentBase", "HandleBase", "ReceiverBase", "SenderBase"};
+    struct {
+        PyObject **slot;
+        const char *s;
+    } strs[] = {
+        {&s_send_slow, "_send_slow"},           {&s_recv_slow, "_recv_slow"},
+        {&s_recv_many_slow, "_recv_many_slow"}, {&s_release_many_slow, "_release_many_slow"},
+        {&s_released, "_released"},             {&s_payload_slow, "_payload_slow"},
+        {&s_wake_rx, "wake_rx"},
+    };
+    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
+        *strs[i].slot = PyUnicode_InternFromString(strs[i].s);
+        if (*strs[i].slot == NULL) return NULL;
+    }
+    for (int i = 0; i < 4; i++)
+        if (PyType_Ready(types[i]) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) return NULL;
+    for (int i = 0; i < 4; i++) {
+        if (PyModule_AddObjectRef(m, tnames[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}
