@@ -64,20 +64,15 @@ static int finished(shm_chan *c, uint64_t pos) {
     return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED;
 }
 
-int compact(shm_chan *c) {
-    shm_header *h = c->hdr;
-    uint64_t head = h->head, stop = h->ingest_pos;
-    if (head >= stop || finished(c, head)) return 0; /* nothing pinned: the common case */
-    /* Only now look at the producers' cache line. */
-    uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
-    if (tail - head <= c->limit / 2) return 0;
-
+/* One try at the pinned block at head; *looked counts the records it visited. */
+static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *looked) {
     /* the pinned block [head, head + block) */
     uint32_t slots[COMPACT_MAX_RECORDS];
     uint64_t lens[COMPACT_MAX_RECORDS];
     uint64_t pos = head, block = 0;
     uint32_t n = 0;
     while (pos < stop && n < COMPACT_MAX_RECORDS && !finished(c, pos)) {
+        (*looked)++;
         uint64_t len = rec_len(c, pos);
         if (!len || !movable(c, pos, len, &slots[n])) return 0;
         lens[n++] = len;
@@ -88,6 +83,7 @@ int compact(shm_chan *c) {
     /* the gap after it, [head + block, end) */
     uint64_t gap = 0, end = pos;
     while (end < stop && finished(c, end)) {
+        (*looked)++;
         uint64_t len = rec_len(c, end);
         if (!len) return 0;
         end += len;
@@ -133,4 +129,22 @@ int compact(shm_chan *c) {
     /* 5. free the space (release store of head inside) */
     ring_advance_head(c);
     return 1;
+}
+
+int compact(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t head = h->head, stop = h->ingest_pos;
+    if (head >= stop || finished(c, head)) return 0; /* nothing pinned: the common case */
+    /* Only now look at the producers' cache line. */
+    uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
+    if (tail - head <= c->limit / 2) return 0;
+    /* After a failed try, wait for some records to finish first: a gap is made of
+     * finished records, and without this a long unfinished backlog would be walked on
+     * every poll. The wait is a quarter of what the failed try looked at, so the walk
+     * costs at most a few record visits per record finished. */
+    if (c->done_count < c->compact_retry_at) return 0;
+    uint32_t looked = 0;
+    if (try_compact(c, head, stop, &looked)) return 1;
+    c->compact_retry_at = c->done_count + 1 + looked / 4;
+    return 0;
 }

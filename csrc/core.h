@@ -258,6 +258,13 @@ struct shm_chan {
     uint32_t producer;  /* registry index + 1 while registered, 0 otherwise          */
     int is_rx;          /* this attachment holds the receiver                         */
     uint64_t cached_head; /* producers: last head seen, refreshed only when short    */
+    /* Receiver-only work avoidance (process-local: a new receiver starts from zero, so
+     * its first polls do the full work):                                               */
+    uint64_t skip_epoch;  /* changes that may let a skipped record return (window.c)  */
+    uint64_t skip_quiet;  /* skip_epoch + 1 when the last return pass found nothing    */
+    int skip_filling;     /* refilling a low window with records that will wait        */
+    uint64_t done_count;  /* records this receiver marked done                         */
+    uint64_t compact_retry_at; /* done_count a failed compaction waits for (compact.c) */
     pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
 };
 
@@ -283,6 +290,7 @@ int sched_release(shm_chan *c, uint32_t s);
 int sched_requeue(shm_chan *c, uint32_t s);
 uint32_t sched_pop_ready(shm_chan *c);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
+int sched_has_spare_room(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
 void sched_init(shm_chan *c);
 /* window.c */

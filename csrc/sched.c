@@ -182,6 +182,13 @@ int sched_has_room(shm_chan *c, uint32_t nkeys) {
     return h->free_slots != NIL && (c->max_nodes - 1 - h->nodes_used) >= nkeys;
 }
 
+/* Room to spare: taking nkeys more keeps the window and the nodes at most half used. */
+int sched_has_spare_room(shm_chan *c, uint32_t nkeys) {
+    shm_header *h = c->hdr;
+    return sched_has_room(c, nkeys) && h->window < c->cfg.max_messages / 2 &&
+           (uint64_t)h->nodes_used + nkeys <= (c->max_nodes - 1) / 2;
+}
+
 /* ---- eager helpers ------------------------------------------------------------------ */
 /* If every key of s is free, take them all and return NIL; else return the node of s
  * for the first held key (s should wait in that key's line). */
@@ -309,6 +316,7 @@ static int fifo_unlink(shm_chan *c, uint32_t s) {
         key->head = c->nodes[n].next;
         if (key->head == NIL) {
             key->tail = NIL;
+            c->skip_epoch++; /* skipped records with this key may return (window.c) */
             if (key_empty(key)) key_delete(c, (uint32_t)k);
         } else {
             if (!NODE_OK(c, key->head)) return SHM_E_CORRUPT;

@@ -20,9 +20,13 @@
  *     each of its lines (sched_evict), so unlinking it undoes its taking in exactly; it
  *     becomes a skipped record. This makes room for the record at scan_pos, and repeats
  *     while there is a waiting message to evict.
- *   - Skipped records return (return_skipped) when they would be free to go at once, in
- *     order; one that would only wait stays out, since waiting needs no slot. Returning
- *     may evict the newest waiting message too, so the window fills with what can run.
+ *   - Skipped records return (return_skipped) in order when they would be free to go at
+ *     once, evicting the newest waiting message if need be, so the window fills with
+ *     what can run. One that would only wait stays out, since waiting needs no slot --
+ *     except while refilling a window that fell below a quarter full, up to half full
+ *     (it joins its lines' tails, behind older messages only), so that a long backlog
+ *     drains through the window in batches. A pass that brings nothing back is not
+ *     repeated until something it depends on changes (window_ingest).
  * Each record is looked at a bounded number of times per eviction, and every step is
  * O(keys of the record): no step scans the backlog.
  *
@@ -139,7 +143,7 @@ static int passed_add_record(passed_set *p, shm_record *r, uint32_t max_keys) {
  * stays skipped (a waiting message needs no slot to keep its place), and its keys join
  * the passed set. So the window holds what can run, and a ready message is never left
  * behind a window full of waiting ones. ingest_pos moves over the taken-in prefix. */
-static int return_skipped(shm_chan *c) {
+static int return_skipped(shm_chan *c, uint32_t *took) {
     shm_header *h = c->hdr;
     int fifo = c->cfg.order == SHM_ORDER_FIFO;
     passed_set passed;
@@ -159,10 +163,14 @@ static int return_skipped(shm_chan *c) {
             continue;
         }
         if (st != REC_COMMITTED || ring_validate_body(c, r, len)) return SHM_E_CORRUPT;
-        int go = 1;
-        for (uint32_t k = 0; k < r->nkeys && go; k++)
-            if (passed_has(&passed, r->hashes[k]) || (fifo && sched_key_has_line(c, r->hashes[k])))
-                go = 0;
+        int go = 1, waits = 0;
+        for (uint32_t k = 0; k < r->nkeys && go; k++) {
+            if (passed_has(&passed, r->hashes[k])) go = 0;
+            else if (fifo && sched_key_has_line(c, r->hashes[k])) waits = 1;
+        }
+        /* It would wait behind messages taken in (appended to its lines' tails, so in
+         * seq order): worth a slot only while refilling a low window. */
+        if (go && waits && !(c->skip_filling && sched_has_spare_room(c, r->nkeys))) go = 0;
         if (!fifo && sched_is_held_key(c, r)) go = 0;
         int rc = SHM_OK;
         while (go && !sched_has_room(c, r->nkeys)) {
@@ -186,6 +194,7 @@ static int return_skipped(shm_chan *c) {
         rc = sched_skip_count(c, r, -1);
         if (rc == SHM_OK) rc = take(c, r, pos);
         if (rc) return rc;
+        (*took)++;
         h->skipped--;
         pos += len;
         if (prefix) h->ingest_pos = pos;
@@ -197,9 +206,23 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled) {
     shm_header *h = c->hdr;
     int fifo = c->cfg.order == SHM_ORDER_FIFO;
     int rc = SHM_OK;
+    /* A pass that brought nothing back gives the same answer until a line empties, a
+     * record taken in out of order finishes, or the window runs low (c->skip_epoch):
+     * until then, skip it. Refilling runs from a quarter of the window to a half, so
+     * each pass of it takes in a whole batch. */
     if (h->ingest_pos < h->scan_pos) {
-        rc = return_skipped(c);
-        if (rc) return rc;
+        if (!c->skip_filling && h->window < c->cfg.max_messages / 4) {
+            c->skip_filling = 1;
+            c->skip_epoch++;
+        }
+        if (c->skip_quiet != c->skip_epoch + 1) {
+            uint64_t ingest_before = h->ingest_pos;
+            uint32_t took = 0;
+            rc = return_skipped(c, &took);
+            if (rc) return rc;
+            if (h->window >= c->cfg.max_messages / 2) c->skip_filling = 0;
+            if (took == 0 && h->ingest_pos == ingest_before) c->skip_quiet = c->skip_epoch + 1;
+        }
     }
     for (uint32_t i = 0; i < INGEST_BATCH; i++) {
         uint64_t pos = h->scan_pos, len;
