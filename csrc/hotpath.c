@@ -26,6 +26,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <fcntl.h>
+#include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -134,6 +136,7 @@ typedef struct {
     char closed;          /* the owning Channel object was closed                   */
     long pid;             /* the process this attachment belongs to (fork check)   */
     PyObject *detached;   /* list [bool], True once the mapping is gone             */
+    sem_t *rx_sem;        /* the receiver's semaphore, posted when a send wakes it  */
 } SegmentObject;
 
 static PyTypeObject SegmentType;
@@ -149,8 +152,9 @@ static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
     unsigned int max_keys;
     int raw_only;
     PyObject *detached;
-    if (!PyArg_ParseTuple(args, "KKKIpO!", &ptr, &base, &size, &max_keys, &raw_only,
-                          &PyList_Type, &detached))
+    const char *rx_name;
+    if (!PyArg_ParseTuple(args, "KKKIpO!s", &ptr, &base, &size, &max_keys, &raw_only,
+                          &PyList_Type, &detached, &rx_name))
         return NULL;
     if (core.send == NULL || handle_type == NULL)
         return PyErr_Format(PyExc_RuntimeError, "_shmchan_hot.bind() was not called");
@@ -161,17 +165,33 @@ static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
     self->max_keys = max_keys;
     self->raw_only = (char)raw_only;
     Py_XSETREF(self->detached, Py_NewRef(detached));
+    /* The same named semaphore the Python layer opened (the process shares one mapping
+     * of it); kept here so a send that must wake the receiver posts without Python. */
+    sem_t *sem = sem_open(rx_name, 0);
+    if (sem == SEM_FAILED) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, rx_name);
+    if (self->rx_sem) sem_close(self->rx_sem);
+    self->rx_sem = sem;
     Py_RETURN_NONE;
 }
 
+/* Post the receiver's semaphore; 0 on success, -1 with an exception. */
+static int seg_wake_rx(SegmentObject *seg) {
+    if (seg->rx_sem && sem_post(seg->rx_sem) == 0) return 0;
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)seg, s_wake_rx); /* says why */
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
 static void Segment_dealloc(SegmentObject *self) {
+    if (self->rx_sem) sem_close(self->rx_sem);
     Py_CLEAR(self->detached);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyMethodDef Segment_methods[] = {
     {"_bind", (PyCFunction)Segment_bind, METH_VARARGS,
-     "_bind(ptr, base, size, max_keys, raw_only, detached): what the hot path reads"},
+     "_bind(ptr, base, size, max_keys, raw_only, detached, rx_semaphore_name):\n"
+     "what the hot path reads"},
     {NULL},
 };
 
@@ -701,11 +721,7 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
         int rc = core.send(seg->c, SHM_PAYLOAD_RAW, data, (uint64_t)len, (const char *)kb.buf,
                            kb.len, kb.n, &seq, &stall, &wake);
         if (rc == SHM_OK) {
-            if (wake) { /* the receiver sleeps: post its semaphore */
-                PyObject *r = PyObject_CallMethodNoArgs((PyObject *)seg, s_wake_rx);
-                if (r == NULL) return NULL;
-                Py_DECREF(r);
-            }
+            if (wake && seg_wake_rx(seg) < 0) return NULL; /* the receiver sleeps */
             return PyLong_FromUnsignedLongLong(seq);
         }
         /* full, stalled or an error: nothing was sent; the slow path waits or raises */

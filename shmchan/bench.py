@@ -164,6 +164,105 @@ def _bad(system: str, data: Any, size: int) -> BenchError:
     )
 
 
+class _BatchCheck:
+    """The payload check of the batched workloads, the same for every system: every byte
+    of every message, each message exactly once, order inversions counted per producer.
+
+    It runs vectorized (numpy) over chunks of a few thousand messages: at millions of
+    messages per second a per-message check in Python would cost more than the fastest
+    transports themselves. Without numpy it checks message by message instead."""
+
+    CHUNK = 4096
+
+    def __init__(self, system: str, n: int, nprod: int, size: int) -> None:
+        self.system, self.n, self.nprod, self.size = system, n, nprod, size
+        self.high = [-1] * nprod
+        self.late = 0
+        self.count = 0
+        self.pending: list[bytes] = []
+        try:
+            import numpy
+        except ImportError:
+            numpy = None  # type: ignore[assignment]
+        if size % 8 or size < 24:
+            numpy = None  # type: ignore[assignment]  # the word layout below needs these
+        self.np: Any = numpy
+        self.seen: list[bytearray] = []
+        self.seen_np: Any = None
+        if numpy is not None:
+            self.seen_np = numpy.zeros(n * nprod, dtype=numpy.bool_)
+        else:
+            self.seen = [bytearray(n) for _ in range(nprod)]
+
+    def add(self, ds: list[bytes]) -> None:
+        self.pending += ds
+        if len(self.pending) >= self.CHUNK:
+            self._check()
+
+    def finish(self) -> int:
+        """Check what is pending, then that every message came; returns the inversions."""
+        self._check()
+        if self.np is not None:
+            self.count = int(self.np.count_nonzero(self.seen_np))
+        if self.count != self.n * self.nprod:  # a duplicate within a chunk lands here
+            raise BenchError(
+                f"{self.system}: {self.n * self.nprod - self.count} messages missing or "
+                "delivered twice"
+            )
+        return self.late
+
+    def _check(self) -> None:
+        ds, self.pending = self.pending, []
+        if not ds:
+            return
+        if self.np is None:
+            self._check_each(ds)
+        else:
+            self._check_vectorized(ds)
+
+    def _check_each(self, ds: list[bytes]) -> None:
+        seen, high, size, unpack, mid = self.seen, self.high, self.size, _HDR.unpack_from, 24
+        for d in ds:
+            i, p = unpack(d)
+            if seen[p][i] or d[-1] != i & 0xFF or d[mid] != _FILL or len(d) != size:
+                raise _bad(self.system, d, size)
+            seen[p][i] = 1
+            if i < high[p]:
+                self.late += 1
+            else:
+                high[p] = i
+        self.count += len(ds)
+
+    def _check_vectorized(self, ds: list[bytes]) -> None:
+        np, size, k = self.np, self.size, len(ds)
+        blob = b"".join(ds)
+        if len(blob) != k * size:
+            raise _bad(self.system, next(d for d in ds if len(d) != size), size)
+        # A payload as little-endian words: [index] [producer | 4 fill] [8 fill] ...
+        # [7 fill | check byte]; see _payload.
+        u64 = np.uint64
+        fill = u64(int.from_bytes(bytes([_FILL]) * 8, "little"))
+        w = np.frombuffer(blob, dtype="<u8").reshape(k, size // 8)
+        idx, prod = w[:, 0], w[:, 1] & u64(0xFFFFFFFF)
+        ok = (prod < self.nprod) & (idx < self.n)
+        ok &= (w[:, 1] >> u64(32)) == (fill >> u64(32))
+        ok &= (w[:, 2:-1] == fill).all(axis=1)
+        ok &= (w[:, -1] & u64(0x00FFFFFFFFFFFFFF)) == (fill >> u64(8))
+        ok &= (w[:, -1] >> u64(56)) == (idx & u64(0xFF))
+        if not ok.all():
+            raise _bad(self.system, ds[int(np.argmin(ok))], size)
+        flat = (prod * u64(self.n) + idx).astype(np.int64)
+        if self.seen_np[flat].any():
+            raise _bad(self.system, ds[int(np.argmax(self.seen_np[flat]))], size)
+        self.seen_np[flat] = True
+        for p in range(self.nprod):
+            sub = (idx if self.nprod == 1 else idx[prod == p]).astype(np.int64)
+            if sub.size:
+                before = np.maximum.accumulate(np.concatenate(([self.high[p]], sub)))[:-1]
+                self.late += int((sub < before).sum())
+                self.high[p] = max(self.high[p], int(sub.max()))
+
+
 class NaiveKeyedDispatcher:
     """The obvious keyed dispatcher: a backlog list scanned from the front for the first
     message none of whose keys is held.
@@ -227,6 +326,7 @@ class _Job:
     count: int  # most messages one repetition may ask for
     batch: int = 1
     gap: float = 0.0
+    ack: str = ""  # latency: a semaphore the consumer posts once it has each ping
 
 
 @contextlib.contextmanager
@@ -309,11 +409,16 @@ def _make_producer(job: _Job, transport: Any) -> Callable[[int], None]:
     if mode == "latency":
         gap = job.gap
 
+        # Ping-pong, the floor's shape: after each ping the producer blocks until the
+        # consumer has it (not timed), so both sides are idle when the next one goes.
+        ack = posix_ipc.Semaphore(job.ack)
+
         def send_latency(n: int) -> None:
-            sleep, clock, pack = time.sleep, time.perf_counter_ns, _LAT.pack
+            sleep, clock, pack, wait = time.sleep, time.perf_counter_ns, _LAT.pack, ack.acquire
             for k in range(n):
                 sleep(gap)
                 put(pack(clock(), k) + _LAT_PAD, k)
+                wait(TIMEOUT)
 
         return send_latency
 
@@ -475,7 +580,8 @@ class _Endpoint:
         later message of the same producer (order inversions, counted, not fatal)."""
         raise NotImplementedError
 
-    def latencies(self, n: int) -> list[float]:
+    def latencies(self, n: int, ack: Any) -> list[float]:
+        """n pings' wake-up latencies in microseconds; posts `ack` once it has each."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -510,21 +616,13 @@ class _ShmchanEnd(_Endpoint):
         zero_copy = mode == "mib"
         if mode == "batch":
             recv_many, release_many = self.rx.recv_many, self.rx.release_many
+            check = _BatchCheck(self.system, n, nprod, size)
             while got < total:
                 hs = recv_many(batch, TIMEOUT)
-                for h in hs:
-                    d = h.payload
-                    i, p = unpack(d)
-                    if seen[p][i] or d[-1] != i & 0xFF or d[mid] != _FILL or len(d) != size:
-                        raise _bad(self.system, d, size)
-                    seen[p][i] = 1
-                    if i < high[p]:
-                        late += 1
-                    else:
-                        high[p] = i
+                check.add([h.payload for h in hs])
                 release_many(hs)  # the batch API: one C call for the whole batch
                 got += len(hs)
-            return late
+            return check.finish()
         recv = self.rx.recv
         while got < total:
             h = recv(TIMEOUT)
@@ -541,7 +639,7 @@ class _ShmchanEnd(_Endpoint):
             got += 1
         return late
 
-    def latencies(self, n: int) -> list[float]:
+    def latencies(self, n: int, ack: Any) -> list[float]:
         out = []
         recv, clock, unpack = self.rx.recv, time.perf_counter_ns, _LAT.unpack_from
         for k in range(n):
@@ -549,6 +647,7 @@ class _ShmchanEnd(_Endpoint):
             t1 = clock()
             t0, j = unpack(h.data)
             h.release()
+            ack.release()
             if j != k:
                 raise BenchError(f"{self.system}: ping {j} arrived, expected {k}")
             out.append((t1 - t0) / 1e3)
@@ -597,19 +696,12 @@ class _QueueEnd(_Endpoint):
                 def get_batch() -> list[Any]:
                     return get(True, TIMEOUT)  # type: ignore[no-any-return]
 
+            check = _BatchCheck(self.system, n, nprod, size)
             while got < total:
                 ms = get_batch()
-                for d in ms:
-                    i, p = unpack(d)
-                    if seen[p][i] or d[-1] != i & 0xFF or d[mid] != _FILL or len(d) != size:
-                        raise _bad(self.system, d, size)
-                    seen[p][i] = 1
-                    if i < high[p]:
-                        late += 1
-                    else:
-                        high[p] = i
+                check.add(ms)
                 got += len(ms)
-            return late
+            return check.finish()
         get1 = self.q.get
         while got < total:
             d = get1(True, TIMEOUT)
@@ -624,13 +716,14 @@ class _QueueEnd(_Endpoint):
             got += 1
         return late
 
-    def latencies(self, n: int) -> list[float]:
+    def latencies(self, n: int, ack: Any) -> list[float]:
         out = []
         get, clock, unpack = self.q.get, time.perf_counter_ns, _LAT.unpack_from
         for k in range(n):
             d = get(True, TIMEOUT)
             t1 = clock()
             t0, j = unpack(d)
+            ack.release()
             if j != k:
                 raise BenchError(f"{self.system}: ping {j} arrived, expected {k}")
             out.append((t1 - t0) / 1e3)
@@ -664,21 +757,14 @@ class _NaiveEnd(_Endpoint):
         disp = self.disp
         got, total = 0, n * nprod
         if mode == "batch":
+            check = _BatchCheck(self.system, n, nprod, size)
             while got < total:
                 ms = disp.recv_many(batch, TIMEOUT)
+                check.add([m[1] for m in ms])
                 for m in ms:
-                    d = m[1]
-                    i, p = unpack(d)
-                    if seen[p][i] or d[-1] != i & 0xFF or d[mid] != _FILL or len(d) != size:
-                        raise _bad(self.system, d, size)
-                    seen[p][i] = 1
-                    if i < high[p]:
-                        late += 1
-                    else:
-                        high[p] = i
                     disp.release(m)
                 got += len(ms)
-            return late
+            return check.finish()
         while got < total:
             m = disp.recv(TIMEOUT)
             d = m[1]
@@ -717,7 +803,7 @@ class _SemaphoreEnd(_Endpoint):
     def transport(self) -> Any:
         return (self.names[0], self.names[1], self.stamp)
 
-    def latencies(self, n: int) -> list[float]:
+    def latencies(self, n: int, ack: Any) -> list[float]:  # pong is its ack
         out = []
         acquire, release, clock, stamp = (
             self.ping.acquire,
@@ -1340,11 +1426,14 @@ def _run_latency(run: _Run) -> None:
     with contextlib.ExitStack() as stack:
         ends: dict[str, _Endpoint] = {}
         groups: dict[str, _Group] = {}
+        acks: dict[str, Any] = {}
         for s in systems:
             end = _endpoint(run, s, "latency")
             stack.callback(end.close)
             ends[s] = end
-            job = _Job(s, "latency", 0, sz.latency_samples, gap=sz.latency_gap)
+            ack = acks[s] = posix_ipc.Semaphore("/" + _unique("ack"), posix_ipc.O_CREX, mode=0o600)
+            stack.callback(ack.unlink)
+            job = _Job(s, "latency", 0, sz.latency_samples, gap=sz.latency_gap, ack=ack.name)
             group = _Group(run.ctx, s, [(job, end.transport())])
             stack.callback(group.close)
             groups[s] = group
@@ -1357,7 +1446,7 @@ def _run_latency(run: _Run) -> None:
                 groups[s].go(n)
                 try:
                     with _no_gc():
-                        lat = ends[s].latencies(n)
+                        lat = ends[s].latencies(n, acks[s])
                 except (queue.Empty, shmchan.Empty, posix_ipc.BusyError):
                     why = groups[s].failure()
                     raise BenchError(
@@ -1370,7 +1459,7 @@ def _run_latency(run: _Run) -> None:
                     p99s[s].append(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)])
                 run.progress.step(f"{label}: {s}")
     notes = {
-        SHMCHAN: "send -> recv, consumer asleep",
+        SHMCHAN: "send -> recv, consumer asleep; ping-pong like the floor",
         SEMAPHORE: "post -> wait of a bare posix_ipc semaphore",
     }
     for workload, stat, values in (

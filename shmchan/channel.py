@@ -136,7 +136,9 @@ class _Segment(_hot.SegmentBase):
 
         base = ffi.gc(lib.shm_base(ptr), _detach, size=size)
         self.mem = memoryview(ffi.buffer(base, size)).toreadonly()
-        self._bind(_address(ptr), _address(base), size, self.max_keys, self.raw_only, detached)
+        self._bind(
+            _address(ptr), _address(base), size, self.max_keys, self.raw_only, detached, rx_sem.name
+        )
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.registered = False

@@ -7,7 +7,14 @@ class SegmentBase:
     closed: bool
     pid: int
     def _bind(
-        self, ptr: int, base: int, size: int, max_keys: int, raw_only: bool, detached: list[bool]
+        self,
+        ptr: int,
+        base: int,
+        size: int,
+        max_keys: int,
+        raw_only: bool,
+        detached: list[bool],
+        rx_semaphore_name: str,
     ) -> None: ...
 
 class HandleBase:
