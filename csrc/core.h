@@ -9,7 +9,7 @@
  *                                         is (slot index, slot generation)
  *   nodes_off           shm_node[]        one node per (message, distinct key): the key lines
  *   keytab_off          shm_key[]         open-addressing table: key hash -> its line
- *   heap_off            uint32_t[]        the ready messages' slots, a binary min-heap by seq
+ *   heap_off            shm_ready[]       the ready messages, a binary min-heap by seq
  *   ring_off            ring bytes        the intake ring (ring.c), mapped twice in a row so a
  *                                         record that wraps is still contiguous in memory
  *
@@ -240,6 +240,15 @@ typedef struct {
 } shm_record;
 
 /* ---- one process's attachment --------------------------------------------------------- */
+/* ---- ready heap entry (sched.c) ---------------------------------------------------------
+ * The seq is a copy of the slot's, so that sifting compares neighbours in this array
+ * instead of reaching into the message table at random. */
+typedef struct {
+    uint64_t seq;  /* == slots[slot].seq (shm_check_scheduler verifies it) */
+    uint32_t slot;
+    uint32_t pad;
+} shm_ready;
+
 struct shm_chan {
     uint8_t *base;      /* start of the mapping                                       */
     uint64_t map_len;   /* meta + 2 * capacity                                        */
@@ -248,7 +257,7 @@ struct shm_chan {
     shm_slot *slots;
     shm_node *nodes;
     shm_key *keys;
-    uint32_t *heap;     /* ready messages (sched.c)                                   */
+    shm_ready *heap;    /* ready messages (sched.c)                                   */
     uint8_t *ring;      /* ring_off from base, 2 * capacity bytes of address space    */
     shm_config cfg;     /* validated local copy: never re-read from the segment       */
     uint64_t cap;       /* ring size: the capacity rounded up to whole pages          */

@@ -26,7 +26,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
@@ -44,6 +46,7 @@ typedef int (*recv_fn)(shm_chan *, shm_msg *, uint32_t, uint32_t *, int, shm_sta
 typedef int (*release_fn)(shm_chan *, uint32_t, uint32_t, int);
 typedef int (*release_many_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t, int *);
 typedef int (*unmoved_fn)(shm_chan *, uint32_t, uint64_t, uint64_t);
+typedef int (*rx_spin_fn)(shm_chan *, uint32_t);
 
 static struct {
     send_fn send;
@@ -51,6 +54,7 @@ static struct {
     release_fn release;
     release_many_fn release_many;
     unmoved_fn unmoved;
+    rx_spin_fn rx_spin;
 } core;
 
 static PyTypeObject *handle_type;   /* shmchan.Handle (a subclass of HandleBase)      */
@@ -62,6 +66,8 @@ static PyObject *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_s
     *s_released, *s_payload_slow, *s_wake_rx;
 
 #define MAX_BATCH 65536u   /* messages one recv_many call takes at most */
+#define SPIN_SECONDS 50e-6 /* poll this long before sleeping (as channel._SPIN_SECONDS) */
+#define SPIN_PAUSES 500u   /* CPU pauses per spin round (as channel._SPIN_PAUSES)     */
 #define KEY_BUF 2048u      /* key blob bytes the fast path encodes; longer -> Python */
 
 static double monotonic(void) {
@@ -448,6 +454,14 @@ static int ensure_msgs(ReceiverObject *r, uint32_t n) {
     return 0;
 }
 
+/* Senders wait for the space a poll freed. The handles are out already, so a failure
+ * to post must not lose them: report it and go on. */
+static void wake_senders(ReceiverObject *self, uint32_t waiters) {
+    PyObject *res = PyObject_CallMethod((PyObject *)self, "_wake_senders", "I", waiters);
+    if (res == NULL) PyErr_WriteUnraisable((PyObject *)self);
+    Py_XDECREF(res);
+}
+
 /* One non-blocking poll for up to n messages. Returns a new list (possibly empty) or
  * NULL with an exception. Only messages the core handed out become Handles. */
 static PyObject *poll_fast(ReceiverObject *self, uint32_t n) {
@@ -466,14 +480,58 @@ static PyObject *poll_fast(ReceiverObject *self, uint32_t n) {
         }
         PyList_SET_ITEM(out, i, h);
     }
-    if (waiters) {
-        /* Senders wait for the space this call freed. The handles are out already, so
-         * a failure to post must not lose them: report it and go on. */
-        PyObject *res = PyObject_CallMethod((PyObject *)self, "_wake_senders", "I", waiters);
-        if (res == NULL) PyErr_WriteUnraisable((PyObject *)self);
-        Py_XDECREF(res);
-    }
+    if (waiters) wake_senders(self, waiters);
     return out;
+}
+
+/* poll_fast for one message, without the list (a list per call would also feed the
+ * cyclic garbage collector's allocation count). Returns a new Handle, or NULL: with
+ * an exception set on error, without one if nothing was ready (*rc says why). */
+static PyObject *poll_one(ReceiverObject *self, int arm, int *rc) {
+    SegmentObject *seg = self->seg;
+    if (ensure_msgs(self, 1) < 0) return NULL;
+    uint32_t got = 0, waiters = 0;
+    shm_stall stall;
+    *rc = core.recv(seg->c, self->msgs, 1, &got, arm, &stall, &waiters);
+    PyObject *h = got ? make_handle(seg, &self->msgs[0]) : NULL;
+    if (waiters) wake_senders(self, waiters);
+    return h;
+}
+
+/* recv's wait for the plain case, so that an idle receiver wakes straight into C: the
+ * channel is empty (SHM_EMPTY), and neither maintenance nor the deadline is due. Same
+ * protocol as Receiver._poll: spin a little, arm the eventcount (shm_recv with
+ * arm_sleep re-checks after announcing the sleep), then sleep on the semaphore with
+ * the GIL released, until a post, the deadline or the next maintenance.
+ * Returns a new Handle; or NULL with an exception (a signal handler raised); or NULL
+ * without one when Receiver._poll must take over (any other status, or time is up). */
+static PyObject *wait_one(ReceiverObject *self, double deadline) {
+    SegmentObject *seg = self->seg;
+    double spin_until = monotonic() + SPIN_SECONDS;
+    int arm = 0, rc;
+    for (;;) {
+        double now = monotonic();
+        if (seg->rx_sem == NULL || now >= self->next_maintenance || now >= deadline)
+            return NULL;
+        PyObject *h = poll_one(self, arm, &rc);
+        if (h != NULL || PyErr_Occurred()) return h;
+        if (rc != SHM_EMPTY) return NULL; /* stalled, closed or an error */
+        if (!arm) {
+            if (now < spin_until) core.rx_spin(seg->c, SPIN_PAUSES);
+            else arm = 1; /* poll once more with the sleep announced */
+            continue;
+        }
+        double until = fmin(deadline, self->next_maintenance);
+        struct timespec ts;
+        ts.tv_sec = (time_t)until;
+        ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+        int r, err;
+        Py_BEGIN_ALLOW_THREADS
+        r = sem_clockwait(seg->rx_sem, CLOCK_MONOTONIC, &ts);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (r < 0 && err == EINTR && PyErr_CheckSignals() < 0) return NULL; /* as PEP 475 */
+    }
 }
 
 static int fast_ok(ReceiverObject *self) {
@@ -485,17 +543,28 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
     static const char *const names[] = {"timeout"};
     PyObject *a[1] = {Py_None};
     if (parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) return NULL;
-    if (timeout_plain(a[0]) && fast_ok(self)) {
-        PyObject *got = poll_fast(self, 1);
-        if (got == NULL) return NULL;
-        if (PyList_GET_SIZE(got)) {
-            PyObject *h = Py_NewRef(PyList_GET_ITEM(got, 0));
-            Py_DECREF(got);
-            return h;
+    PyObject *timeout = a[0];
+    if (timeout_plain(timeout) && fast_ok(self)) {
+        int rc;
+        PyObject *h = poll_one(self, 0, &rc);
+        if (h != NULL || PyErr_Occurred()) return h;
+        if (rc == SHM_EMPTY && timeout != Py_None) {
+            double t = PyFloat_AsDouble(timeout);
+            if (t == -1.0 && PyErr_Occurred()) return NULL;
+            if (t > 0) {
+                double deadline = monotonic() + t;
+                h = wait_one(self, deadline);
+                if (h != NULL || PyErr_Occurred()) return h;
+                /* the slow path gets what is left of the timeout */
+                return PyObject_CallMethod((PyObject *)self, "_recv_slow", "d",
+                                           fmax(0.0, deadline - monotonic()));
+            }
+        } else if (rc == SHM_EMPTY) {
+            h = wait_one(self, INFINITY);
+            if (h != NULL || PyErr_Occurred()) return h;
         }
-        Py_DECREF(got);
     }
-    return PyObject_CallMethodOneArg((PyObject *)self, s_recv_slow, a[0]);
+    return PyObject_CallMethodOneArg((PyObject *)self, s_recv_slow, timeout);
 }
 
 static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
@@ -906,10 +975,10 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)htype, &HandleType))
         return PyErr_Format(PyExc_TypeError, "handle type must subclass HandleBase");
-    static const char *const fnames[] = {"shm_send", "shm_recv", "shm_release",
-                                         "shm_release_many", "shm_unmoved"};
-    void *fp[5];
-    for (int i = 0; i < 5; i++) {
+    static const char *const fnames[] = {"shm_send",         "shm_recv",    "shm_release",
+                                         "shm_release_many", "shm_unmoved", "shm_rx_spin"};
+    void *fp[6];
+    for (int i = 0; i < 6; i++) {
         PyObject *v = PyDict_GetItemString(addrs, fnames[i]);
         if (v == NULL) return PyErr_Format(PyExc_KeyError, "no address for %s", fnames[i]);
         fp[i] = PyLong_AsVoidPtr(v);
@@ -923,6 +992,7 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     core.release = (release_fn)fp[2];
     core.release_many = (release_many_fn)fp[3];
     core.unmoved = (unmoved_fn)fp[4];
+    core.rx_spin = (rx_spin_fn)fp[5];
     Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(htype));
     Py_XSETREF(encode_payload_fn, Py_NewRef(encp));
     Py_XSETREF(encode_keys_fn, Py_NewRef(enck));

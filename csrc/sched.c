@@ -104,8 +104,6 @@ static void key_delete(shm_chan *c, uint32_t i) {
  * producer's messages come out in the order it sent them whenever their keys allow, and
  * a nacked message (it keeps its seq) comes back before everything that was sent after
  * it. O(log ready) per push and pop; entries are checked as they are read. */
-static inline uint64_t heap_key(shm_chan *c, uint32_t i) { return c->slots[c->heap[i]].seq; }
-
 static int ready_push(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
     uint32_t n = h->ready_count;
@@ -118,12 +116,11 @@ static int ready_push(shm_chan *c, uint32_t s) {
     uint32_t i = n;
     while (i > 0) { /* sift up */
         uint32_t parent = (i - 1) / 2;
-        if (!SLOT_OK(c, c->heap[parent])) return SHM_E_CORRUPT;
-        if (heap_key(c, parent) <= key) break;
+        if (c->heap[parent].seq <= key) break;
         c->heap[i] = c->heap[parent];
         i = parent;
     }
-    c->heap[i] = s;
+    c->heap[i] = (shm_ready){.seq = key, .slot = s};
     h->ready_count = n + 1;
     return SHM_OK;
 }
@@ -132,20 +129,20 @@ uint32_t sched_pop_ready(shm_chan *c) {
     shm_header *h = c->hdr;
     uint32_t n = h->ready_count;
     if (n == 0) return NIL;
-    if (n > c->cfg.max_messages || !SLOT_OK(c, c->heap[0]) || !SLOT_OK(c, c->heap[n - 1]))
+    /* Only the entry handed out is checked against the message table here; every slot
+     * index is checked where it is used, and a wrong seq copy can only reorder. */
+    if (n > c->cfg.max_messages || !SLOT_OK(c, c->heap[0].slot)) return UINT32_MAX;
+    uint32_t top = c->heap[0].slot;
+    if (c->slots[top].seq != c->heap[0].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
         return UINT32_MAX;
-    uint32_t top = c->heap[0], last = c->heap[--n];
+    shm_ready last = c->heap[--n];
     h->ready_count = n;
-    uint64_t key = c->slots[last].seq;
     uint32_t i = 0;
     for (;;) { /* sift down */
         uint32_t child = 2 * i + 1;
         if (child >= n) break;
-        if (child + 1 < n && SLOT_OK(c, c->heap[child + 1]) && SLOT_OK(c, c->heap[child]) &&
-            heap_key(c, child + 1) < heap_key(c, child))
-            child++;
-        if (!SLOT_OK(c, c->heap[child])) return UINT32_MAX;
-        if (heap_key(c, child) >= key) break;
+        if (child + 1 < n && c->heap[child + 1].seq < c->heap[child].seq) child++;
+        if (c->heap[child].seq >= last.seq) break;
         c->heap[i] = c->heap[child];
         i = child;
     }
@@ -505,9 +502,10 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     uint32_t ready = 0, listed = c->hdr->ready_count;
     for (uint32_t s = 1; s <= m; s++) ready += SLOT_STATE(c->slots[s].state) == SLOT_READY;
     for (uint32_t i = 0; i < listed && i < m && rc == SHM_OK; i++) {
-        uint32_t s = c->heap[i];
+        uint32_t s = c->heap[i].slot;
         if (!SLOT_OK(c, s) || SLOT_STATE(c->slots[s].state) != SLOT_READY) { rc = SHM_E_CORRUPT; *what = 10; }
-        else if (i > 0 && c->slots[c->heap[(i - 1) / 2]].seq > c->slots[s].seq) { rc = SHM_E_CORRUPT; *what = 12; }
+        else if (c->heap[i].seq != c->slots[s].seq) { rc = SHM_E_CORRUPT; *what = 13; }
+        else if (i > 0 && c->heap[(i - 1) / 2].seq > c->heap[i].seq) { rc = SHM_E_CORRUPT; *what = 12; }
     }
     if (rc == SHM_OK && listed != ready) { rc = SHM_E_CORRUPT; *what = 11; }
     /* every line's nodes belong to live messages, and the line is in seq order */

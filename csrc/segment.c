@@ -55,7 +55,7 @@ static void compute_layout(const shm_config *cfg, layout *L) {
     L->keytab_off = off;
     off = page_up(off + (uint64_t)ks * sizeof(shm_key));
     L->heap_off = off;
-    off = page_up(off + ((uint64_t)cfg->max_messages + 1) * sizeof(uint32_t));
+    off = page_up(off + ((uint64_t)cfg->max_messages + 1) * sizeof(shm_ready));
     L->ring_off = off;
     L->total = off + page_up(cfg->capacity); /* the ring is whole pages: it is mapped twice */
 }
@@ -93,7 +93,7 @@ static void bind(shm_chan *c, const layout *L) {
     c->slots = (shm_slot *)(c->base + L->slots_off);
     c->nodes = (shm_node *)(c->base + L->nodes_off);
     c->keys = (shm_key *)(c->base + L->keytab_off);
-    c->heap = (uint32_t *)(c->base + L->heap_off);
+    c->heap = (shm_ready *)(c->base + L->heap_off);
     c->ring = c->base + L->ring_off;
     c->cap = page_up(c->cfg.capacity);
     c->limit = c->cfg.capacity;

@@ -946,7 +946,11 @@ def _targets(results: list[Result]) -> list[Target]:
     out = []
     peers = [v for v in (med("unbatched_p1", MPQ), med("unbatched_p1", FFIFO)) if v is not None]
     best_peer = max(peers) if peers else None
-    which = "mp.Queue and faster-fifo" if len(peers) == 2 else "mp.Queue (faster-fifo missing)"
+    which = {
+        2: "mp.Queue and faster-fifo",
+        1: "mp.Queue (faster-fifo missing)",
+        0: "mp.Queue and faster-fifo",
+    }[len(peers)]
     out.append(
         Target(
             "64 B unbatched: shmchan / best peer",

@@ -1185,7 +1185,14 @@ def _adopt_handle(name: str, path: str | None, slot: int, gen: int) -> Handle:
 _hot.bind(
     {
         name: _address(ffi.addressof(lib, name))
-        for name in ("shm_send", "shm_recv", "shm_release", "shm_release_many", "shm_unmoved")
+        for name in (
+            "shm_send",
+            "shm_recv",
+            "shm_release",
+            "shm_release_many",
+            "shm_unmoved",
+            "shm_rx_spin",
+        )
     },
     Handle,
     codec.encode_payload,
