@@ -124,7 +124,15 @@ static int parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs
 static int timeout_plain(PyObject *t) {
     if (t == Py_None) return 1;
     if (PyFloat_CheckExact(t)) return PyFloat_AS_DOUBLE(t) >= 0.0;
-    if (PyLong_CheckExact(t)) return Py_SIZE(t) >= 0; /* CPython 3.11: sign of the size */
+    if (PyLong_CheckExact(t)) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        return overflow > 0 || (overflow == 0 && v >= 0);
+    }
     return 0;
 }
 
@@ -143,6 +151,7 @@ typedef struct {
     long pid;             /* the process this attachment belongs to (fork check)   */
     PyObject *detached;   /* list [bool], True once the mapping is gone             */
     sem_t *rx_sem;        /* the receiver's semaphore, posted when a send wakes it  */
+    sem_t *tx_sem;        /* the senders' semaphore (waiting for space)             */
 } SegmentObject;
 
 static PyTypeObject SegmentType;
@@ -158,9 +167,9 @@ static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
     unsigned int max_keys;
     int raw_only;
     PyObject *detached;
-    const char *rx_name;
-    if (!PyArg_ParseTuple(args, "KKKIpO!s", &ptr, &base, &size, &max_keys, &raw_only,
-                          &PyList_Type, &detached, &rx_name))
+    const char *rx_name, *tx_name;
+    if (!PyArg_ParseTuple(args, "KKKIpO!ss", &ptr, &base, &size, &max_keys, &raw_only,
+                          &PyList_Type, &detached, &rx_name, &tx_name))
         return NULL;
     if (core.send == NULL || handle_type == NULL)
         return PyErr_Format(PyExc_RuntimeError, "_shmchan_hot.bind() was not called");
@@ -171,12 +180,48 @@ static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
     self->max_keys = max_keys;
     self->raw_only = (char)raw_only;
     Py_XSETREF(self->detached, Py_NewRef(detached));
-    /* The same named semaphore the Python layer opened (the process shares one mapping
-     * of it); kept here so a send that must wake the receiver posts without Python. */
-    sem_t *sem = sem_open(rx_name, 0);
-    if (sem == SEM_FAILED) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, rx_name);
+    /* The same named semaphores the Python layer opened (the process shares one mapping
+     * of each): a send that must wake the receiver posts without Python, and every wait
+     * goes through Segment_wait. */
+    sem_t *rx = sem_open(rx_name, 0);
+    if (rx == SEM_FAILED) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, rx_name);
+    sem_t *tx = sem_open(tx_name, 0);
+    if (tx == SEM_FAILED) {
+        sem_close(rx);
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, tx_name);
+    }
     if (self->rx_sem) sem_close(self->rx_sem);
-    self->rx_sem = sem;
+    if (self->tx_sem) sem_close(self->tx_sem);
+    self->rx_sem = rx;
+    self->tx_sem = tx;
+    Py_RETURN_NONE;
+}
+
+/* Sleep on a semaphore until it is posted or `deadline` (CLOCK_MONOTONIC seconds)
+ * passes, with the GIL released. A signal ends the wait after its Python handler ran;
+ * if the handler raised, returns -1 with that exception (as PEP 475 has system calls
+ * do). 0 otherwise: the caller re-checks whatever it waits for either way. */
+static int sem_sleep(sem_t *sem, double deadline) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)deadline;
+    ts.tv_nsec = (long)((deadline - (double)ts.tv_sec) * 1e9);
+    int r, err;
+    Py_BEGIN_ALLOW_THREADS
+    r = sem_clockwait(sem, CLOCK_MONOTONIC, &ts);
+    err = errno;
+    Py_END_ALLOW_THREADS
+    if (r < 0 && err == EINTR && PyErr_CheckSignals() < 0) return -1;
+    return 0;
+}
+
+/* wait(which, seconds): which 0 = the receiver's semaphore, 1 = the senders'. */
+static PyObject *Segment_wait(SegmentObject *self, PyObject *args) {
+    int which;
+    double seconds;
+    if (!PyArg_ParseTuple(args, "id", &which, &seconds)) return NULL;
+    sem_t *sem = which ? self->tx_sem : self->rx_sem;
+    if (sem == NULL) return PyErr_Format(PyExc_ValueError, "an unbound segment");
+    if (sem_sleep(sem, monotonic() + (seconds > 0 ? fmin(seconds, 1e6) : 0.0)) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -190,14 +235,18 @@ static int seg_wake_rx(SegmentObject *seg) {
 
 static void Segment_dealloc(SegmentObject *self) {
     if (self->rx_sem) sem_close(self->rx_sem);
+    if (self->tx_sem) sem_close(self->tx_sem);
     Py_CLEAR(self->detached);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyMethodDef Segment_methods[] = {
     {"_bind", (PyCFunction)Segment_bind, METH_VARARGS,
-     "_bind(ptr, base, size, max_keys, raw_only, detached, rx_semaphore_name):\n"
+     "_bind(ptr, base, size, max_keys, raw_only, detached, rx_semaphore, tx_semaphore):\n"
      "what the hot path reads"},
+    {"wait", (PyCFunction)Segment_wait, METH_VARARGS,
+     "wait(which, seconds): sleep on the receiver's (0) or the senders' (1) semaphore\n"
+     "until posted or seconds pass; a signal handler's exception propagates."},
     {NULL},
 };
 
@@ -464,12 +513,16 @@ static void wake_senders(ReceiverObject *self, uint32_t waiters) {
 
 /* One non-blocking poll for up to n messages. Returns a new list (possibly empty) or
  * NULL with an exception. Only messages the core handed out become Handles. */
-static PyObject *poll_fast(ReceiverObject *self, uint32_t n) {
+static PyObject *poll_fast(ReceiverObject *self, uint32_t n, int arm, int *rc) {
     SegmentObject *seg = self->seg;
     if (ensure_msgs(self, n) < 0) return NULL;
     uint32_t got = 0, waiters = 0;
     shm_stall stall;
-    core.recv(seg->c, self->msgs, n, &got, 0, &stall, &waiters);
+    *rc = core.recv(seg->c, self->msgs, n, &got, arm, &stall, &waiters);
+    if (got == 0) {
+        if (waiters) wake_senders(self, waiters);
+        return PyList_New(0);
+    }
     PyObject *out = PyList_New(got);
     if (out == NULL) return NULL;
     for (uint32_t i = 0; i < got; i++) {
@@ -498,14 +551,15 @@ static PyObject *poll_one(ReceiverObject *self, int arm, int *rc) {
     return h;
 }
 
-/* recv's wait for the plain case, so that an idle receiver wakes straight into C: the
+/* recv's (and recv_many's) wait for the plain case, so that an idle receiver wakes straight into C: the
  * channel is empty (SHM_EMPTY), and neither maintenance nor the deadline is due. Same
  * protocol as Receiver._poll: spin a little, arm the eventcount (shm_recv with
  * arm_sleep re-checks after announcing the sleep), then sleep on the semaphore with
  * the GIL released, until a post, the deadline or the next maintenance.
- * Returns a new Handle; or NULL with an exception (a signal handler raised); or NULL
- * without one when Receiver._poll must take over (any other status, or time is up). */
-static PyObject *wait_one(ReceiverObject *self, double deadline) {
+ * Returns a new Handle (n == 1) or a non-empty list of them; or NULL with an exception
+ * (a signal handler raised); or NULL without one when Receiver._poll must take over
+ * (any other status, or time is up). */
+static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     SegmentObject *seg = self->seg;
     double spin_until = monotonic() + SPIN_SECONDS;
     int arm = 0, rc;
@@ -513,7 +567,13 @@ static PyObject *wait_one(ReceiverObject *self, double deadline) {
         double now = monotonic();
         if (seg->rx_sem == NULL || now >= self->next_maintenance || now >= deadline)
             return NULL;
-        PyObject *h = poll_one(self, arm, &rc);
+        PyObject *h;
+        if (n == 1) {
+            h = poll_one(self, arm, &rc);
+        } else {
+            h = poll_fast(self, n, arm, &rc);
+            if (h != NULL && PyList_GET_SIZE(h) == 0) Py_CLEAR(h);
+        }
         if (h != NULL || PyErr_Occurred()) return h;
         if (rc != SHM_EMPTY) return NULL; /* stalled, closed or an error */
         if (!arm) {
@@ -521,16 +581,7 @@ static PyObject *wait_one(ReceiverObject *self, double deadline) {
             else arm = 1; /* poll once more with the sleep announced */
             continue;
         }
-        double until = fmin(deadline, self->next_maintenance);
-        struct timespec ts;
-        ts.tv_sec = (time_t)until;
-        ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
-        int r, err;
-        Py_BEGIN_ALLOW_THREADS
-        r = sem_clockwait(seg->rx_sem, CLOCK_MONOTONIC, &ts);
-        err = errno;
-        Py_END_ALLOW_THREADS
-        if (r < 0 && err == EINTR && PyErr_CheckSignals() < 0) return NULL; /* as PEP 475 */
+        if (sem_sleep(seg->rx_sem, fmin(deadline, self->next_maintenance)) < 0) return NULL;
     }
 }
 
@@ -553,14 +604,14 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
             if (t == -1.0 && PyErr_Occurred()) return NULL;
             if (t > 0) {
                 double deadline = monotonic() + t;
-                h = wait_one(self, deadline);
+                h = wait_for(self, 1, deadline);
                 if (h != NULL || PyErr_Occurred()) return h;
                 /* the slow path gets what is left of the timeout */
                 return PyObject_CallMethod((PyObject *)self, "_recv_slow", "d",
                                            fmax(0.0, deadline - monotonic()));
             }
         } else if (rc == SHM_EMPTY) {
-            h = wait_one(self, INFINITY);
+            h = wait_for(self, 1, INFINITY);
             if (h != NULL || PyErr_Occurred()) return h;
         }
     }
@@ -575,15 +626,29 @@ static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
     if (a[0] == NULL) a[0] = PyLong_FromLong(256);
     else Py_INCREF(a[0]);
     if (a[0] == NULL) return NULL;
-    PyObject *res = NULL;
+    PyObject *res = NULL, *timeout = a[1];
     long n = PyLong_CheckExact(a[0]) ? PyLong_AsLong(a[0]) : -1;
     if (n == -1 && PyErr_Occurred()) PyErr_Clear(); /* huge: the slow path says why */
-    if (n >= 1 && timeout_plain(a[1]) && fast_ok(self)) {
-        res = poll_fast(self, n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n);
+    if (n >= 1 && timeout_plain(timeout) && fast_ok(self)) {
+        uint32_t want = n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n;
+        int rc;
+        res = poll_fast(self, want, 0, &rc);
         if (res == NULL || PyList_GET_SIZE(res)) goto out;
         Py_CLEAR(res);
+        double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred()) goto out;
+        if (rc == SHM_EMPTY && t > 0) {
+            double deadline = monotonic() + t;
+            res = wait_for(self, want, deadline);
+            if (res != NULL || PyErr_Occurred()) goto out;
+            if (timeout != Py_None) { /* the slow path gets what is left of the timeout */
+                res = PyObject_CallMethod((PyObject *)self, "_recv_many_slow", "Od", a[0],
+                                          fmax(0.0, deadline - monotonic()));
+                goto out;
+            }
+        }
     }
-    res = PyObject_CallMethodObjArgs((PyObject *)self, s_recv_many_slow, a[0], a[1], NULL);
+    res = PyObject_CallMethodObjArgs((PyObject *)self, s_recv_many_slow, a[0], timeout, NULL);
 out:
     Py_DECREF(a[0]);
     return res;

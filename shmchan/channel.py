@@ -81,16 +81,6 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
-def _sem_wait(sem: posix_ipc.Semaphore, seconds: float) -> None:
-    """Wait for a post, at most `seconds`. Callers loop and re-check, so a timeout and a
-    wait cut short by a signal (whose Python handler has run) are both just a return --
-    as PEP 475 retries system calls; a handler that raises propagates."""
-    try:
-        sem.acquire(max(seconds, 0.0))
-    except (posix_ipc.BusyError, posix_ipc.SignalError):
-        pass
-
-
 def _post(sem: posix_ipc.Semaphore, times: int = 1) -> None:
     for _ in range(min(times, 64)):
         sem.release()
@@ -137,7 +127,14 @@ class _Segment(_hot.SegmentBase):
         base = ffi.gc(lib.shm_base(ptr), _detach, size=size)
         self.mem = memoryview(ffi.buffer(base, size)).toreadonly()
         self._bind(
-            _address(ptr), _address(base), size, self.max_keys, self.raw_only, detached, rx_sem.name
+            _address(ptr),
+            _address(base),
+            size,
+            self.max_keys,
+            self.raw_only,
+            detached,
+            rx_sem.name,
+            tx_sem.name,
         )
         self.pid = os.getpid()
         self.lock = threading.Lock()
@@ -807,9 +804,10 @@ class Sender(_hot.SenderBase):
                     left = _remaining(deadline)
                     if left is not None and left <= 0:
                         raise errors.Full(f"{what}: channel {seg.name!r} stayed full")
-                    _sem_wait(
-                        seg.tx_sem, min(_MAINTENANCE_SECONDS, left if left is not None else 1e9)
-                    )
+                    # Callers loop and re-check: a post, a timeout and a signal whose
+                    # handler returned are all just a return (a handler that raises
+                    # propagates).
+                    seg.wait(1, min(_MAINTENANCE_SECONDS, left if left is not None else 1e9))
                 elif rc == lib.SHM_STALLED:
                     now = time.monotonic()
                     if stalled_since is None:
@@ -950,7 +948,7 @@ class Receiver(_hot.ReceiverBase):
                 arm = 1
                 continue  # poll once more with the sleep flag armed
             wait = _MAINTENANCE_SECONDS if rc == lib.SHM_EMPTY else 0.002
-            _sem_wait(seg.rx_sem, wait if left is None else min(wait, left))
+            seg.wait(0, wait if left is None else min(wait, left))  # as in _wait_and_retry
 
     def _recv_slow(self, timeout: float | None) -> Handle:
         return self._poll(self._live(), 1, _deadline(timeout), True)[0]

@@ -14,8 +14,10 @@ class SegmentBase:
         max_keys: int,
         raw_only: bool,
         detached: list[bool],
-        rx_semaphore_name: str,
+        rx_semaphore: str,
+        tx_semaphore: str,
     ) -> None: ...
+    def wait(self, which: int, seconds: float) -> None: ...
 
 class HandleBase:
     @property
