@@ -64,8 +64,10 @@ static int finished(shm_chan *c, uint64_t pos) {
     return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED;
 }
 
-/* One try at the pinned block at head; *looked counts the records it visited. */
-static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *looked) {
+/* One try at the pinned block at head; *looked counts the records it visited, and
+ * *watch is the record that ended the look (whose finishing may change the answer). */
+static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *looked,
+                       uint64_t *watch) {
     /* the pinned block [head, head + block) */
     uint32_t slots[COMPACT_MAX_RECORDS];
     uint64_t lens[COMPACT_MAX_RECORDS];
@@ -73,12 +75,14 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
     uint32_t n = 0;
     while (pos < stop && n < COMPACT_MAX_RECORDS && !finished(c, pos)) {
         (*looked)++;
+        *watch = pos;
         uint64_t len = rec_len(c, pos);
         if (!len || !movable(c, pos, len, &slots[n])) return 0;
         lens[n++] = len;
         pos += len;
         block += len;
     }
+    *watch = pos;
     if (n == 0 || pos >= stop) return 0;
     /* the gap after it, [head + block, end) */
     uint64_t gap = 0, end = pos;
@@ -89,6 +93,7 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
         end += len;
         gap += len;
     }
+    *watch = end;
     /* The gap keeps its own header while the copies sit at its end: room for both. */
     if (gap < block + REC_HDR) return 0;
 
@@ -138,13 +143,17 @@ int compact(shm_chan *c) {
     /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
     if (tail - head <= c->limit / 2) return 0;
-    /* After a failed try, wait for some records to finish first: a gap is made of
-     * finished records, and without this a long unfinished backlog would be walked on
-     * every poll. The wait is a quarter of what the failed try looked at, so the walk
-     * costs at most a few record visits per record finished. */
-    if (c->done_count < c->compact_retry_at) return 0;
+    /* After a failed try, wait before the next: without this a long unfinished backlog
+     * would be walked on every poll. Try again once the record that ended the look
+     * finishes (the gap may now be long enough: ring_mark_done watches for it), or
+     * else after a quarter as many records finished as the try looked at -- a few
+     * record visits per record finished. */
+    if (c->done_count < c->compact_retry_at && !c->compact_watch_hit) return 0;
     uint32_t looked = 0;
-    if (try_compact(c, head, stop, &looked)) return 1;
+    uint64_t watch = head;
+    if (try_compact(c, head, stop, &looked, &watch)) return 1;
     c->compact_retry_at = c->done_count + 1 + looked / 4;
+    c->compact_watch_end = watch;
+    c->compact_watch_hit = 0;
     return 0;
 }

@@ -274,6 +274,8 @@ struct shm_chan {
     int skip_filling;     /* refilling a low window with records that will wait        */
     uint64_t done_count;  /* records this receiver marked done                         */
     uint64_t compact_retry_at; /* done_count a failed compaction waits for (compact.c) */
+    uint64_t compact_watch_end; /* ... or for the record here to finish              */
+    int compact_watch_hit;
     pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
 };
 

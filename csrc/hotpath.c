@@ -162,6 +162,20 @@ static int seg_detached(SegmentObject *s) {
            PyList_GET_ITEM(d, 0) != Py_False;
 }
 
+#define WAKE_RX_BIT (1 << 8) /* shm_release's wake-up requests (csrc/handles.c) */
+#define WAKE_TX_SHIFT 9
+
+/* Post n times (at most 64: each sleeper needs one, and more are only spurious). */
+static void post_n(sem_t *sem, unsigned n) {
+    for (unsigned i = 0; sem != NULL && i < n && i < 64; i++) sem_post(sem);
+}
+
+/* Post what a release asked for: bit 8 the receiver, bits 9.. that many senders. */
+static void post_wakeups(SegmentObject *seg, int r) {
+    if (r & WAKE_RX_BIT) post_n(seg->rx_sem, 1);
+    post_n(seg->tx_sem, (unsigned)r >> WAKE_TX_SHIFT);
+}
+
 static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
     unsigned long long ptr, base, size;
     unsigned int max_keys;
@@ -323,39 +337,39 @@ static PyObject *make_handle(SegmentObject *seg, const shm_msg *m) {
     return (PyObject *)h;
 }
 
+/* The release of handle h in the core, once; no Python, so it may run in a deallocator.
+ * Returns the core's status (SHM_OK, SHM_STALE or an error), its wake-ups posted. */
+static int release_core(HandleObject *h, int nack) {
+    h->done = 1;
+    SegmentObject *seg = h->seg;
+    if (seg == NULL || seg_detached(seg)) return SHM_STALE; /* the mapping went first */
+    int r = core.release(seg->c, h->slot, h->gen, nack);
+    if (r <= 0) return r;
+    post_wakeups(seg, r);
+    return r & 0xFF;
+}
+
 /* Release (nack = 0) or give back (nack = 1) once. Returns a new bool reference (True if
  * this call released a current handle) or NULL with an exception set. */
 static PyObject *handle_finish(HandleObject *h, int nack) {
     if (h->done) Py_RETURN_FALSE;
-    h->done = 1;
-    SegmentObject *seg = h->seg;
-    if (seg == NULL || seg_detached(seg)) Py_RETURN_FALSE; /* the mapping went first */
-    int r = core.release(seg->c, h->slot, h->gen, nack);
+    int r = release_core(h, nack);
     if (r == SHM_OK) Py_RETURN_TRUE;
-    /* wake-ups to post, a stale handle or an error: Handle._released decides */
-    PyObject *code = PyLong_FromLong(r);
+    if (r > 0) Py_RETURN_FALSE; /* stale: released, redelivered or revoked meanwhile */
+    PyObject *code = PyLong_FromLong(r); /* an error: Handle._released raises it */
     if (code == NULL) return NULL;
     PyObject *res = PyObject_CallMethodOneArg((PyObject *)h, s_released, code);
     Py_DECREF(code);
     return res;
 }
 
-static void Handle_finalize(PyObject *self) {
-    HandleObject *h = (HandleObject *)self;
-    if (h->done || h->seg == NULL || h->pid != h->seg->pid) return;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *res = handle_finish(h, 0);
-    if (res == NULL)
-        PyErr_Clear(); /* as a __del__ would: nothing can be raised to anyone here */
-    Py_XDECREF(res);
-    PyErr_Restore(type, value, tb);
-}
-
 static void Handle_dealloc(PyObject *self) {
     HandleObject *h = (HandleObject *)self;
-    /* Subclass instances were finalized by subtype_dealloc already (done is set). */
-    if (!h->done && PyObject_CallFinalizerFromDealloc(self) < 0) return; /* resurrected */
+    /* Collected while held, in the process that holds it: release it. Nothing here runs
+     * Python code (so no finalizer and no resurrection), and there is nobody to tell
+     * about an error. A handle pickled away has pid -1; one inherited by a forked child
+     * has the parent's pid, not the child's segment pid. */
+    if (!h->done && h->seg != NULL && h->pid == h->seg->pid) (void)release_core(h, 0);
     Py_CLEAR(h->seg);
     Py_CLEAR(h->keys);
     Py_CLEAR(h->payload);
@@ -451,7 +465,6 @@ static PyTypeObject HandleType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "A message on loan (the per-message half of shmchan.Handle).",
     .tp_dealloc = Handle_dealloc,
-    .tp_finalize = Handle_finalize,
     .tp_methods = Handle_methods,
     .tp_members = Handle_members,
     .tp_getset = Handle_getset,
@@ -503,12 +516,9 @@ static int ensure_msgs(ReceiverObject *r, uint32_t n) {
     return 0;
 }
 
-/* Senders wait for the space a poll freed. The handles are out already, so a failure
- * to post must not lose them: report it and go on. */
+/* Senders wait for the space a poll freed. */
 static void wake_senders(ReceiverObject *self, uint32_t waiters) {
-    PyObject *res = PyObject_CallMethod((PyObject *)self, "_wake_senders", "I", waiters);
-    if (res == NULL) PyErr_WriteUnraisable((PyObject *)self);
-    Py_XDECREF(res);
+    post_n(self->seg->tx_sem, waiters);
 }
 
 /* One non-blocking poll for up to n messages. Returns a new list (possibly empty) or
@@ -585,8 +595,13 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     }
 }
 
+/* Is the one-poll fast path allowed: open, and maintenance not due? The coarse clock
+ * (a few ms behind, no TSC read) is precise enough for a deadline 0.1 s away. */
 static int fast_ok(ReceiverObject *self) {
-    return self->seg != NULL && monotonic() < self->next_maintenance;
+    if (self->seg == NULL) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9 < self->next_maintenance;
 }
 
 static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -696,8 +711,10 @@ static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) 
         PyMem_Free(gens);
     }
     Py_DECREF(seq);
-    if (rc == SHM_OK && wake == 0) Py_RETURN_NONE;
-    return PyObject_CallMethod((PyObject *)self, "_released_many", "ii", rc, wake);
+    if (wake & 1) post_n(self->seg->rx_sem, 1);
+    post_n(self->seg->tx_sem, (unsigned)wake >> 1);
+    if (rc >= 0) Py_RETURN_NONE;
+    return PyObject_CallMethod((PyObject *)self, "_released_many", "ii", rc, 0);
 }
 
 static void Receiver_dealloc(ReceiverObject *self) {

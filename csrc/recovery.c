@@ -286,9 +286,11 @@ int recovery_rebuild(shm_chan *c) {
         h->held_keys += sl->nkeys;
     }
 
-    /* 4. everything else in the ring is taken in again */
+    /* 4. everything else in the ring is taken in again -- or, once the window is full,
+     * counted as skipped (window.c), so that the scan still goes over every record: a
+     * kept message further on (taken in out of order before) must not look new. */
     qsort(kept, nkept, sizeof *kept, by_pos);
-    uint64_t pos = h->head;
+    uint64_t pos = h->head, first_skipped = UINT64_MAX;
     uint32_t k = 0;
     shm_stall stall;
     for (uint64_t guard = 0; rc == SHM_OK && guard <= c->cap / REC_HDR; guard++) {
@@ -318,15 +320,23 @@ int recovery_rebuild(shm_chan *c) {
         int stale = rs >= 1 && rs <= m && c->slots[rs].seq == r->seq && c->slots[rs].pos != pos &&
                     SLOT_STATE(c->slots[rs].state) != SLOT_FREE;
         if (!stale && !(k < nkept && kept[k].pos == pos)) {
-            if (!sched_has_room(c, r->nkeys)) break;
-            uint32_t s;
-            rc = sched_take_in(c, r, pos, &s);
-            if (rc) break;
-            if (pos < old_ingest) h->ingested--; /* counted when it was first taken in */
+            if (first_skipped == UINT64_MAX && !sched_has_room(c, r->nkeys)) first_skipped = pos;
+            if (first_skipped != UINT64_MAX) {
+                rc = sched_skip_count(c, r, +1);
+                if (rc) break;
+                r->slot = NIL;
+                h->skipped++;
+            } else {
+                uint32_t s;
+                rc = sched_take_in(c, r, pos, &s);
+                if (rc) break;
+                if (pos < old_ingest) h->ingested--; /* counted when it was first taken in */
+            }
         }
         pos += len;
     }
-    h->ingest_pos = h->scan_pos = pos;
+    h->scan_pos = pos;
+    h->ingest_pos = first_skipped == UINT64_MAX ? pos : first_skipped;
     free(kept);
     if (rc) return rc;
     /* Records from here on are looked at afresh (window.c): none is taken in. */

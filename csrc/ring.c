@@ -370,6 +370,7 @@ int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
 /* The consumer is done with the record at pos: head may pass it. */
 void ring_mark_done(shm_chan *c, uint64_t pos) {
     c->done_count++;
+    if (pos == c->compact_watch_end) c->compact_watch_hit = 1; /* compact.c may try again */
     if (pos >= c->hdr->ingest_pos) c->skip_epoch++; /* taken in out of order: the prefix may move */
     shm_record *r = rec_at(c, pos);
     uint64_t meta = LOAD_RELAXED(&r->meta);

@@ -44,8 +44,6 @@ _MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least
 _STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
 _SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
 _HOLDER_REVOKED = 1  # csrc/core.h HOLDER_REVOKED
-_WAKE_RX = 1 << 8  # shm_release's wake-up bits (csrc/handles.c)
-_WAKE_TX_SHIFT = 9
 _ORDERS = {"fifo": lib.SHM_ORDER_FIFO, "eager": lib.SHM_ORDER_EAGER}
 _SERIALIZERS = ("pickle", "raw")
 
@@ -979,18 +977,8 @@ class Receiver(_hot.ReceiverBase):
             h._finish(0)
 
     def _released_many(self, rc: int, wake: int) -> None:
-        seg = self._live()
-        if wake & 1:
-            seg.wake_rx()
-        if wake >> 1:
-            _post(seg.tx_sem, wake >> 1)
-        if rc < 0:
-            raise_for(rc, "release_many")
-
-    def _wake_senders(self, n: int) -> None:
-        seg = self._seg
-        if seg is not None:
-            _post(seg.tx_sem, n)
+        """A release_many whose core call failed with status rc (C calls this)."""
+        raise_for(rc, "release_many")
 
     def __iter__(self) -> Iterator[Handle]:
         while True:
@@ -1120,16 +1108,8 @@ class Handle(_hot.HandleBase):
         return keys
 
     def _released(self, r: int) -> bool:
-        """The rest of a release whose core call asked for more than nothing (C calls
-        this): raise its error, or post the wake-ups it requests."""
-        if r < 0:
-            raise_for(r, "release")
-        seg = self._seg
-        if r & _WAKE_RX:
-            seg.wake_rx()
-        if r >> _WAKE_TX_SHIFT:
-            _post(seg.tx_sem, r >> _WAKE_TX_SHIFT)
-        return bool((r & 0xFF) == lib.SHM_OK)
+        """A release whose core call failed with status r (C calls this): raise it."""
+        raise_for(r, "release")
 
     def nack(self) -> None:
         """Give the message back: it is delivered again (attempt + 1) before anything

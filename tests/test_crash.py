@@ -349,6 +349,51 @@ def test_message_comes_back_after_a_receiver_died_halfway_through_revoking_it(ma
         h.release()
 
 
+def consume_two_and_hold(name: str, results) -> None:
+    with shmchan.Channel.open(name) as ch:
+        rx = ch.receiver()
+        got = [rx.recv(timeout=WAIT) for _ in range(2)]  # kept referenced: not released
+        results.put(sorted(h.seq for h in got))
+        time.sleep(WAIT * 4)
+
+
+@pytest.mark.timeout(60)
+def test_rebuild_with_a_full_window_hands_out_each_message_once(make_channel):
+    """A message taken in out of order (past a window full of waiting ones) and handed out
+    must stay one message when a successor rebuilds (recovery.c) and its window fills up
+    before it reaches that record again."""
+    ch = make_channel(max_messages=16)
+    with ch.sender() as tx:
+        hot = [tx.send(b"hot", keys="hot") for _ in range(40)]
+        cold = tx.send(b"cold", keys="cold")
+    results = CTX.Queue()
+    child = CTX.Process(target=consume_two_and_hold, args=(ch.name, results))
+    with running(child):
+        assert results.get(timeout=WAIT) == [hot[0], cold]
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(WAIT)
+    fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDWR)
+    try:  # as if it died inside an update: the next receiver must rebuild
+        os.pwrite(fd, (1).to_bytes(4, "little"), DIRTY_OFFSET)
+    finally:
+        os.close(fd)
+    seen: list[tuple[int, int]] = []
+    with ch.receiver() as rx:
+        while len(seen) < 41:
+            try:
+                h = rx.recv(timeout=3)
+            except shmchan.Empty:
+                break
+            seen.append((h.seq, h.attempt))
+            h.release()
+        with pytest.raises(shmchan.Empty):
+            rx.recv(timeout=0.5)
+    assert sorted(s for s, _ in seen) == sorted([*hot, cold]), "lost or delivered twice"
+    attempts = dict(seen)
+    assert attempts[hot[0]] == attempts[cold] == 2  # the dead holder's, redelivered
+    assert all(attempts[s] == 1 for s in hot[1:])
+
+
 # --- torture ---------------------------------------------------------------------------------
 
 CONSUMER_GENERATIONS = 18
