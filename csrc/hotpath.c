@@ -66,7 +66,7 @@ static PyObject *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_s
     *s_released, *s_payload_slow, *s_wake_rx;
 
 #define MAX_BATCH 65536u   /* messages one recv_many call takes at most */
-#define SPIN_SECONDS 50e-6 /* poll this long before sleeping (as channel._SPIN_SECONDS) */
+#define SPIN_SECONDS 50e-6 /* longest spin before sleeping (as channel._SPIN_SECONDS) */
 #define SPIN_PAUSES 500u   /* CPU pauses per spin round (as channel._SPIN_PAUSES)     */
 #define KEY_BUF 2048u      /* key blob bytes the fast path encodes; longer -> Python */
 
@@ -500,6 +500,7 @@ typedef struct {
     PyObject_HEAD
     SegmentObject *seg;       /* NULL once closed                                  */
     double next_maintenance;  /* time.monotonic() when recv() must run maintain()  */
+    double spin;              /* seconds to spin before sleeping (adaptive, wait_for) */
     shm_msg *msgs;            /* the core's descriptions land here                */
     uint32_t nmsgs;
 } ReceiverObject;
@@ -561,17 +562,23 @@ static PyObject *poll_one(ReceiverObject *self, int arm, int *rc) {
     return h;
 }
 
-/* recv's (and recv_many's) wait for the plain case, so that an idle receiver wakes straight into C: the
- * channel is empty (SHM_EMPTY), and neither maintenance nor the deadline is due. Same
- * protocol as Receiver._poll: spin a little, arm the eventcount (shm_recv with
- * arm_sleep re-checks after announcing the sleep), then sleep on the semaphore with
- * the GIL released, until a post, the deadline or the next maintenance.
+/* recv's (and recv_many's) wait for the plain case, so that an idle receiver wakes
+ * straight into C: the channel is empty (SHM_EMPTY), and neither maintenance nor the
+ * deadline is due. Same protocol as Receiver._poll: spin a little, arm the eventcount
+ * (shm_recv with arm_sleep re-checks after announcing the sleep), then sleep on the
+ * semaphore with the GIL released, until a post, the deadline or the next maintenance.
+ *
+ * The spin adapts, as adaptive mutexes do: it is worth its CPU only when messages come
+ * within it. A spin that runs out halves the next one (down to none); a sleep that is
+ * woken within SPIN_SECONDS restores it. So a busy receiver spins instead of paying a
+ * wake-up per message, and a receiver idle between rare messages sleeps at once --
+ * which also leaves its CPU free for the sender it is waiting for.
  * Returns a new Handle (n == 1) or a non-empty list of them; or NULL with an exception
  * (a signal handler raised); or NULL without one when Receiver._poll must take over
  * (any other status, or time is up). */
 static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     SegmentObject *seg = self->seg;
-    double spin_until = monotonic() + SPIN_SECONDS;
+    double spin_until = monotonic() + self->spin;
     int arm = 0, rc;
     for (;;) {
         double now = monotonic();
@@ -587,11 +594,16 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
         if (h != NULL || PyErr_Occurred()) return h;
         if (rc != SHM_EMPTY) return NULL; /* stalled, closed or an error */
         if (!arm) {
-            if (now < spin_until) core.rx_spin(seg->c, SPIN_PAUSES);
-            else arm = 1; /* poll once more with the sleep announced */
+            if (now < spin_until) {
+                core.rx_spin(seg->c, SPIN_PAUSES);
+            } else {
+                self->spin = self->spin < 2e-6 ? 0.0 : self->spin / 2; /* it did not pay */
+                arm = 1; /* poll once more with the sleep announced */
+            }
             continue;
         }
         if (sem_sleep(seg->rx_sem, fmin(deadline, self->next_maintenance)) < 0) return NULL;
+        if (monotonic() - now < SPIN_SECONDS) self->spin = SPIN_SECONDS; /* woken soon */
     }
 }
 
