@@ -47,6 +47,9 @@ typedef int (*release_fn)(shm_chan *, uint32_t, uint32_t, int);
 typedef int (*release_many_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t, int *);
 typedef int (*unmoved_fn)(shm_chan *, uint32_t, uint64_t, uint64_t);
 typedef int (*rx_spin_fn)(shm_chan *, uint32_t);
+typedef int (*send_many_fn)(shm_chan *, uint32_t, const uint32_t *, const char *, uint64_t,
+                            const uint64_t *, const char *, uint64_t, const uint32_t *,
+                            const uint32_t *, uint64_t *, uint32_t *, shm_stall *, int *);
 
 static struct {
     send_fn send;
@@ -55,6 +58,7 @@ static struct {
     release_many_fn release_many;
     unmoved_fn unmoved;
     rx_spin_fn rx_spin;
+    send_many_fn send_many;
 } core;
 
 static PyTypeObject *handle_type;   /* shmchan.Handle (a subclass of HandleBase)      */
@@ -984,42 +988,127 @@ static int pack_keys(SegmentObject *seg, PyObject *keys, keyblob *kb, gbuf *blob
     return gbuf_put(nkeys, &n, sizeof n);
 }
 
-/* _pack(items) -> (n, kinds, data, lens, keys, key_lens, nkeys): the arrays
- * shm_send_many takes, as bytes (uint32 / uint64 native-endian elements). */
-static PyObject *Sender_pack(SenderObject *self, PyObject *items) {
-    SegmentObject *seg = self->seg;
-    if (seg == NULL) return PyErr_Format(PyExc_RuntimeError, "sender is not bound");
-    PyObject *seq = PySequence_Fast(items, "send_many() takes an iterable of (payload, keys)");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    gbuf kinds = {0}, data = {0}, lens = {0}, blob = {0}, klens = {0}, nkeys = {0};
+/* A send_many batch packed as shm_send_many takes it: per message a kind (uint32), a
+ * payload length (uint64), a key blob length and a key count (uint32 each), and the
+ * payloads and key blobs back to back. */
+typedef struct {
+    Py_ssize_t n;
+    gbuf kinds, data, lens, blob, klens, nkeys;
+} packed;
+
+static void packed_free(packed *p) {
+    PyMem_Free(p->kinds.p);
+    PyMem_Free(p->data.p);
+    PyMem_Free(p->lens.p);
+    PyMem_Free(p->blob.p);
+    PyMem_Free(p->klens.p);
+    PyMem_Free(p->nkeys.p);
+}
+
+/* Pack `items`; 0 on success, -1 with an exception (the buffers are freed either way by
+ * packed_free). Works on a tuple copy: encoding may run Python code (pickling), which
+ * must not be able to change the sequence under us. */
+static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
+    memset(p, 0, sizeof *p);
+    PyObject *tup = PySequence_Tuple(items);
+    if (tup == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "send_many() takes an iterable of (payload, keys)");
+        }
+        return -1;
+    }
     keyblob kb;
-    PyObject *res = NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        PyObject *pair = PySequence_Fast(item, "");
+    int rc = 0;
+    p->n = PyTuple_GET_SIZE(tup);
+    for (Py_ssize_t i = 0; i < p->n && rc == 0; i++) {
+        PyObject *pair = PySequence_Fast(PyTuple_GET_ITEM(tup, i), "");
         if (pair == NULL || PySequence_Fast_GET_SIZE(pair) != 2) {
             Py_XDECREF(pair);
             PyErr_Format(PyExc_TypeError,
                          "send_many items must be (payload, keys) pairs; item %zd is not", i);
-            goto done;
+            rc = -1;
+            break;
         }
-        int rc = pack_payload(seg, PySequence_Fast_GET_ITEM(pair, 0), &kinds, &data, &lens);
+        rc = pack_payload(seg, PySequence_Fast_GET_ITEM(pair, 0), &p->kinds, &p->data, &p->lens);
         if (rc == 0)
-            rc = pack_keys(seg, PySequence_Fast_GET_ITEM(pair, 1), &kb, &blob, &klens, &nkeys);
+            rc = pack_keys(seg, PySequence_Fast_GET_ITEM(pair, 1), &kb, &p->blob, &p->klens,
+                           &p->nkeys);
         Py_DECREF(pair);
-        if (rc < 0) goto done;
     }
-    res = Py_BuildValue("nNNNNNN", n, gbuf_bytes(&kinds), gbuf_bytes(&data), gbuf_bytes(&lens),
-                        gbuf_bytes(&blob), gbuf_bytes(&klens), gbuf_bytes(&nkeys));
-done:
-    PyMem_Free(kinds.p);
-    PyMem_Free(data.p);
-    PyMem_Free(lens.p);
-    PyMem_Free(blob.p);
-    PyMem_Free(klens.p);
-    PyMem_Free(nkeys.p);
-    Py_DECREF(seq);
+    Py_DECREF(tup);
+    return rc;
+}
+
+/* (n, kinds, data, lens, keys, key_lens, nkeys) as bytes, for the Python side. */
+static PyObject *packed_tuple(packed *p) {
+    return Py_BuildValue("nNNNNNN", p->n, gbuf_bytes(&p->kinds), gbuf_bytes(&p->data),
+                         gbuf_bytes(&p->lens), gbuf_bytes(&p->blob), gbuf_bytes(&p->klens),
+                         gbuf_bytes(&p->nkeys));
+}
+
+/* _pack(items) -> (n, kinds, data, lens, keys, key_lens, nkeys) */
+static PyObject *Sender_pack(SenderObject *self, PyObject *items) {
+    SegmentObject *seg = self->seg;
+    if (seg == NULL) return PyErr_Format(PyExc_RuntimeError, "sender is not bound");
+    packed p;
+    PyObject *res = pack_items(seg, items, &p) == 0 ? packed_tuple(&p) : NULL;
+    packed_free(&p);
+    return res;
+}
+
+/* send_many(items, timeout=None): pack and send with one C call each; a batch the
+ * channel cannot take whole right now goes on in Sender._send_packed (which waits), from
+ * where this call stopped. */
+static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames) {
+    static const char *const names[] = {"items", "timeout"};
+    PyObject *a[2] = {NULL, Py_None};
+    if (parse_args("send_many", args, nargs, kwnames, names, 1, 2, a) < 0) return NULL;
+    SegmentObject *seg = self->seg;
+    if (!(seg && !seg->closed && seg->registered && timeout_plain(a[1])))
+        return PyObject_CallMethod((PyObject *)self, "_send_many_slow", "OO", a[0], a[1]);
+    packed p;
+    if (pack_items(seg, a[0], &p) < 0) {
+        packed_free(&p);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    if (p.n == 0) {
+        res = PyList_New(0);
+        goto out;
+    }
+    if ((size_t)p.n > UINT32_MAX) {
+        res = PyErr_Format(PyExc_ValueError, "send_many: too many items in one batch");
+        goto out;
+    }
+    PyObject *seqs = PyByteArray_FromStringAndSize(NULL, p.n * (Py_ssize_t)sizeof(uint64_t));
+    if (seqs == NULL) goto out;
+    uint64_t *sq = (uint64_t *)PyByteArray_AS_STRING(seqs);
+    uint32_t done = 0;
+    shm_stall stall;
+    int wake = 0;
+    int rc = core.send_many(seg->c, (uint32_t)p.n, (const uint32_t *)p.kinds.p, p.data.p,
+                            p.data.len, (const uint64_t *)p.lens.p, p.blob.p, p.blob.len,
+                            (const uint32_t *)p.klens.p, (const uint32_t *)p.nkeys.p, sq,
+                            &done, &stall, &wake);
+    if (wake) post_n(seg->rx_sem, 1); /* the receiver sleeps */
+    if (rc == SHM_OK) {
+        res = PyList_New(p.n);
+        for (Py_ssize_t i = 0; res != NULL && i < p.n; i++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(sq[i]);
+            if (v == NULL) Py_CLEAR(res);
+            else PyList_SET_ITEM(res, i, v);
+        }
+    } else { /* full, stalled or an error: the first `done` went; Python goes on */
+        PyObject *pk = packed_tuple(&p);
+        if (pk != NULL)
+            res = PyObject_CallMethod((PyObject *)self, "_send_packed", "NOIO", pk, seqs, done,
+                                      a[1]);
+    }
+    Py_DECREF(seqs);
+out:
+    packed_free(&p);
     return res;
 }
 
@@ -1040,6 +1129,9 @@ static PyMethodDef Sender_methods[] = {
     {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL | METH_KEYWORDS,
      "send(obj, keys=(), timeout=None) -> int: send one message; returns its sequence\n"
      "number. Blocks while the channel is full; with `timeout`, raises Full when it runs out."},
+    {"send_many", (PyCFunction)(void (*)(void))Sender_send_many, METH_FASTCALL | METH_KEYWORDS,
+     "send_many(items, timeout=None) -> list[int]: send (payload, keys) pairs in order\n"
+     "with one C call per batch; returns their seqs."},
     {"_pack", (PyCFunction)Sender_pack, METH_O,
      "_pack(items): the packed arrays of a send_many batch"},
     {NULL},
@@ -1069,10 +1161,11 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)htype, &HandleType))
         return PyErr_Format(PyExc_TypeError, "handle type must subclass HandleBase");
-    static const char *const fnames[] = {"shm_send",         "shm_recv",    "shm_release",
-                                         "shm_release_many", "shm_unmoved", "shm_rx_spin"};
-    void *fp[6];
-    for (int i = 0; i < 6; i++) {
+    static const char *const fnames[] = {"shm_send",    "shm_recv",    "shm_release",
+                                         "shm_release_many", "shm_unmoved", "shm_rx_spin",
+                                         "shm_send_many"};
+    void *fp[7];
+    for (int i = 0; i < 7; i++) {
         PyObject *v = PyDict_GetItemString(addrs, fnames[i]);
         if (v == NULL) return PyErr_Format(PyExc_KeyError, "no address for %s", fnames[i]);
         fp[i] = PyLong_AsVoidPtr(v);
@@ -1087,6 +1180,7 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     core.release_many = (release_many_fn)fp[3];
     core.unmoved = (unmoved_fn)fp[4];
     core.rx_spin = (rx_spin_fn)fp[5];
+    core.send_many = (send_many_fn)fp[6];
     Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(htype));
     Py_XSETREF(encode_payload_fn, Py_NewRef(encp));
     Py_XSETREF(encode_keys_fn, Py_NewRef(enck));

@@ -730,25 +730,37 @@ class Sender(_hot.SenderBase):
             seg.wake_rx()
         return int(s.seq[0])
 
-    def send_many(
-        self, items: Iterable[tuple[object, Any]], timeout: float | None = None
+    def _send_many_slow(
+        self, items: Iterable[tuple[object, Any]], timeout: float | None
     ) -> list[int]:
-        """Send (payload, keys) pairs in order with one C call per batch; returns their seqs."""
+        """send_many() when its C fast path cannot start (unregistered, closed, odd timeout)."""
+        seg = self._live()
+        _deadline(timeout)  # a bad timeout is refused before anything is sent
+        packed = self._pack(items)
+        if packed[0] == 0:
+            return []
+        if not seg.registered:
+            seg.register_producer()
+        return self._send_packed(packed, bytearray(8 * packed[0]), 0, timeout)
+
+    def _send_packed(
+        self,
+        packed: tuple[int, bytes, bytes, bytes, bytes, bytes, bytes],
+        seqs_buf: bytearray,
+        done_so_far: int,
+        timeout: float | None,
+    ) -> list[int]:
+        """Send a packed batch from message `done_so_far` on, waiting while the channel
+        is full; `seqs_buf` holds the seqs of those already sent (C calls this too)."""
         seg = self._live()
         deadline = _deadline(timeout)
-        # One C call packs the batch (payload and key encoding included) into the
-        # arrays shm_send_many takes; a second sends it.
-        n, kinds, data, lens, keyblob, klens, nkeys = self._pack(items)
-        if n == 0:
-            return []
+        n, kinds, data, lens, keyblob, klens, nkeys = packed
         c_kinds = ffi.from_buffer("uint32_t[]", kinds)
         c_lens = ffi.from_buffer("uint64_t[]", lens)
         c_klens = ffi.from_buffer("uint32_t[]", klens)
         c_nkeys = ffi.from_buffer("uint32_t[]", nkeys)
-        seqs = ffi.new("uint64_t[]", n)
-        done = ffi.new("uint32_t *")
-        if not seg.registered:
-            seg.register_producer()
+        seqs = ffi.from_buffer("uint64_t[]", seqs_buf)
+        done = ffi.new("uint32_t *", done_so_far)
         s = seg.scratch()
 
         def attempt() -> int:
@@ -1170,6 +1182,7 @@ _hot.bind(
             "shm_release_many",
             "shm_unmoved",
             "shm_rx_spin",
+            "shm_send_many",
         )
     },
     Handle,

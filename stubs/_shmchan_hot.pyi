@@ -55,6 +55,9 @@ class ReceiverBase:
 
 class SenderBase:
     def send(self, obj: object, keys: Any = (), timeout: float | None = None) -> int: ...
+    def send_many(
+        self, items: Iterable[tuple[object, Any]], timeout: float | None = None
+    ) -> list[int]: ...
     def _pack(
         self, items: Iterable[tuple[object, Any]]
     ) -> tuple[int, bytes, bytes, bytes, bytes, bytes, bytes]: ...

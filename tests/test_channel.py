@@ -231,6 +231,36 @@ def test_send_many_messages_arrive_in_order_with_their_keys(tx, rx):
     assert (second.seq, second.payload, second.keys) == (seqs[1], b"b", ("k2", "k3"))
 
 
+@pytest.mark.timeout(60)
+def test_send_many_larger_than_the_free_space_waits_and_goes_on_in_order(make_channel):
+    """A batch the channel cannot take whole is sent in part at once, then the rest as
+    the receiver frees space (the C fast path hands over to Sender._send_packed)."""
+    ch = make_channel(capacity=64 << 10)
+    with ch.sender() as tx, ch.receiver() as rx:
+        tx.send(b"registered")  # the fast path needs a registered producer
+        rx.recv(timeout=5).release()
+        items = [(i.to_bytes(4, "little") * 1024, ("k", i % 3)) for i in range(60)]  # 4 KiB
+        result: dict[str, object] = {}
+
+        def send() -> None:
+            try:
+                result["seqs"] = tx.send_many(items, timeout=20)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                result["error"] = exc
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        got = []
+        while len(got) < len(items):
+            h = rx.recv(timeout=10)
+            got.append((h.seq, h.payload))
+            h.release()
+        sender.join(10)
+        assert "seqs" in result, result
+        assert [seq for seq, _ in got] == result["seqs"]
+        assert [payload for _, payload in got] == [payload for payload, _ in items]
+
+
 def test_seq_after_send_many_is_larger(tx):
     seqs = tx.send_many([(b"a", ()), (b"b", ())])
     assert tx.send(b"c") > seqs[-1]
