@@ -146,14 +146,21 @@ int compact(shm_chan *c) {
     /* After a failed try, wait before the next: without this a long unfinished backlog
      * would be walked on every poll. Try again once the record that ended the look
      * finishes (the gap may now be long enough: ring_mark_done watches for it), or
-     * else after a quarter as many records finished as the try looked at -- a few
-     * record visits per record finished. */
-    if (c->done_count < c->compact_retry_at && !c->compact_watch_hit) return 0;
+     * after a quarter as many records finished as the try looked at -- a few record
+     * visits per record finished. */
+    /* A sender waiting for space, or RECHECK_NS passing, also ends the wait: records can
+     * become movable without finishing (a view dropped, a nacked message handed out). */
+    if (c->done_count < c->compact_retry_at && !c->compact_watch_hit &&
+        /* relaxed: only a hint to try now; the senders' seq_cst add in shm_space_wait and
+         * the fence in shm_recv pair for the wake-up itself */
+        !LOAD_RELAXED(&h->space_waiters) && coarse_ns() - c->compact_fail_ns < RECHECK_NS)
+        return 0;
     uint32_t looked = 0;
     uint64_t watch = head;
     if (try_compact(c, head, stop, &looked, &watch)) return 1;
     c->compact_retry_at = c->done_count + 1 + looked / 4;
     c->compact_watch_end = watch;
     c->compact_watch_hit = 0;
+    c->compact_fail_ns = coarse_ns();
     return 0;
 }

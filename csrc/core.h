@@ -34,6 +34,7 @@
 #include <stddef.h>
 #include <string.h>
 #include <pthread.h>
+#include <time.h>
 
 #include "shmchan.h"
 
@@ -267,17 +268,30 @@ struct shm_chan {
     uint32_t producer;  /* registry index + 1 while registered, 0 otherwise          */
     int is_rx;          /* this attachment holds the receiver                         */
     uint64_t cached_head; /* producers: last head seen, refreshed only when short    */
-    /* Receiver-only work avoidance (process-local: a new receiver starts from zero, so
-     * its first polls do the full work):                                               */
+    /* Receiver-only work avoidance, process-local and reset by shm_rx_acquire, so a
+     * receiver's first polls do the full work. Each skip is also bounded in time
+     * (RECHECK_NS): whatever event it failed to foresee, the work is done again soon. */
     uint64_t skip_epoch;  /* changes that may let a skipped record return (window.c)  */
     uint64_t skip_quiet;  /* skip_epoch + 1 when the last return pass found nothing    */
+    uint64_t skip_quiet_ns; /* when it went quiet (coarse monotonic clock)             */
     int skip_filling;     /* refilling a low window with records that will wait        */
     uint64_t done_count;  /* records this receiver marked done                         */
     uint64_t compact_retry_at; /* done_count a failed compaction waits for (compact.c) */
     uint64_t compact_watch_end; /* ... or for the record here to finish              */
+    uint64_t compact_fail_ns;   /* ... or for RECHECK_NS after this failure            */
     int compact_watch_hit;
     pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
 };
+
+/* The longest a receiver skips work it judged useless (window.c, compact.c). */
+#define RECHECK_NS 50000000ull /* 50 ms */
+
+/* A cheap clock for those bounds: no TSC read, a few ms of resolution. */
+static inline uint64_t coarse_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 static inline uint8_t *ring_at(shm_chan *c, uint64_t pos) { return c->ring + (pos % c->cap); }
 static inline shm_record *rec_at(shm_chan *c, uint64_t pos) { return (shm_record *)ring_at(c, pos); }

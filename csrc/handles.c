@@ -52,6 +52,11 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
      * release in shm_rx_release_ownership. */
     if (!CAS_SEQCST(&c->hdr->receiver, &expect, c->token)) return SHM_BUSY;
     c->is_rx = 1;
+    /* Work-avoidance state of an earlier turn as receiver means nothing now (core.h). */
+    c->skip_epoch = c->skip_quiet = c->skip_quiet_ns = 0;
+    c->skip_filling = 0;
+    c->done_count = c->compact_retry_at = c->compact_watch_end = c->compact_fail_ns = 0;
+    c->compact_watch_hit = 0;
     if (LOAD_RELAXED(&c->hdr->dirty)) {
         /* The previous receiver died inside an operation: rebuild (recovery.c). */
         pthread_mutex_lock(&c->rx_mu);

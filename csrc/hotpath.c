@@ -522,47 +522,59 @@ static int ensure_msgs(ReceiverObject *r, uint32_t n) {
 }
 
 /* Senders wait for the space a poll freed. */
-static void wake_senders(ReceiverObject *self, uint32_t waiters) {
-    post_n(self->seg->tx_sem, waiters);
+static void wake_senders(SegmentObject *seg, uint32_t waiters) { post_n(seg->tx_sem, waiters); }
+
+/* The core handed out msgs[from..got) but they cannot become Handles (out of memory):
+ * give them back (as a nack: they are redelivered with attempt + 1) rather than leave
+ * them held by this process, where nothing would ever release them. */
+static void give_back(SegmentObject *seg, const shm_msg *msgs, uint32_t from, uint32_t got) {
+    for (uint32_t i = from; i < got; i++) {
+        int r = core.release(seg->c, (uint32_t)msgs[i].slot, (uint32_t)msgs[i].gen, 1);
+        if (r > 0) post_wakeups(seg, r);
+    }
 }
 
-/* One non-blocking poll for up to n messages. Returns a new list (possibly empty) or
- * NULL with an exception. Only messages the core handed out become Handles. */
-static PyObject *poll_fast(ReceiverObject *self, uint32_t n, int arm, int *rc) {
-    SegmentObject *seg = self->seg;
+/* One non-blocking poll of seg (the receiver's segment, referenced by the caller) for
+ * up to n messages. Returns a new list (possibly empty) or NULL with an exception; on
+ * failure nothing stays handed out. */
+static PyObject *poll_fast(ReceiverObject *self, SegmentObject *seg, uint32_t n, int arm,
+                           int *rc) {
     if (ensure_msgs(self, n) < 0) return NULL;
     uint32_t got = 0, waiters = 0;
     shm_stall stall;
     *rc = core.recv(seg->c, self->msgs, n, &got, arm, &stall, &waiters);
-    if (got == 0) {
-        if (waiters) wake_senders(self, waiters);
-        return PyList_New(0);
-    }
+    if (waiters) wake_senders(seg, waiters);
     PyObject *out = PyList_New(got);
-    if (out == NULL) return NULL;
+    if (out == NULL) {
+        give_back(seg, self->msgs, 0, got);
+        return NULL;
+    }
     for (uint32_t i = 0; i < got; i++) {
         PyObject *h = make_handle(seg, &self->msgs[i]);
         if (h == NULL) {
+            give_back(seg, self->msgs, i, got);
+            for (uint32_t j = 0; j < i; j++) /* made already: nack them too, then drop */
+                release_core((HandleObject *)PyList_GET_ITEM(out, j), 1);
             Py_DECREF(out);
             return NULL;
         }
         PyList_SET_ITEM(out, i, h);
     }
-    if (waiters) wake_senders(self, waiters);
     return out;
 }
 
 /* poll_fast for one message, without the list (a list per call would also feed the
  * cyclic garbage collector's allocation count). Returns a new Handle, or NULL: with
  * an exception set on error, without one if nothing was ready (*rc says why). */
-static PyObject *poll_one(ReceiverObject *self, int arm, int *rc) {
-    SegmentObject *seg = self->seg;
+static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int *rc) {
     if (ensure_msgs(self, 1) < 0) return NULL;
     uint32_t got = 0, waiters = 0;
     shm_stall stall;
     *rc = core.recv(seg->c, self->msgs, 1, &got, arm, &stall, &waiters);
-    PyObject *h = got ? make_handle(seg, &self->msgs[0]) : NULL;
-    if (waiters) wake_senders(self, waiters);
+    if (waiters) wake_senders(seg, waiters);
+    if (!got) return NULL;
+    PyObject *h = make_handle(seg, &self->msgs[0]);
+    if (h == NULL) give_back(seg, self->msgs, 0, 1);
     return h;
 }
 
@@ -570,7 +582,9 @@ static PyObject *poll_one(ReceiverObject *self, int arm, int *rc) {
  * straight into C: the channel is empty (SHM_EMPTY), and neither maintenance nor the
  * deadline is due. Same protocol as Receiver._poll: spin a little, arm the eventcount
  * (shm_recv with arm_sleep re-checks after announcing the sleep), then sleep on the
- * semaphore with the GIL released, until a post, the deadline or the next maintenance.
+ * semaphore, until a post, the deadline or the next maintenance. The GIL is released
+ * while spinning and sleeping; the segment is held by a reference of our own, and if
+ * another thread closed the receiver meanwhile, Receiver._poll takes over (and says so).
  *
  * The spin adapts, as adaptive mutexes do: it is worth its CPU only when messages come
  * within it. A spin that runs out halves the next one (down to none); a sleep that is
@@ -579,36 +593,40 @@ static PyObject *poll_one(ReceiverObject *self, int arm, int *rc) {
  * which also leaves its CPU free for the sender it is waiting for.
  * Returns a new Handle (n == 1) or a non-empty list of them; or NULL with an exception
  * (a signal handler raised); or NULL without one when Receiver._poll must take over
- * (any other status, or time is up). */
+ * (any other status, closed, or time is up). */
 static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     SegmentObject *seg = self->seg;
+    if (seg == NULL || seg->rx_sem == NULL) return NULL;
+    Py_INCREF(seg);
     double spin_until = monotonic() + self->spin;
     int arm = 0, rc;
+    PyObject *h = NULL;
     for (;;) {
         double now = monotonic();
-        if (seg->rx_sem == NULL || now >= self->next_maintenance || now >= deadline)
-            return NULL;
-        PyObject *h;
+        if (self->seg != seg || now >= self->next_maintenance || now >= deadline) break;
         if (n == 1) {
-            h = poll_one(self, arm, &rc);
+            h = poll_one(self, seg, arm, &rc);
         } else {
-            h = poll_fast(self, n, arm, &rc);
+            h = poll_fast(self, seg, n, arm, &rc);
             if (h != NULL && PyList_GET_SIZE(h) == 0) Py_CLEAR(h);
         }
-        if (h != NULL || PyErr_Occurred()) return h;
-        if (rc != SHM_EMPTY) return NULL; /* stalled, closed or an error */
+        if (h != NULL || PyErr_Occurred() || rc != SHM_EMPTY) break; /* else: still empty */
         if (!arm) {
             if (now < spin_until) {
+                Py_BEGIN_ALLOW_THREADS
                 core.rx_spin(seg->c, SPIN_PAUSES);
+                Py_END_ALLOW_THREADS
             } else {
                 self->spin = self->spin < 2e-6 ? 0.0 : self->spin / 2; /* it did not pay */
                 arm = 1; /* poll once more with the sleep announced */
             }
             continue;
         }
-        if (sem_sleep(seg->rx_sem, fmin(deadline, self->next_maintenance)) < 0) return NULL;
+        if (sem_sleep(seg->rx_sem, fmin(deadline, self->next_maintenance)) < 0) break;
         if (monotonic() - now < SPIN_SECONDS) self->spin = SPIN_SECONDS; /* woken soon */
     }
+    Py_DECREF(seg);
+    return h;
 }
 
 /* Is the one-poll fast path allowed: open, and maintenance not due? The coarse clock
@@ -628,7 +646,7 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
     PyObject *timeout = a[0];
     if (timeout_plain(timeout) && fast_ok(self)) {
         int rc;
-        PyObject *h = poll_one(self, 0, &rc);
+        PyObject *h = poll_one(self, self->seg, 0, &rc);
         if (h != NULL || PyErr_Occurred()) return h;
         if (rc == SHM_EMPTY && timeout != Py_None) {
             double t = PyFloat_AsDouble(timeout);
@@ -663,7 +681,7 @@ static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
     if (n >= 1 && timeout_plain(timeout) && fast_ok(self)) {
         uint32_t want = n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n;
         int rc;
-        res = poll_fast(self, want, 0, &rc);
+        res = poll_fast(self, self->seg, want, 0, &rc);
         if (res == NULL || PyList_GET_SIZE(res)) goto out;
         Py_CLEAR(res);
         double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
@@ -699,6 +717,9 @@ static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) 
         Py_DECREF(seq);
         return res;
     }
+    /* Our own reference: dropping seq below may free handles whose payloads run Python
+     * code (__del__), which could close the receiver. */
+    SegmentObject *seg = (SegmentObject *)Py_NewRef(self->seg);
     uint32_t stack_slots[256], stack_gens[256];
     uint32_t *slots = stack_slots, *gens = stack_gens;
     if (n > 256) {
@@ -708,6 +729,7 @@ static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) 
             PyMem_Free(slots == stack_slots ? NULL : slots);
             PyMem_Free(gens == stack_gens ? NULL : gens);
             Py_DECREF(seq);
+            Py_DECREF(seg);
             return PyErr_NoMemory();
         }
     }
@@ -721,14 +743,15 @@ static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) 
         k++;
     }
     int wake = 0, rc = SHM_OK;
-    if (k) rc = core.release_many(self->seg->c, slots, gens, k, &wake);
+    if (k) rc = core.release_many(seg->c, slots, gens, k, &wake);
     if (slots != stack_slots) {
         PyMem_Free(slots);
         PyMem_Free(gens);
     }
+    if (wake & 1) post_n(seg->rx_sem, 1);
+    post_n(seg->tx_sem, (unsigned)wake >> 1);
+    Py_DECREF(seg);
     Py_DECREF(seq);
-    if (wake & 1) post_n(self->seg->rx_sem, 1);
-    post_n(self->seg->tx_sem, (unsigned)wake >> 1);
     if (rc >= 0) Py_RETURN_NONE;
     return PyObject_CallMethod((PyObject *)self, "_released_many", "ii", rc, 0);
 }
@@ -908,9 +931,13 @@ typedef struct {
 } gbuf;
 
 static int gbuf_put(gbuf *b, const void *src, size_t n) {
+    if (n > PY_SSIZE_T_MAX - b->len) {
+        PyErr_SetString(PyExc_OverflowError, "send_many: the batch is too large");
+        return -1;
+    }
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->len + n) cap *= 2;
+        while (cap < b->len + n) cap = cap > PY_SSIZE_T_MAX / 2 ? b->len + n : cap * 2;
         char *p = PyMem_Realloc(b->p, cap);
         if (p == NULL) {
             PyErr_NoMemory();
@@ -1010,6 +1037,7 @@ static void packed_free(packed *p) {
  * must not be able to change the sequence under us. */
 static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
     memset(p, 0, sizeof *p);
+    /* seg is the caller's (referenced) segment; only its fixed fields are read here */
     PyObject *tup = PySequence_Tuple(items);
     if (tup == NULL) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
@@ -1022,18 +1050,20 @@ static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
     int rc = 0;
     p->n = PyTuple_GET_SIZE(tup);
     for (Py_ssize_t i = 0; i < p->n && rc == 0; i++) {
-        PyObject *pair = PySequence_Fast(PyTuple_GET_ITEM(tup, i), "");
-        if (pair == NULL || PySequence_Fast_GET_SIZE(pair) != 2) {
+        PyObject *item = PyTuple_GET_ITEM(tup, i);
+        /* a tuple of its own too (a copy if it is a list), for the same reason */
+        PyObject *pair = PyTuple_CheckExact(item) ? Py_NewRef(item) : PySequence_Tuple(item);
+        if (pair == NULL || PyTuple_GET_SIZE(pair) != 2) {
             Py_XDECREF(pair);
+            PyErr_Clear();
             PyErr_Format(PyExc_TypeError,
                          "send_many items must be (payload, keys) pairs; item %zd is not", i);
             rc = -1;
             break;
         }
-        rc = pack_payload(seg, PySequence_Fast_GET_ITEM(pair, 0), &p->kinds, &p->data, &p->lens);
+        rc = pack_payload(seg, PyTuple_GET_ITEM(pair, 0), &p->kinds, &p->data, &p->lens);
         if (rc == 0)
-            rc = pack_keys(seg, PySequence_Fast_GET_ITEM(pair, 1), &kb, &p->blob, &p->klens,
-                           &p->nkeys);
+            rc = pack_keys(seg, PyTuple_GET_ITEM(pair, 1), &kb, &p->blob, &p->klens, &p->nkeys);
         Py_DECREF(pair);
     }
     Py_DECREF(tup);
@@ -1051,9 +1081,11 @@ static PyObject *packed_tuple(packed *p) {
 static PyObject *Sender_pack(SenderObject *self, PyObject *items) {
     SegmentObject *seg = self->seg;
     if (seg == NULL) return PyErr_Format(PyExc_RuntimeError, "sender is not bound");
+    Py_INCREF(seg); /* packing may run Python code, which may close the sender */
     packed p;
     PyObject *res = pack_items(seg, items, &p) == 0 ? packed_tuple(&p) : NULL;
     packed_free(&p);
+    Py_DECREF(seg);
     return res;
 }
 
@@ -1068,14 +1100,28 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
     SegmentObject *seg = self->seg;
     if (!(seg && !seg->closed && seg->registered && timeout_plain(a[1])))
         return PyObject_CallMethod((PyObject *)self, "_send_many_slow", "OO", a[0], a[1]);
+    Py_INCREF(seg); /* packing may run Python code, which may close the sender */
     packed p;
     if (pack_items(seg, a[0], &p) < 0) {
         packed_free(&p);
+        Py_DECREF(seg);
         return NULL;
     }
     PyObject *res = NULL;
     if (p.n == 0) {
         res = PyList_New(0);
+        goto out;
+    }
+    if (self->seg != seg || seg->closed || !seg->registered) { /* changed while packing */
+        PyObject *pk = packed_tuple(&p);
+        if (pk != NULL) {
+            PyObject *seqs0 = PyByteArray_FromStringAndSize(NULL, p.n * 8);
+            if (seqs0 != NULL)
+                res = PyObject_CallMethod((PyObject *)self, "_send_packed", "NNIO", pk, seqs0, 0u,
+                                          a[1]);
+            else
+                Py_DECREF(pk);
+        }
         goto out;
     }
     if ((size_t)p.n > UINT32_MAX) {
@@ -1109,6 +1155,7 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
     Py_DECREF(seqs);
 out:
     packed_free(&p);
+    Py_DECREF(seg);
     return res;
 }
 

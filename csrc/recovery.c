@@ -320,7 +320,12 @@ int recovery_rebuild(shm_chan *c) {
         int stale = rs >= 1 && rs <= m && c->slots[rs].seq == r->seq && c->slots[rs].pos != pos &&
                     SLOT_STATE(c->slots[rs].state) != SLOT_FREE;
         if (!stale && !(k < nkept && kept[k].pos == pos)) {
-            if (first_skipped == UINT64_MAX && !sched_has_room(c, r->nkeys)) first_skipped = pos;
+            if (first_skipped == UINT64_MAX && !sched_has_room(c, r->nkeys)) {
+                /* eager never leaves records out (window.c): it stops at a full window,
+                 * which is safe there since it only ever takes records in in order */
+                if (c->cfg.order != SHM_ORDER_FIFO) break;
+                first_skipped = pos;
+            }
             if (first_skipped != UINT64_MAX) {
                 rc = sched_skip_count(c, r, +1);
                 if (rc) break;

@@ -208,20 +208,25 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled) {
     int rc = SHM_OK;
     /* A pass that brought nothing back gives the same answer until a line empties, a
      * record taken in out of order finishes, or the window runs low (c->skip_epoch):
-     * until then, skip it. Refilling runs from a quarter of the window to a half, so
-     * each pass of it takes in a whole batch. */
+     * until then, or RECHECK_NS, skip it. Refilling runs from a quarter of the window
+     * to a half, so each pass of it takes in a whole batch. */
     if (h->ingest_pos < h->scan_pos) {
         if (!c->skip_filling && h->window < c->cfg.max_messages / 4) {
             c->skip_filling = 1;
             c->skip_epoch++;
         }
+        if (c->skip_quiet == c->skip_epoch + 1 && coarse_ns() - c->skip_quiet_ns >= RECHECK_NS)
+            c->skip_quiet = 0; /* quiet for long: look again anyway */
         if (c->skip_quiet != c->skip_epoch + 1) {
             uint64_t ingest_before = h->ingest_pos;
             uint32_t took = 0;
             rc = return_skipped(c, &took);
             if (rc) return rc;
             if (h->window >= c->cfg.max_messages / 2) c->skip_filling = 0;
-            if (took == 0 && h->ingest_pos == ingest_before) c->skip_quiet = c->skip_epoch + 1;
+            if (took == 0 && h->ingest_pos == ingest_before) {
+                c->skip_quiet = c->skip_epoch + 1;
+                c->skip_quiet_ns = coarse_ns();
+            }
         }
     }
     for (uint32_t i = 0; i < INGEST_BATCH; i++) {

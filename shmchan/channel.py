@@ -734,13 +734,11 @@ class Sender(_hot.SenderBase):
         self, items: Iterable[tuple[object, Any]], timeout: float | None
     ) -> list[int]:
         """send_many() when its C fast path cannot start (unregistered, closed, odd timeout)."""
-        seg = self._live()
+        self._live()  # closed: Closed at once
         _deadline(timeout)  # a bad timeout is refused before anything is sent
         packed = self._pack(items)
         if packed[0] == 0:
             return []
-        if not seg.registered:
-            seg.register_producer()
         return self._send_packed(packed, bytearray(8 * packed[0]), 0, timeout)
 
     def _send_packed(
@@ -754,6 +752,8 @@ class Sender(_hot.SenderBase):
         is full; `seqs_buf` holds the seqs of those already sent (C calls this too)."""
         seg = self._live()
         deadline = _deadline(timeout)
+        if not seg.registered:
+            seg.register_producer()
         n, kinds, data, lens, keyblob, klens, nkeys = packed
         c_kinds = ffi.from_buffer("uint32_t[]", kinds)
         c_lens = ffi.from_buffer("uint64_t[]", lens)

@@ -394,6 +394,31 @@ def test_rebuild_with_a_full_window_hands_out_each_message_once(make_channel):
     assert all(attempts[s] == 1 for s in hot[1:])
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_rebuild_of_a_full_window_delivers_the_whole_backlog(make_channel, order):
+    """A receiver that rebuilds (the previous one died inside an update) with more
+    messages queued than its window holds still hands every one of them out."""
+    ch = make_channel(max_messages=16, order=order)
+    with ch.sender() as tx:
+        seqs = [tx.send(b"x", keys="hot") for _ in range(40)]
+    fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDWR)
+    try:
+        os.pwrite(fd, (1).to_bytes(4, "little"), DIRTY_OFFSET)
+    finally:
+        os.close(fd)
+    got = []
+    with ch.receiver() as rx:
+        while len(got) < len(seqs):
+            try:
+                h = rx.recv(timeout=3)
+            except shmchan.Empty:
+                break
+            got.append(h.seq)
+            h.release()
+    assert got == seqs
+
+
 # --- torture ---------------------------------------------------------------------------------
 
 CONSUMER_GENERATIONS = 18

@@ -1147,3 +1147,44 @@ def test_every_message_arrives_exactly_once_with_its_payload_and_keys(make_chann
         assert (st.sent, st.delivered, st.released, st.inflight) == (2 * N, 2 * N, 2 * N, 0)
     finally:
         rx.close()
+
+
+# --- found in review: lifetimes across Python code and released GIL ---------------------
+
+
+@pytest.mark.timeout(30)
+def test_recv_blocked_in_c_raises_closed_when_another_thread_closes_the_receiver(ch, rx):
+    """The wait releases the GIL; a close from another thread meanwhile must end it with
+    Closed, not leave it using the receiver's segment (it used to crash)."""
+    out: list[object] = []
+
+    def wait() -> None:
+        try:
+            out.append(rx.recv())
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            out.append(exc)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    time.sleep(0.05)  # asleep in C, GIL released
+    rx.close()
+    ch.shutdown()  # posts the receiver's semaphore: the waiter wakes at once
+    t.join(10)
+    assert not t.is_alive()
+    assert len(out) == 1 and isinstance(out[0], shmchan.Closed), out
+
+
+def test_send_many_survives_a_payload_whose_pickling_empties_its_own_pair(ch, tx, rx):
+    """Packing runs Python code (pickle); it must not read items that code changed."""
+    pair: list[object] = []
+
+    class Emptier:
+        def __reduce__(self):
+            pair.clear()
+            return (int, (1,))
+
+    pair.extend([Emptier(), "k"])
+    (seq,) = tx.send_many([pair])
+    h = rx.recv(timeout=5)
+    assert (h.seq, h.payload, h.keys) == (seq, 1, ("k",))
+    h.release()
