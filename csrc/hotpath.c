@@ -16,9 +16,11 @@
  * (shm_unmoved, csrc/handles.c) says the record did not move meanwhile.
  *
  * Everything off the fast path -- a full channel, a pickled payload, an unusual key,
- * a closed object, a semaphore to post, an error to raise -- is handed to a Python
- * method of the same object (`_send_slow`, `_recv_slow`, `_released`, ...), so each
- * behaviour is decided in one place, shmchan/channel.py.
+ * a closed object, maintenance, an error to raise -- is handed to a Python method of
+ * the same object (`_send_slow`, `_recv_slow`, `_released`, ...), so each behaviour
+ * is decided in one place, shmchan/channel.py. What C does besides calling the core:
+ * post and wait on the channel's two named semaphores (sem_open'ed by name, the same
+ * ones posix_ipc opened), with the GIL released while waiting.
  *
  * The classes here are bases: shmchan.channel subclasses each (Segment, Sender,
  * Receiver, Handle) and adds everything that is not per-message.

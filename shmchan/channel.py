@@ -975,8 +975,9 @@ class Receiver(_hot.ReceiverBase):
         return self._poll(self._live(), min(max_items, 65536), _deadline(timeout), True)
 
     def _release_many_slow(self, handles: list[object]) -> None:
-        """release_many() for lists its C fast path does not take (handles of another
-        attachment of the channel, or not handles at all)."""
+        """release_many() for lists its C fast path does not take: handles of another
+        attachment of the channel, things that are not handles, more than 65536 handles,
+        or a closed receiver (which raises Closed here)."""
         seg = self._live()
         todo = []
         for h in handles:
