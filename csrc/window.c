@@ -37,6 +37,7 @@
 #include "core.h"
 
 #define INGEST_BATCH 256u /* records looked at per poll: bounds one call's work */
+#define READY_AHEAD 256u  /* take new records in while fewer than this are ready */
 #define EVICT_SEARCH 1024u /* how far back past non-waiting messages eviction looks */
 
 #define SLOT_OK(c, s) ((s) >= 1 && (s) <= (c)->cfg.max_messages)
@@ -229,7 +230,13 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled) {
             }
         }
     }
-    for (uint32_t i = 0; i < INGEST_BATCH; i++) {
+    /* New records are taken in only while few messages are ready to go: the receiver
+     * needs lookahead to find messages on free keys, not a copy of the whole backlog in
+     * its tables. With a long backlog on many keys, taking everything in would spread
+     * each release's work (the next message in each line) over megabytes of nodes and
+     * slots; this keeps it in cache. What is not taken in yet is newer than everything
+     * ready, so lowest-seq-first is unchanged. */
+    for (uint32_t i = 0; i < INGEST_BATCH && h->ready_count < READY_AHEAD; i++) {
         uint64_t pos = h->scan_pos, len;
         shm_record *r;
         rc = ring_peek(c, pos, &r, &len, stall);
