@@ -148,12 +148,10 @@ int compact(shm_chan *c) {
      * finishes (the gap may now be long enough: ring_mark_done watches for it), or
      * after a quarter as many records finished as the try looked at -- a few record
      * visits per record finished. */
-    /* A sender waiting for space, or RECHECK_NS passing, also ends the wait: records can
-     * become movable without finishing (a view dropped, a nacked message handed out). */
+    /* RECHECK_NS passing also ends the wait: records can become movable without
+     * finishing (a view dropped, a nacked message handed out). */
     if (c->done_count < c->compact_retry_at && !c->compact_watch_hit &&
-        /* relaxed: only a hint to try now; the senders' seq_cst add in shm_space_wait and
-         * the fence in shm_recv pair for the wake-up itself */
-        !LOAD_RELAXED(&h->space_waiters) && coarse_ns() - c->compact_fail_ns < RECHECK_NS)
+        coarse_ns() - c->compact_fail_ns < RECHECK_NS)
         return 0;
     uint32_t looked = 0;
     uint64_t watch = head;
