@@ -140,6 +140,10 @@ int compact(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t head = h->head, stop = h->ingest_pos;
     if (head >= stop || finished(c, head)) return 0; /* nothing pinned: the common case */
+    /* Space can only be won inside [head, stop): below a sixteenth of the ring there is
+     * too little to be worth it (and this keeps a receiver that holds its latest
+     * message off the producers' cache line below). */
+    if (stop - head < c->limit / 16) return 0;
     /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
     if (tail - head <= c->limit / 2) return 0;
