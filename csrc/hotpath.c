@@ -49,6 +49,7 @@ typedef int (*release_fn)(shm_chan *, uint32_t, uint32_t, int);
 typedef int (*release_many_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t, int *);
 typedef int (*unmoved_fn)(shm_chan *, uint32_t, uint64_t, uint64_t);
 typedef int (*rx_spin_fn)(shm_chan *, uint32_t);
+typedef int (*view_fn)(shm_chan *, uint32_t, uint32_t, shm_msg *);
 typedef int (*send_many_fn)(shm_chan *, uint32_t, const uint32_t *, const char *, uint64_t,
                             const uint64_t *, const char *, uint64_t, const uint32_t *,
                             const uint32_t *, uint64_t *, uint32_t *, shm_stall *, int *);
@@ -61,6 +62,7 @@ static struct {
     unmoved_fn unmoved;
     rx_spin_fn rx_spin;
     send_many_fn send_many;
+    view_fn handle_view;
 } core;
 
 static PyTypeObject *handle_type;   /* shmchan.Handle (a subclass of HandleBase)      */
@@ -69,7 +71,7 @@ static PyObject *encode_keys_fn;    /* shmchan.codec.encode_keys, for unusual ke
 
 /* interned names of the Python-side slow paths */
 static PyObject *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_slow,
-    *s_released, *s_payload_slow, *s_wake_rx;
+    *s_released, *s_payload_slow, *s_data_slow, *s_wake_rx;
 
 #define MAX_BATCH 65536u   /* messages one recv_many call takes at most */
 #define SPIN_SECONDS 50e-6 /* longest spin before sleeping (as channel._SPIN_SECONDS) */
@@ -156,6 +158,7 @@ typedef struct {
     char closed;          /* the owning Channel object was closed                   */
     long pid;             /* the process this attachment belongs to (fork check)   */
     PyObject *detached;   /* list [bool], True once the mapping is gone             */
+    PyObject *mem;        /* read-only memoryview of the whole mapping (its owner)   */
     sem_t *rx_sem;        /* the receiver's semaphore, posted when a send wakes it  */
     sem_t *tx_sem;        /* the senders' semaphore (waiting for space)             */
 } SegmentObject;
@@ -186,10 +189,11 @@ static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
     unsigned long long ptr, base, size;
     unsigned int max_keys;
     int raw_only;
-    PyObject *detached;
+    PyObject *detached, *mem;
     const char *rx_name, *tx_name;
-    if (!PyArg_ParseTuple(args, "KKKIpO!ss", &ptr, &base, &size, &max_keys, &raw_only,
-                          &PyList_Type, &detached, &rx_name, &tx_name))
+    if (!PyArg_ParseTuple(args, "KKKIpO!O!ss", &ptr, &base, &size, &max_keys, &raw_only,
+                          &PyList_Type, &detached, &PyMemoryView_Type, &mem, &rx_name,
+                          &tx_name))
         return NULL;
     if (core.send == NULL || handle_type == NULL)
         return PyErr_Format(PyExc_RuntimeError, "_shmchan_hot.bind() was not called");
@@ -200,6 +204,7 @@ static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
     self->max_keys = max_keys;
     self->raw_only = (char)raw_only;
     Py_XSETREF(self->detached, Py_NewRef(detached));
+    Py_XSETREF(self->mem, Py_NewRef(mem));
     /* The same named semaphores the Python layer opened (the process shares one mapping
      * of each): a send that must wake the receiver posts without Python, and every wait
      * goes through Segment_wait. */
@@ -257,12 +262,13 @@ static void Segment_dealloc(SegmentObject *self) {
     if (self->rx_sem) sem_close(self->rx_sem);
     if (self->tx_sem) sem_close(self->tx_sem);
     Py_CLEAR(self->detached);
+    Py_CLEAR(self->mem);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyMethodDef Segment_methods[] = {
     {"_bind", (PyCFunction)Segment_bind, METH_VARARGS,
-     "_bind(ptr, base, size, max_keys, raw_only, detached, rx_semaphore, tx_semaphore):\n"
+     "_bind(ptr, base, size, max_keys, raw_only, detached, mem, rx_semaphore, tx_semaphore):\n"
      "what the hot path reads"},
     {"wait", (PyCFunction)Segment_wait, METH_VARARGS,
      "wait(which, seconds): sleep on the receiver's (0) or the senders' (1) semaphore\n"
@@ -425,11 +431,40 @@ static PyObject *Handle_get_payload(HandleObject *h, void *closure) {
     return v;
 }
 
+/* data: pin the record (the core's shm_handle_view), take its current place, and hand
+ * out a slice of the mapping's memoryview, which keeps the mapping alive. Anything
+ * else -- a released or stale handle, a record being moved -- goes to _data_slow, which
+ * says what is wrong. */
+static PyObject *Handle_get_data(HandleObject *h, void *closure) {
+    SegmentObject *seg = h->seg;
+    shm_msg m;
+    if (h->done || seg == NULL || seg->mem == NULL || seg_detached(seg) ||
+        core.handle_view(seg->c, h->slot, h->gen, &m) != SHM_OK)
+        return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
+    h->kind = m.kind;
+    h->data_off = m.data_off;
+    h->data_len = m.data_len;
+    h->keys_off = m.keys_off;
+    h->keys_len = m.keys_len;
+    h->nkeys = m.nkeys;
+    h->pos = m.pos;
+    h->word = m.word;
+    if (h->data_off > seg->size || h->data_len > seg->size - h->data_off)
+        return PyErr_Format(PyExc_SystemError, "handle view out of the mapping"); /* core bug */
+    return PySequence_GetSlice(seg->mem, (Py_ssize_t)h->data_off,
+                               (Py_ssize_t)(h->data_off + h->data_len));
+}
+
 static PyObject *Handle_get_seg(HandleObject *h, void *closure) { return get_seg(h->seg); }
 
 static PyGetSetDef Handle_getset[] = {
     {"payload", (getter)Handle_get_payload, NULL,
      "The message's object: bytes for bytes-like payloads, else the unpickled object.", NULL},
+    {"data", (getter)Handle_get_data, NULL,
+     "The stored bytes, zero-copy and read-only; valid until the handle is released.\n\n"
+     "Taking a view pins the record where it is: the receiver will not move it to free\n"
+     "space behind it (use `payload` for handles you keep for long).",
+     NULL},
     {"_seg", (getter)Handle_get_seg, NULL, "the attachment the handle belongs to", NULL},
     {NULL},
 };
@@ -1212,9 +1247,9 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
         return PyErr_Format(PyExc_TypeError, "handle type must subclass HandleBase");
     static const char *const fnames[] = {"shm_send",    "shm_recv",    "shm_release",
                                          "shm_release_many", "shm_unmoved", "shm_rx_spin",
-                                         "shm_send_many"};
-    void *fp[7];
-    for (int i = 0; i < 7; i++) {
+                                         "shm_send_many", "shm_handle_view"};
+    void *fp[8];
+    for (int i = 0; i < 8; i++) {
         PyObject *v = PyDict_GetItemString(addrs, fnames[i]);
         if (v == NULL) return PyErr_Format(PyExc_KeyError, "no address for %s", fnames[i]);
         fp[i] = PyLong_AsVoidPtr(v);
@@ -1230,6 +1265,7 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     core.unmoved = (unmoved_fn)fp[4];
     core.rx_spin = (rx_spin_fn)fp[5];
     core.send_many = (send_many_fn)fp[6];
+    core.handle_view = (view_fn)fp[7];
     Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(htype));
     Py_XSETREF(encode_payload_fn, Py_NewRef(encp));
     Py_XSETREF(encode_keys_fn, Py_NewRef(enck));
@@ -1260,6 +1296,7 @@ PyMODINIT_FUNC PyInit__shmchan_hot(void) {
         {&s_send_slow, "_send_slow"},           {&s_recv_slow, "_recv_slow"},
         {&s_recv_many_slow, "_recv_many_slow"}, {&s_release_many_slow, "_release_many_slow"},
         {&s_released, "_released"},             {&s_payload_slow, "_payload_slow"},
+        {&s_data_slow, "_data_slow"},
         {&s_wake_rx, "wake_rx"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {

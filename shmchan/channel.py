@@ -131,6 +131,7 @@ class _Segment(_hot.SegmentBase):
             self.max_keys,
             self.raw_only,
             detached,
+            self.mem,
             rx_sem.name,
             tx_sem.name,
         )
@@ -1084,12 +1085,9 @@ class Handle(_hot.HandleBase):
             self._refresh(seg)
         raise errors.Error(f"handle seq={self.seq}: its record kept moving while being read")
 
-    @property
-    def data(self) -> memoryview:
-        """The stored bytes, zero-copy and read-only; valid until the handle is released.
-
-        Taking a view pins the record where it is: the receiver will not move it to
-        free space behind it (use `payload` for handles you keep for long)."""
+    def _data_slow(self) -> memoryview:
+        """data for what the C getter leaves to Python: released or stale handles, a
+        record the receiver is stuck moving (each raises its exception here)."""
         seg = self._check()
         m = seg.scratch().msgs  # element 0 of this thread's scratch array
         rc = lib.shm_handle_view(seg.ptr, self._slot, self._gen, m)
@@ -1184,6 +1182,7 @@ _hot.bind(
             "shm_unmoved",
             "shm_rx_spin",
             "shm_send_many",
+            "shm_handle_view",
         )
     },
     Handle,

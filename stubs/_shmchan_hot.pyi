@@ -14,6 +14,7 @@ class SegmentBase:
         max_keys: int,
         raw_only: bool,
         detached: list[bool],
+        mem: memoryview,
         rx_semaphore: str,
         tx_semaphore: str,
     ) -> None: ...
@@ -26,6 +27,8 @@ class HandleBase:
     def attempt(self) -> int: ...
     @property
     def payload(self) -> Any: ...
+    @property
+    def data(self) -> memoryview: ...
     @property
     def _seg(self) -> Any: ...
     @property

@@ -53,6 +53,40 @@ def test_data_of_a_large_payload_has_its_full_length(tx, rx):
     assert h.data == payload
 
 
+def test_data_after_release_raises_closed(tx, rx):
+    tx.send(b"zero-copy")
+    h = rx.recv(timeout=5)
+    h.release()
+    with pytest.raises(shmchan.Closed):
+        h.data
+
+
+def test_data_pins_the_record_and_follows_a_redelivery(tx, rx):
+    tx.send(b"first", keys="k")
+    h = rx.recv(timeout=5)
+    assert h.data == b"first"
+    h.nack()
+    again = rx.recv(timeout=5)
+    assert (again.attempt, again.data.tobytes()) == (2, b"first")
+    again.release()
+
+
+def test_a_view_keeps_the_mapping_alive_after_everything_else_is_gone(make_channel):
+    ch = make_channel()
+    with ch.sender() as tx:
+        tx.send(b"still readable")
+    rx = ch.receiver()
+    h = rx.recv(timeout=5)
+    view = h.data
+    h.release()
+    rx.close()
+    ch.close()
+    del h, rx, ch, tx
+    gc.collect()
+    assert view.tobytes() == b"still readable"  # the bytes may be stale, never unmapped
+    view.release()
+
+
 # --- release ------------------------------------------------------------------------
 
 
