@@ -58,7 +58,7 @@ def test_data_after_release_raises_closed(tx, rx):
     h = rx.recv(timeout=5)
     h.release()
     with pytest.raises(shmchan.Closed):
-        h.data
+        _ = h.data
 
 
 def test_data_pins_the_record_and_follows_a_redelivery(tx, rx):
