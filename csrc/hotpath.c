@@ -71,7 +71,7 @@ static PyObject *encode_keys_fn;    /* shmchan.codec.encode_keys, for unusual ke
 
 /* interned names of the Python-side slow paths */
 static PyObject *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_slow,
-    *s_released, *s_payload_slow, *s_data_slow, *s_wake_rx;
+    *s_released, *s_payload_slow, *s_data_slow, *s_keys_slow, *s_wake_rx;
 
 #define MAX_BATCH 65536u   /* messages one recv_many call takes at most */
 #define SPIN_SECONDS 50e-6 /* longest spin before sleeping (as channel._SPIN_SECONDS) */
@@ -455,6 +455,64 @@ static PyObject *Handle_get_data(HandleObject *h, void *closure) {
                                (Py_ssize_t)(h->data_off + h->data_len));
 }
 
+/* One key of a blob (codec.py's encoding: a tag byte and its body). Returns a new
+ * reference, or NULL without an exception for what only codec.py decodes (or rejects):
+ * ints of more than 8 bytes, unknown tags, bad UTF-8. */
+static PyObject *key_decode(const uint8_t *enc, size_t size) {
+    const uint8_t *body = enc + 1;
+    size_t blen = size - 1;
+    PyObject *k = NULL;
+    if (enc[0] == 's') {
+        k = PyUnicode_DecodeUTF8((const char *)body, (Py_ssize_t)blen, "surrogatepass");
+    } else if (enc[0] == 'b') {
+        k = PyBytes_FromStringAndSize((const char *)body, (Py_ssize_t)blen);
+    } else if (enc[0] == 'i' && blen >= 1 && blen <= 8) {
+        uint64_t v = body[0] & 0x80 ? UINT64_MAX : 0; /* sign-extend, big-endian */
+        for (size_t i = 0; i < blen; i++) v = (v << 8) | body[i];
+        k = PyLong_FromLongLong((long long)v);
+    }
+    if (k == NULL) PyErr_Clear();
+    return k;
+}
+
+/* keys: the blob copied seqlock-style like payload, then decoded here; anything
+ * unusual goes to _keys_slow (codec.decode_keys), which raises ChannelCorrupted for a
+ * malformed blob. */
+static PyObject *Handle_get_keys(HandleObject *h, void *closure) {
+    if (h->keys) return Py_NewRef(h->keys);
+    SegmentObject *seg = h->seg;
+    uint8_t stack[512];
+    uint8_t *buf = NULL;
+    PyObject *t = NULL;
+    size_t len = (size_t)h->keys_len, n = (size_t)h->nkeys;
+    if (h->done || seg == NULL || seg_detached(seg) || n > SHM_MAX_KEYS_LIMIT ||
+        h->keys_off > seg->size || len > seg->size - h->keys_off || len > sizeof stack)
+        goto slow;
+    buf = stack;
+    memcpy(buf, seg->base + h->keys_off, len);
+    if (core.unmoved(seg->c, h->slot, h->word, h->pos) != SHM_OK) goto slow; /* moved */
+    t = PyTuple_New((Py_ssize_t)n);
+    if (t == NULL) return NULL;
+    size_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (len - off < 2) goto slow;
+        size_t size = (size_t)buf[off] | ((size_t)buf[off + 1] << 8);
+        if (size == 0 || size > len - off - 2) goto slow;
+        PyObject *k = key_decode(buf + off + 2, size);
+        if (k == NULL) goto slow;
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, k);
+        off += 2 + size;
+    }
+    if (off != len) goto slow;
+    h->keys = Py_NewRef(t);
+    return t;
+slow:
+    Py_XDECREF(t);
+    t = PyObject_CallMethodNoArgs((PyObject *)h, s_keys_slow);
+    if (t != NULL && h->keys == NULL) h->keys = Py_NewRef(t);
+    return t;
+}
+
 static PyObject *Handle_get_seg(HandleObject *h, void *closure) { return get_seg(h->seg); }
 
 static PyGetSetDef Handle_getset[] = {
@@ -465,6 +523,8 @@ static PyGetSetDef Handle_getset[] = {
      "Taking a view pins the record where it is: the receiver will not move it to free\n"
      "space behind it (use `payload` for handles you keep for long).",
      NULL},
+    {"keys", (getter)Handle_get_keys, NULL,
+     "The message's keys as they were sent (duplicates merged).", NULL},
     {"_seg", (getter)Handle_get_seg, NULL, "the attachment the handle belongs to", NULL},
     {NULL},
 };
@@ -1296,7 +1356,7 @@ PyMODINIT_FUNC PyInit__shmchan_hot(void) {
         {&s_send_slow, "_send_slow"},           {&s_recv_slow, "_recv_slow"},
         {&s_recv_many_slow, "_recv_many_slow"}, {&s_release_many_slow, "_release_many_slow"},
         {&s_released, "_released"},             {&s_payload_slow, "_payload_slow"},
-        {&s_data_slow, "_data_slow"},
+        {&s_data_slow, "_data_slow"},         {&s_keys_slow, "_keys_slow"},
         {&s_wake_rx, "wake_rx"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {

@@ -1110,13 +1110,10 @@ class Handle(_hot.HandleBase):
             raise errors.ChannelCorrupted('a pickled record in a serializer="raw" channel')
         return codec.decode_payload(self._kind, memoryview(raw))
 
-    @property
-    def keys(self) -> tuple[codec.Key, ...]:
-        """The message's keys as they were sent (duplicates merged)."""
-        keys: tuple[codec.Key, ...] | None = self._keys
-        if keys is None:
-            keys = self._keys = codec.decode_keys(self._copy(keys=True), self._nkeys)
-        return keys
+    def _keys_slow(self) -> tuple[codec.Key, ...]:
+        """keys for what the C getter leaves to Python: big ints, long key blobs, a
+        record that moved while being copied, released handles, malformed blobs."""
+        return codec.decode_keys(self._copy(keys=True), self._nkeys)
 
     def _released(self, r: int) -> bool:
         """A release whose core call failed with status r (C calls this): raise it."""
