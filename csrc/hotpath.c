@@ -688,9 +688,9 @@ static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int
  * woken within SPIN_SECONDS restores it. So a busy receiver spins instead of paying a
  * wake-up per message, and a receiver idle between rare messages sleeps at once --
  * which also leaves its CPU free for the sender it is waiting for.
- * Returns a new Handle (n == 1) or a non-empty list of them; or NULL with an exception
- * (a signal handler raised); or NULL without one when Receiver._poll must take over
- * (any other status, closed, or time is up). */
+ * Returns a new Handle (for recv: n == 0) or a non-empty list of at most n of them (for
+ * recv_many); or NULL with an exception (a signal handler raised); or NULL without one
+ * when Receiver._poll must take over (any other status, closed, or time is up). */
 static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     SegmentObject *seg = self->seg;
     if (seg == NULL || seg->rx_sem == NULL) return NULL;
@@ -701,7 +701,7 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     for (;;) {
         double now = monotonic();
         if (self->seg != seg || now >= self->next_maintenance || now >= deadline) break;
-        if (n == 1) {
+        if (n == 0) {
             h = poll_one(self, seg, arm, &rc);
         } else {
             h = poll_fast(self, seg, n, arm, &rc);
@@ -750,14 +750,14 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
             if (t == -1.0 && PyErr_Occurred()) return NULL;
             if (t > 0) {
                 double deadline = monotonic() + t;
-                h = wait_for(self, 1, deadline);
+                h = wait_for(self, 0, deadline);
                 if (h != NULL || PyErr_Occurred()) return h;
                 /* the slow path gets what is left of the timeout */
                 return PyObject_CallMethod((PyObject *)self, "_recv_slow", "d",
                                            fmax(0.0, deadline - monotonic()));
             }
         } else if (rc == SHM_EMPTY) {
-            h = wait_for(self, 1, INFINITY);
+            h = wait_for(self, 0, INFINITY);
             if (h != NULL || PyErr_Occurred()) return h;
         }
     }

@@ -1188,3 +1188,18 @@ def test_send_many_survives_a_payload_whose_pickling_empties_its_own_pair(ch, tx
     h = rx.recv(timeout=5)
     assert (h.seq, h.payload, h.keys) == (seq, 1, ("k",))
     h.release()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_recv_many_of_one_that_waits_returns_a_list(tx, rx, timeout):
+    """recv_many(1) that has to wait (in C) still returns a list, like every recv_many."""
+    rx._next_maintenance = time.monotonic() + 60  # C waits until maintenance is due
+    sender = threading.Timer(0.05, tx.send, args=(b"late",))
+    sender.start()
+    try:
+        got = rx.recv_many(1) if timeout is None else rx.recv_many(1, timeout=timeout)
+    finally:
+        sender.join()
+    assert isinstance(got, list) and [h.payload for h in got] == [b"late"]
+    rx.release_many(got)
