@@ -438,9 +438,11 @@ static PyObject *Handle_get_payload(HandleObject *h, void *closure) {
 static PyObject *Handle_get_data(HandleObject *h, void *closure) {
     SegmentObject *seg = h->seg;
     shm_msg m;
-    if (h->done || seg == NULL || seg->mem == NULL || seg_detached(seg) ||
-        core.handle_view(seg->c, h->slot, h->gen, &m) != SHM_OK)
+    if (h->done || seg == NULL || seg->mem == NULL || seg_detached(seg))
         return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
+    int rc = core.handle_view(seg->c, h->slot, h->gen, &m);
+    if (rc != SHM_OK) /* Python raises for this status (without trying again) */
+        return PyObject_CallMethod((PyObject *)h, "_data_slow", "i", rc);
     h->kind = m.kind;
     h->data_off = m.data_off;
     h->data_len = m.data_len;
@@ -479,7 +481,7 @@ static PyObject *key_decode(const uint8_t *enc, size_t size) {
  * unusual goes to _keys_slow (codec.decode_keys), which raises ChannelCorrupted for a
  * malformed blob. */
 static PyObject *Handle_get_keys(HandleObject *h, void *closure) {
-    if (h->keys) return Py_NewRef(h->keys);
+    if (h->keys && h->keys != Py_None) return Py_NewRef(h->keys); /* None: not decoded */
     SegmentObject *seg = h->seg;
     uint8_t stack[512];
     uint8_t *buf = NULL;
@@ -1231,8 +1233,9 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
     uint32_t done = 0;
     shm_stall stall;
     int wake = 0;
-    int rc = core.send_many(seg->c, (uint32_t)p.n, (const uint32_t *)p.kinds.p, p.data.p,
-                            p.data.len, (const uint64_t *)p.lens.p, p.blob.p, p.blob.len,
+    int rc = core.send_many(seg->c, (uint32_t)p.n, (const uint32_t *)p.kinds.p,
+                            p.data.p ? p.data.p : "", p.data.len, (const uint64_t *)p.lens.p,
+                            p.blob.p ? p.blob.p : "", p.blob.len,
                             (const uint32_t *)p.klens.p, (const uint32_t *)p.nkeys.p, sq,
                             &done, &stall, &wake);
     if (wake) post_n(seg->rx_sem, 1); /* the receiver sleeps */

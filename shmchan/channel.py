@@ -808,7 +808,8 @@ class Sender(_hot.SenderBase):
                         lib.shm_space_wait(seg.ptr, 1)
                         armed = True
                         # An idle receiver may be able to free space by compacting
-                        # (csrc/compact.c): let it know someone is waiting.
+                        # (csrc/compact.c): wake it to poll. (After a failed try it
+                        # waits for records to finish or up to 50 ms before the next.)
                         seg.rx_sem.release()
                         rc = attempt()  # re-check after announcing ourselves
                         continue
@@ -1085,12 +1086,14 @@ class Handle(_hot.HandleBase):
             self._refresh(seg)
         raise errors.Error(f"handle seq={self.seq}: its record kept moving while being read")
 
-    def _data_slow(self) -> memoryview:
+    def _data_slow(self, rc: int | None = None) -> memoryview:
         """data for what the C getter leaves to Python: released or stale handles, a
-        record the receiver is stuck moving (each raises its exception here)."""
+        record the receiver is stuck moving (each raises its exception here). `rc` is
+        the status of the view the C getter already tried, if any."""
         seg = self._check()
         m = seg.scratch().msgs  # element 0 of this thread's scratch array
-        rc = lib.shm_handle_view(seg.ptr, self._slot, self._gen, m)
+        if rc is None or rc == lib.SHM_OK:
+            rc = lib.shm_handle_view(seg.ptr, self._slot, self._gen, m)
         if rc == lib.SHM_STALE:
             raise errors.Closed(f"handle seq={self.seq} is no longer held")
         if rc == lib.SHM_BUSY:
