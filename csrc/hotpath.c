@@ -71,7 +71,7 @@ static PyObject *encode_keys_fn;    /* shmchan.codec.encode_keys, for unusual ke
 
 /* interned names of the Python-side slow paths */
 static PyObject *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_slow,
-    *s_released, *s_payload_slow, *s_data_slow, *s_keys_slow, *s_wake_rx;
+    *s_released, *s_payload_slow, *s_data_slow, *s_keys_slow;
 
 #define MAX_BATCH 65536u   /* messages one recv_many call takes at most */
 #define SPIN_SECONDS 50e-6 /* longest spin before sleeping (as channel._SPIN_SECONDS) */
@@ -154,8 +154,8 @@ typedef struct {
     uint64_t size;        /* bytes mapped from base                                */
     uint32_t max_keys;
     char raw_only;        /* serializer="raw"                                      */
-    char registered;      /* this process holds a producer registry entry          */
-    char closed;          /* the owning Channel object was closed                   */
+    char registered;      /* this process holds a producer registry entry; cleared
+                             when the owning Channel is closed, so also "may send"  */
     long pid;             /* the process this attachment belongs to (fork check)   */
     PyObject *detached;   /* list [bool], True once the mapping is gone             */
     PyObject *mem;        /* read-only memoryview of the whole mapping (its owner)   */
@@ -250,12 +250,16 @@ static PyObject *Segment_wait(SegmentObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Post the receiver's semaphore; 0 on success, -1 with an exception. */
-static int seg_wake_rx(SegmentObject *seg) {
-    if (seg->rx_sem && sem_post(seg->rx_sem) == 0) return 0;
-    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)seg, s_wake_rx); /* says why */
-    Py_XDECREF(r);
-    return r ? 0 : -1;
+/* post(which, n): post the receiver's (0) or the senders' (1) semaphore n times (at
+ * most 64): the one place the Python layer wakes anyone. */
+static PyObject *Segment_post(SegmentObject *self, PyObject *args) {
+    int which;
+    unsigned int n;
+    if (!PyArg_ParseTuple(args, "iI", &which, &n)) return NULL;
+    sem_t *sem = which ? self->tx_sem : self->rx_sem;
+    if (sem == NULL) return PyErr_Format(PyExc_ValueError, "an unbound segment");
+    post_n(sem, n);
+    Py_RETURN_NONE;
 }
 
 static void Segment_dealloc(SegmentObject *self) {
@@ -270,6 +274,9 @@ static PyMethodDef Segment_methods[] = {
     {"_bind", (PyCFunction)Segment_bind, METH_VARARGS,
      "_bind(ptr, base, size, max_keys, raw_only, detached, mem, rx_semaphore, tx_semaphore):\n"
      "what the hot path reads"},
+    {"post", (PyCFunction)Segment_post, METH_VARARGS,
+     "post(which, n): post the receiver's (0) or the senders' (1) semaphore n times\n"
+     "(at most 64)."},
     {"wait", (PyCFunction)Segment_wait, METH_VARARGS,
      "wait(which, seconds): sleep on the receiver's (0) or the senders' (1) semaphore\n"
      "until posted or seconds pass; a signal handler's exception propagates."},
@@ -279,7 +286,6 @@ static PyMethodDef Segment_methods[] = {
 static PyMemberDef Segment_members[] = {
     {"registered", T_BOOL, offsetof(SegmentObject, registered), 0,
      "this process holds a producer registry entry"},
-    {"closed", T_BOOL, offsetof(SegmentObject, closed), 0, "the Channel object was closed"},
     {"pid", T_LONG, offsetof(SegmentObject, pid), 0, "the process this attachment is for"},
     {NULL},
 };
@@ -852,7 +858,7 @@ static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) 
     Py_DECREF(seg);
     Py_DECREF(seq);
     if (rc >= 0) Py_RETURN_NONE;
-    return PyObject_CallMethod((PyObject *)self, "_released_many", "ii", rc, 0);
+    return PyObject_CallMethod((PyObject *)self, "_released_many", "i", rc);
 }
 
 static void Receiver_dealloc(ReceiverObject *self) {
@@ -1002,7 +1008,7 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
         len = PyByteArray_GET_SIZE(a[0]);
     }
     keyblob kb;
-    if (data && seg && !seg->closed && seg->registered && timeout_plain(a[2]) &&
+    if (data && seg && seg->registered && timeout_plain(a[2]) &&
         keys_encode(&kb, keys, seg->max_keys)) {
         uint64_t seq = 0;
         shm_stall stall;
@@ -1010,7 +1016,7 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
         int rc = core.send(seg->c, SHM_PAYLOAD_RAW, data, (uint64_t)len, (const char *)kb.buf,
                            kb.len, kb.n, &seq, &stall, &wake);
         if (rc == SHM_OK) {
-            if (wake && seg_wake_rx(seg) < 0) return NULL; /* the receiver sleeps */
+            if (wake) post_n(seg->rx_sem, 1); /* the receiver sleeps */
             return PyLong_FromUnsignedLongLong(seq);
         }
         /* full, stalled or an error: nothing was sent; the slow path waits or raises */
@@ -1197,7 +1203,7 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
     PyObject *a[2] = {NULL, Py_None};
     if (parse_args("send_many", args, nargs, kwnames, names, 1, 2, a) < 0) return NULL;
     SegmentObject *seg = self->seg;
-    if (!(seg && !seg->closed && seg->registered && timeout_plain(a[1])))
+    if (!(seg && seg->registered && timeout_plain(a[1])))
         return PyObject_CallMethod((PyObject *)self, "_send_many_slow", "OO", a[0], a[1]);
     Py_INCREF(seg); /* packing may run Python code, which may close the sender */
     packed p;
@@ -1211,7 +1217,7 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
         res = PyList_New(0);
         goto out;
     }
-    if (self->seg != seg || seg->closed || !seg->registered) { /* changed while packing */
+    if (self->seg != seg || !seg->registered) { /* changed while packing */
         PyObject *pk = packed_tuple(&p);
         if (pk != NULL) {
             PyObject *seqs0 = PyByteArray_FromStringAndSize(NULL, p.n * 8);
@@ -1360,7 +1366,6 @@ PyMODINIT_FUNC PyInit__shmchan_hot(void) {
         {&s_recv_many_slow, "_recv_many_slow"}, {&s_release_many_slow, "_release_many_slow"},
         {&s_released, "_released"},             {&s_payload_slow, "_payload_slow"},
         {&s_data_slow, "_data_slow"},         {&s_keys_slow, "_keys_slow"},
-        {&s_wake_rx, "wake_rx"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         *strs[i].slot = PyUnicode_InternFromString(strs[i].s);

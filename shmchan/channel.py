@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
 import posix_ipc
@@ -44,6 +44,7 @@ _MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least
 _STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
 _SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
 _HOLDER_REVOKED = 1  # csrc/core.h HOLDER_REVOKED
+_RX, _TX = 0, 1  # _Segment.post / .wait: the receiver's semaphore, the senders'
 _ORDERS = {"fifo": lib.SHM_ORDER_FIFO, "eager": lib.SHM_ORDER_EAGER}
 _SERIALIZERS = ("pickle", "raw")
 
@@ -77,11 +78,6 @@ def _deadline(timeout: float | None) -> float | None:
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
-
-
-def _post(sem: posix_ipc.Semaphore, times: int = 1) -> None:
-    for _ in range(min(times, 64)):
-        sem.release()
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,10 +139,6 @@ class _Segment(_hot.SegmentBase):
         # scratch structs for the calling thread's C calls
         self._local = threading.local()
         _segments.add(self)
-
-    def wake_rx(self) -> None:
-        """Post the receiver's semaphore (it said it was going to sleep)."""
-        self.rx_sem.release()
 
     def scratch(self) -> Any:
         s = getattr(self._local, "s", None)
@@ -299,7 +291,7 @@ class DeadLetter:
         wake = ffi.new("int *")
         rc = lib.shm_dead_discard(seg.ptr, self._slot, self._gen, wake)
         if wake[0] & 1:
-            seg.rx_sem.release()
+            seg.post(_RX, 1)
         if rc < 0:
             raise_for(rc, "discard dead letter")
         return bool(rc == lib.SHM_OK)
@@ -477,8 +469,8 @@ class Channel:
         """Refuse new sends (they raise Closed); the receiver drains what was accepted."""
         seg = self._live()
         lib.shm_shutdown(seg.ptr)
-        _post(seg.rx_sem)
-        _post(seg.tx_sem, 64)
+        seg.post(_RX, 1)
+        seg.post(_TX, 64)
 
     def flush(self) -> None:
         """Write the segment back to its file and wait for the disk (msync). Meaningful
@@ -490,8 +482,6 @@ class Channel:
     def close(self) -> None:
         """Detach this process's Channel object (idempotent). Other processes carry on."""
         seg, self._seg = self._seg, None
-        if seg is not None:
-            seg.closed = True  # its senders refuse from now on (csrc/hotpath.c reads this)
         if seg is not None and seg.registered:
             lib.shm_producer_detach(seg.ptr)
             seg.registered = False
@@ -728,7 +718,7 @@ class Sender(_hot.SenderBase):
                 "send",
             )
         if s.wake[0]:
-            seg.wake_rx()
+            seg.post(_RX, 1)
         return int(s.seq[0])
 
     def _send_many_slow(
@@ -786,11 +776,11 @@ class Sender(_hot.SenderBase):
 
         rc = attempt()
         if s.wake[0]:
-            seg.wake_rx()
+            seg.post(_RX, 1)
         if rc:
             rc = self._wait_and_retry(seg, rc, deadline, attempt, "send_many")
             if s.wake[0]:
-                seg.wake_rx()
+                seg.post(_RX, 1)
         return list(ffi.unpack(seqs, n))
 
     def _wait_and_retry(
@@ -810,7 +800,7 @@ class Sender(_hot.SenderBase):
                         # An idle receiver may be able to free space by compacting
                         # (csrc/compact.c): wake it to poll. (After a failed try it
                         # waits for records to finish or up to 50 ms before the next.)
-                        seg.rx_sem.release()
+                        seg.post(_RX, 1)
                         rc = attempt()  # re-check after announcing ourselves
                         continue
                     left = _remaining(deadline)
@@ -819,7 +809,7 @@ class Sender(_hot.SenderBase):
                     # Callers loop and re-check: a post, a timeout and a signal whose
                     # handler returned are all just a return (a handler that raises
                     # propagates).
-                    seg.wait(1, min(_MAINTENANCE_SECONDS, left if left is not None else 1e9))
+                    seg.wait(_TX, min(_MAINTENANCE_SECONDS, left if left is not None else 1e9))
                 elif rc == lib.SHM_STALLED:
                     now = time.monotonic()
                     if stalled_since is None:
@@ -908,7 +898,7 @@ class Receiver(_hot.ReceiverBase):
         if rc:
             raise_for(rc, "maintain")
         if revoked[0]:
-            _post(seg.tx_sem, 64)  # space may have been freed by dead letters' keys
+            seg.post(_TX, 64)  # space may have been freed by dead letters' keys
         return int(revoked[0])
 
     def _live(self) -> _Segment:
@@ -927,7 +917,7 @@ class Receiver(_hot.ReceiverBase):
                 self.maintain()
             rc = lib.shm_recv(seg.ptr, msgs, n, s.got, arm, s.stall, s.waiters)
             if s.waiters[0]:
-                _post(seg.tx_sem, s.waiters[0])
+                seg.post(_TX, s.waiters[0])
             got = s.got[0]
             if got:
                 handles: list[Handle] = _hot.handles_from(seg, _address(msgs), got)
@@ -960,7 +950,7 @@ class Receiver(_hot.ReceiverBase):
                 arm = 1
                 continue  # poll once more with the sleep flag armed
             wait = _MAINTENANCE_SECONDS if rc == lib.SHM_EMPTY else 0.002
-            seg.wait(0, wait if left is None else min(wait, left))  # as in _wait_and_retry
+            seg.wait(_RX, wait if left is None else min(wait, left))  # as in _wait_and_retry
 
     def _recv_slow(self, timeout: float | None) -> Handle:
         return self._poll(self._live(), 1, _deadline(timeout), True)[0]
@@ -991,7 +981,7 @@ class Receiver(_hot.ReceiverBase):
         for h in todo:
             h._finish(0)
 
-    def _released_many(self, rc: int, wake: int) -> None:
+    def _released_many(self, rc: int) -> NoReturn:
         """A release_many whose core call failed with status rc (C calls this)."""
         raise_for(rc, "release_many")
 
@@ -1064,13 +1054,16 @@ class Handle(_hot.HandleBase):
     def _refresh(self, seg: _Segment) -> None:
         m = ffi.new("shm_msg *")
         rc = lib.shm_handle_info(seg.ptr, self._slot, self._gen, m)
-        if rc == lib.SHM_STALE:
-            raise errors.Closed(
-                f"handle seq={self.seq} is no longer held (released, redelivered or revoked)"
-            )
         if rc:
-            raise_for(rc, "read handle")
+            self._fail(rc, "read handle", " (released, redelivered or revoked)")
         self._locate(m)
+
+    def _fail(self, rc: int, what: str, why_stale: str = "") -> NoReturn:
+        """Raise for the failed status of a call on this handle: Closed if it is no
+        longer held, else the status's exception."""
+        if rc == lib.SHM_STALE:
+            raise errors.Closed(f"handle seq={self.seq} is no longer held{why_stale}")
+        raise_for(rc, what)
 
     def _copy(self, keys: bool) -> bytes:
         """Copy the payload (or key blob) out, seqlock-style: the receiver may move the
@@ -1094,12 +1087,10 @@ class Handle(_hot.HandleBase):
         m = seg.scratch().msgs  # element 0 of this thread's scratch array
         if rc is None or rc == lib.SHM_OK:
             rc = lib.shm_handle_view(seg.ptr, self._slot, self._gen, m)
-        if rc == lib.SHM_STALE:
-            raise errors.Closed(f"handle seq={self.seq} is no longer held")
         if rc == lib.SHM_BUSY:
             raise errors.Error(f"handle seq={self.seq}: the receiver is stuck moving its record")
         if rc:
-            raise_for(rc, "view handle")
+            self._fail(rc, "view handle")
         self._locate(m)
         return seg.mem[self._data_off : self._data_off + self._data_len]
 
@@ -1118,7 +1109,7 @@ class Handle(_hot.HandleBase):
         record that moved while being copied, released handles, malformed blobs."""
         return codec.decode_keys(self._copy(keys=True), self._nkeys)
 
-    def _released(self, r: int) -> bool:
+    def _released(self, r: int) -> NoReturn:
         """A release whose core call failed with status r (C calls this): raise it."""
         raise_for(r, "release")
 
@@ -1134,12 +1125,8 @@ class Handle(_hot.HandleBase):
             raise ValueError("seconds must be positive")
         deadline = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(seconds * 1e9)
         rc = lib.shm_handle_extend(seg.ptr, self._slot, self._gen, deadline)
-        if rc == lib.SHM_STALE:
-            raise errors.Closed(
-                f"handle seq={self.seq} is no longer held (lease expired or released)"
-            )
         if rc:
-            raise_for(rc, "extend")
+            self._fail(rc, "extend", " (lease expired or released)")
 
     def __reduce__(self) -> tuple[Any, ...]:
         seg = self._check()

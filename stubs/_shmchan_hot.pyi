@@ -4,7 +4,6 @@ from typing import Any
 
 class SegmentBase:
     registered: bool
-    closed: bool
     pid: int
     def _bind(
         self,
@@ -18,6 +17,7 @@ class SegmentBase:
         rx_semaphore: str,
         tx_semaphore: str,
     ) -> None: ...
+    def post(self, which: int, n: int) -> None: ...
     def wait(self, which: int, seconds: float) -> None: ...
 
 class HandleBase:
