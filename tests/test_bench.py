@@ -21,6 +21,7 @@ import pytest
 
 import shmchan
 from shmchan import bench
+from shmchan.bench import registry
 
 RUN_TIMEOUT = 150  # seconds; a quick run takes ~10 s on 2 cores, this only catches a hang
 HAS_FASTER_FIFO = importlib.util.find_spec("faster_fifo") is not None
@@ -199,6 +200,42 @@ def test_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--only", "no-such-workload"]) == 2
     assert bench.main(["--reps", "0"]) == 2
     capsys.readouterr()
+
+
+def test_a_registered_group_is_selected_by_only_and_reported(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    calls: list[bool] = []
+
+    def run_group(run: Any) -> None:
+        calls.append(run.quick)
+        run.results.append(
+            bench.Result("extra_w", "an extra group", bench.SHMCHAN, "us", False, [1.0] * 2)
+        )
+        run.progress.step("extra: done")
+
+    def targets(results: list[bench.Result]) -> list[bench.Target]:
+        return [bench.Target("extra target", results[0].median, 2.0, "<=", "test")]
+
+    bench.register(
+        "extra-test", run_group, steps=lambda sizes, nsys: 1, default=False, targets=targets
+    )
+    try:
+        assert "extra-test" not in bench.WORKLOADS  # not run unless asked
+        assert bench.main(["--only", "extra-test", "--quick", "--reps", "2", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    finally:
+        registry.unregister("extra-test")
+    assert calls == [True]
+    assert report["workloads"] == ["extra-test"]
+    assert [r["workload"] for r in report["results"]] == ["extra_w"]
+    assert report["targets"][-1]["name"] == "extra target"
+    assert report["targets"][-1]["met"] is True
+
+
+def test_registering_a_name_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="twice"):
+        bench.register("latency", lambda run: None, steps=lambda sizes, nsys: 0)
 
 
 # --------------------------------------------------------------------------- the naive peer

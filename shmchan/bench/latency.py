@@ -1,0 +1,102 @@
+"""Idle wake-up latency: a ping to a sleeping consumer, against a bare semaphore."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import statistics
+from typing import Any
+
+import posix_ipc
+
+import shmchan
+from shmchan.bench.common import (
+    FFIFO,
+    MPQ,
+    SEMAPHORE,
+    SHMCHAN,
+    TIMEOUT,
+    BenchError,
+    Sizes,
+    no_gc,
+    unique,
+    warmup_count,
+)
+from shmchan.bench.endpoints import Endpoint
+from shmchan.bench.harness import Run, endpoint
+from shmchan.bench.producers import Job, Producers
+from shmchan.bench.registry import register
+from shmchan.bench.report import Result
+
+
+def _run_latency(run: Run) -> None:
+    sz = run.sizes
+    systems = [SHMCHAN, SEMAPHORE] + [s for s in (MPQ, FFIFO) if s in run.systems]
+    medians: dict[str, list[float]] = {s: [] for s in systems}
+    p99s: dict[str, list[float]] = {s: [] for s in systems}
+    label = "idle wake-up latency"
+    with contextlib.ExitStack() as stack:
+        ends: dict[str, Endpoint] = {}
+        groups: dict[str, Producers] = {}
+        acks: dict[str, Any] = {}
+        for s in systems:
+            end = endpoint(run, s, "latency")
+            stack.callback(end.close)
+            ends[s] = end
+            ack = acks[s] = posix_ipc.Semaphore("/" + unique("ack"), posix_ipc.O_CREX, mode=0o600)
+            stack.callback(ack.unlink)
+            job = Job(s, "latency", 0, sz.latency_samples, gap=sz.latency_gap, ack=ack.name)
+            group = Producers(run.ctx, s, [(job, end.transport())])
+            stack.callback(group.close)
+            groups[s] = group
+        for s in systems:
+            groups[s].wait_ready()
+        run.progress.step(f"{label}: started")
+        for rep in range(-1, sz.reps):
+            n = warmup_count(sz.latency_samples) if rep < 0 else sz.latency_samples
+            for s in systems:
+                groups[s].go(n)
+                try:
+                    with no_gc():
+                        lat = ends[s].latencies(n, acks[s])
+                except (queue.Empty, shmchan.Empty, posix_ipc.BusyError):
+                    why = groups[s].failure()
+                    raise BenchError(
+                        f"{s}: no ping for {TIMEOUT:g} s" + (f"\n{why}" if why else "")
+                    ) from None
+                groups[s].wait_done()
+                if rep >= 0:
+                    lat.sort()
+                    medians[s].append(statistics.median(lat))
+                    p99s[s].append(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)])
+                run.progress.step(f"{label}: {s}")
+    notes = {
+        SHMCHAN: "send -> recv, consumer asleep; ping-pong like the floor",
+        SEMAPHORE: "post -> wait of a bare posix_ipc semaphore",
+    }
+    for workload, stat, values in (
+        ("latency_median", "median", medians),
+        ("latency_p99", "p99", p99s),
+    ):
+        for s in systems:
+            run.results.append(
+                Result(
+                    workload,
+                    f"{label}, {stat}",
+                    s,
+                    "us",
+                    False,
+                    values[s],
+                    reference=s == SEMAPHORE,
+                    note=notes.get(s, ""),
+                    checked=sz.latency_samples * sz.reps + warmup_count(sz.latency_samples),
+                )
+            )
+
+
+def _steps(sizes: Sizes, nsys: int) -> int:
+    return 1 + (sizes.reps + 1) * (min(nsys, 3) + 1)
+
+
+register("latency", _run_latency, steps=_steps, order=50)

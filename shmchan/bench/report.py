@@ -1,0 +1,308 @@
+"""Result rows, the ranking against the best peer, the performance targets, the table."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shmchan.bench.common import COPY, FFIFO, MPQ, SEMAPHORE, SHMCHAN
+
+
+@dataclass
+class Result:
+    """One row: one system's figure for one workload, over the repetitions."""
+
+    workload: str  # machine-readable workload key, e.g. "unbatched_p1"
+    label: str  # what a reader sees, e.g. "64 B unbatched, 1 producer"
+    system: str
+    unit: str  # "msg/s", "MiB/s", "us", "us/msg"
+    higher_is_better: bool
+    samples: list[float]  # one per repetition
+    reference: bool = False  # a ceiling or floor, not a peer
+    note: str = ""
+    vs_best_peer: float | None = None
+    out_of_order: int = 0  # messages received after a later one of the same producer
+    checked: int = 0  # messages whose payload, exactly-once delivery and order were checked
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def max(self) -> float:
+        return max(self.samples)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "label": self.label,
+            "system": self.system,
+            "unit": self.unit,
+            "higher_is_better": self.higher_is_better,
+            "median": self.median,
+            "min": self.min,
+            "max": self.max,
+            "samples": self.samples,
+            "reference": self.reference,
+            "vs_best_peer": self.vs_best_peer,
+            "note": self.note,
+            "checked": self.checked,
+            "out_of_order": self.out_of_order,
+        }
+
+
+def _goodness(r: Result, value: float) -> float:
+    return value if r.higher_is_better else 1.0 / value
+
+
+def rank(results: list[Result]) -> None:
+    """Set vs_best_peer: each row's median relative to the best peer's, > 1 = better."""
+    by_workload: dict[str, list[Result]] = {}
+    for r in results:
+        by_workload.setdefault(r.workload, []).append(r)
+    for rows in by_workload.values():
+        peers = [r for r in rows if r.system != SHMCHAN and not r.reference]
+        if not peers:
+            continue
+        best = max(_goodness(r, r.median) for r in peers)
+        for r in rows:
+            if not r.reference:
+                r.vs_best_peer = _goodness(r, r.median) / best
+
+
+@dataclass
+class Target:
+    name: str
+    measured: float | None
+    target: float
+    comparison: str  # ">=" or "<="
+    detail: str
+    source: str = "issue #4"
+
+    @property
+    def met(self) -> bool | None:
+        if self.measured is None:
+            return None
+        if self.comparison == ">=":
+            return self.measured >= self.target
+        return self.measured <= self.target
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "measured": self.measured,
+            "target": self.target,
+            "comparison": self.comparison,
+            "met": self.met,
+            "detail": self.detail,
+            "source": self.source,
+        }
+
+
+def find_result(results: list[Result], workload: str, system: str) -> Result | None:
+    for r in results:
+        if r.workload == workload and r.system == system:
+            return r
+    return None
+
+
+def core_targets(results: list[Result]) -> list[Target]:
+    def med(workload: str, system: str) -> float | None:
+        r = find_result(results, workload, system)
+        return None if r is None else r.median
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    out = []
+    peers = [v for v in (med("unbatched_p1", MPQ), med("unbatched_p1", FFIFO)) if v is not None]
+    best_peer = max(peers) if peers else None
+    which = {
+        2: "mp.Queue and faster-fifo",
+        1: "mp.Queue (faster-fifo missing)",
+        0: "mp.Queue and faster-fifo",
+    }[len(peers)]
+    out.append(
+        Target(
+            "64 B unbatched: shmchan / best peer",
+            ratio(med("unbatched_p1", SHMCHAN), best_peer),
+            5.0,
+            ">=",
+            f"send/recv/release vs the best of {which}, 1 producer",
+        )
+    )
+    out.append(
+        Target(
+            "64 B batched: shmchan / mp.Queue",
+            ratio(med("batched", SHMCHAN), med("unbatched_p1", MPQ)),
+            20.0,
+            ">=",
+            "send_many/recv_many vs mp.Queue put/get (it has no batch API)",
+        )
+    )
+    shm_batched = med("batched", SHMCHAN)
+    out.append(
+        Target(
+            "64 B batched: shmchan msg/s",
+            shm_batched,
+            2e6,
+            ">=",
+            "absolute rate with send_many/recv_many",
+            source="DESIGN.md",
+        )
+    )
+    out.append(
+        Target(
+            "1 MiB: shmchan / memcpy ceiling",
+            ratio(med("1mib", SHMCHAN), med("1mib", COPY)),
+            0.5,
+            ">=",
+            "bandwidth vs a plain copy into shared memory, same run",
+        )
+    )
+    out.append(
+        Target(
+            "100k parked: cost / no backlog",
+            ratio(med("dispatch_parked", SHMCHAN), med("dispatch_free", SHMCHAN)),
+            1.2,
+            "<=",
+            "send->recv->release of a free-key message, 100k parked on a held key vs none",
+        )
+    )
+    out.append(
+        Target(
+            "idle wake-up median: shmchan / semaphore",
+            ratio(med("latency_median", SHMCHAN), med("latency_median", SEMAPHORE)),
+            2.0,
+            "<=",
+            "send->recv of an idle consumer vs a bare posix_ipc semaphore ping-pong",
+        )
+    )
+    return out
+
+
+def _num(value: float, unit: str) -> str:
+    if unit == "msg/s":
+        if value >= 1e6:
+            return f"{value / 1e6:.2f} M"
+        if value >= 1e3:
+            return f"{value / 1e3:.1f} k"
+        return f"{value:.0f}"
+    if unit == "MiB/s":
+        return f"{value:,.0f}"
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as text: machine, results table, targets."""
+    m = report["machine"]
+    lines = [
+        f"shmchan bench ({'quick' if report['quick'] else 'full'} run, "
+        f"{report['repetitions']} repetitions each; median [min - max]; {report['seconds']} s)",
+        f"machine: {m['cpu_model']}, {m['usable_cpus']} usable of {m['logical_cpus']} "
+        f"logical CPUs, {m['implementation']} {m['python']}, Linux {m['kernel']}",
+    ]
+    if m.get("revision"):
+        lines.append(f"shmchan {m['versions']['shmchan']} at {m['revision']}")
+    load = m["loadavg_at_start"][0]
+    if load > 0.5 * max(m["usable_cpus"], 1):
+        lines.append(
+            f"WARNING: load average {load:.2f} at start on {m['usable_cpus']} CPUs: other work "
+            "was running, so figures and ratios may be noisy. Re-run on an idle machine."
+        )
+    for s in report["skipped"]:
+        lines.append(f"note: {s['system']} skipped: {s['reason']}")
+    lines.append("")
+    header = ("workload", "system", "median", "min", "max", "unit", "vs best peer", "notes")
+    rows: list[tuple[str, ...]] = []
+    last = None
+    for r in report["results"]:
+        label = r["label"] if r["label"] != last else ""
+        last = r["label"]
+        rows.append(
+            (
+                label,
+                r["system"] + (" (ref)" if r["reference"] else ""),
+                _num(r["median"], r["unit"]),
+                _num(r["min"], r["unit"]),
+                _num(r["max"], r["unit"]),
+                r["unit"],
+                _ratio(r["vs_best_peer"]),
+                r["note"],
+            )
+        )
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+    right = {2, 3, 4, 6}
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = [
+            row[i].rjust(widths[i]) if i in right else row[i].ljust(widths[i])
+            for i in range(len(row))
+        ]
+        return "  ".join(cells).rstrip()
+
+    lines.append(fmt(header))
+    lines.append(fmt(["-" * w for w in widths]))
+    for i, row in enumerate(rows):
+        if row[0] and i:
+            lines.append("")
+        lines.append(fmt(row))
+    lines.append("")
+    lines.append(
+        "vs best peer: the row's median over the best of mp.Queue / faster-fifo / naive keyed "
+        "for that workload; > 1 means better (faster, or lower latency / cost)."
+    )
+    checked = sum(r["checked"] for r in report["results"])
+    lines.append(
+        f"Verified: {checked:,} messages arrived exactly once with intact payloads "
+        "(index, producer, check bytes)."
+    )
+    for r in report["results"]:
+        if r["out_of_order"]:
+            lines.append(
+                f"order: {r['system']} handed out {r['out_of_order']:,} of {r['checked']:,} "
+                f"messages in '{r['label']}' after a later message of the same producer"
+            )
+    if any(r["out_of_order"] for r in report["results"]):
+        lines.append(
+            "  (with several producers sharing keys this is allowed: a message waits behind "
+            "another producer's earlier message on its key while its successor's key is free)"
+        )
+    lines.append("")
+    lines.append("Targets (ratios of medians from this run):")
+    tw = max(len(t["name"]) for t in report["targets"]) if report["targets"] else 0
+    for t in report["targets"]:
+        if t["measured"] is None:
+            value, verdict = "not measured", ""
+        elif t["name"].endswith("msg/s"):
+            value = _num(t["measured"], "msg/s") + " msg/s"
+            verdict = "met" if t["met"] else "NOT met"
+        else:
+            value = f"{t['measured']:.2f}x"
+            verdict = "met" if t["met"] else "NOT met"
+        goal = (
+            _num(t["target"], "msg/s") + " msg/s"
+            if t["name"].endswith("msg/s")
+            else f"{t['target']:g}x"
+        )
+        lines.append(
+            f"  {t['name']:<{tw}}  {value:>13}  target {t['comparison']} {goal:<12} {verdict:<8}"
+            f"  ({t['source']}: {t['detail']})"
+        )
+    return "\n".join(lines)
