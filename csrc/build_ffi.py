@@ -18,6 +18,7 @@ SOURCES = [
     "compact.c",
     "segment.c",
     "hash.c",
+    "inspect.c",
 ]
 
 ffi = FFI()

@@ -115,6 +115,9 @@ typedef struct {
     uint32_t newest, oldest; /* slots in order of taking in, via slot.newer / slot.older */
     uint64_t skipped;    /* records between ingest_pos and scan_pos left out of the window */
     uint32_t dirty;      /* 1 while a consumer operation is half done */
+    uint32_t pad2;
+    uint64_t version;    /* seqlock word for readers in other processes (inspect.c):
+                          * odd while the receiver changes its tables (rx_begin/rx_end) */
     uint32_t free_slots; /* free list of message table slots (via slot.next) */
     uint32_t free_nodes; /* free list of nodes (via node.next) */
     uint32_t ready_count; /* messages free to hand out: a min-heap by seq at heap_off */
@@ -174,6 +177,7 @@ typedef struct {
     uint32_t pin;      /* PIN_*: may the consumer move this message's record?     */
     uint32_t newer, older; /* the window's messages in order of taking in (window.c) */
     uint32_t pad;
+    uint64_t handed_ns; /* when it was last handed out, coarse CLOCK_MONOTONIC ns (inspect.c) */
 } shm_slot;
 
 /* slot.pin: a holder that takes a zero-copy view pins the record where it is (CAS
@@ -195,6 +199,7 @@ typedef struct {
     uint32_t head, tail; /* the key's line of nodes; head == NIL means the entry is empty */
     uint32_t held;       /* eager order: slot holding the key, NIL = free               */
     uint32_t skipped;    /* fifo: messages with this key left out of the window (window.c) */
+    uint32_t count;      /* nodes in the line: kept so that a line's depth is O(1) (inspect.c) */
 } shm_key;
 
 /* ---- ring records ---------------------------------------------------------------------
@@ -291,6 +296,25 @@ static inline uint64_t coarse_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The receiver's seqlock writer side (inspect.c reads): every change to the scheduler's
+ * tables happens between rx_begin and rx_end, under rx_mu. dirty says "half done" to a
+ * successor receiver; version says "changed while you read" to inspectors. A receiver
+ * killed in between leaves version odd: readers then give up after a bounded number of
+ * tries and report their reading as partial; the next receiver makes it even again. */
+static inline void rx_begin(shm_chan *c) {
+    STORE_RELAXED(&c->hdr->dirty, 1);
+    STORE_RELAXED(&c->hdr->version, LOAD_RELAXED(&c->hdr->version) | 1u);
+    /* release fence: the odd version is visible before any table write below; pairs with
+     * the acquire fence in inspect.c's view_ok(). */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+static inline void rx_end(shm_chan *c) {
+    /* release: the table writes above are visible before the even version; pairs with the
+     * acquire load in inspect.c's view_begin(). */
+    STORE_RELEASE(&c->hdr->version, (LOAD_RELAXED(&c->hdr->version) | 1u) + 1u);
 }
 
 static inline uint8_t *ring_at(shm_chan *c, uint64_t pos) { return c->ring + (pos % c->cap); }

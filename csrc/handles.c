@@ -60,8 +60,10 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
     if (LOAD_RELAXED(&c->hdr->dirty)) {
         /* The previous receiver died inside an operation: rebuild (recovery.c). */
         pthread_mutex_lock(&c->rx_mu);
+        rx_begin(c);
         int rc = recovery_rebuild(c);
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+        rx_end(c);
         pthread_mutex_unlock(&c->rx_mu);
         if (rc != SHM_OK) {
             uint64_t me = c->token;
@@ -159,12 +161,13 @@ void handles_push(shm_chan *c, uint32_t s) {
 }
 
 /* ---- the receiver's poll ------------------------------------------------------------------ */
-static void hand_out(shm_chan *c, uint32_t s, shm_msg *m) {
+static void hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
     uint32_t gen = SLOT_GEN(sl->state);
     sl->attempt++;
     sl->holder = c->token;
+    sl->handed_ns = now;
     sl->deadline = c->cfg.lease_ns ? now_ns() + c->cfg.lease_ns : 0;
     STORE_RELAXED(&sl->pin, PIN_FREE); /* a former holder's views ended with its handle */
     /* release: a holder that sees INFLIGHT (its CAS, or shm_handle_info's acquire) sees
@@ -202,9 +205,10 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     if (!c->is_rx) return SHM_E_INVALID;
     shm_header *h = c->hdr;
     pthread_mutex_lock(&c->rx_mu);
-    STORE_RELAXED(&h->dirty, 1);
+    rx_begin(c);
     if (LOAD_RELAXED(&h->rx_sleeping)) STORE_RELAXED(&h->rx_sleeping, 0);
     int rc = SHM_OK, stalled = 0, moved = 0;
+    uint64_t now = 0; /* hand-out time, read once per call (coarse: a few ms) */
     for (int round = 0; round < 3; round++) {
         rc = handles_drain(c);
         if (rc) break;
@@ -217,7 +221,8 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
                 rc = SHM_E_CORRUPT;
                 break;
             }
-            hand_out(c, s, &out[(*got)++]);
+            if (!now) now = coarse_ns();
+            hand_out(c, s, &out[(*got)++], now);
         }
         if (rc) break;
         moved |= ring_advance_head(c);
@@ -247,6 +252,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         *space_waiters = LOAD_RELAXED(&h->space_waiters);
     }
     if (rc != SHM_E_CORRUPT) STORE_RELAXED(&h->dirty, 0);
+    rx_end(c);
     pthread_mutex_unlock(&c->rx_mu);
     return rc;
 }
@@ -283,7 +289,7 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     if (c->is_rx) {
         int out = SHM_OK;
         pthread_mutex_lock(&c->rx_mu);
-        STORE_RELAXED(&c->hdr->dirty, 1);
+        rx_begin(c);
         int rc = handles_finish(c, s);
         if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
             FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
@@ -291,6 +297,7 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
             if (waiters) out |= (int)((waiters > 64 ? 64 : waiters) << WAKE_TX_SHIFT);
         }
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+        rx_end(c);
         pthread_mutex_unlock(&c->rx_mu);
         return rc ? rc : out;
     }

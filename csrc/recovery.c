@@ -75,7 +75,7 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
                uint32_t *revoked) {
     if (!c->is_rx) return SHM_E_INVALID;
     pthread_mutex_lock(&c->rx_mu);
-    STORE_RELAXED(&c->hdr->dirty, 1);
+    rx_begin(c);
     int rc = SHM_OK;
     uint32_t count = 0;
     int stack_empty = LOAD_ACQUIRE(&c->hdr->release_stack) == NIL; /* pairs with push_release */
@@ -108,6 +108,7 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
     }
     if (ring_advance_head(c) | compact(c)) FENCE_SEQCST(); /* pairs with shm_space_wait */
     if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+    rx_end(c);
     pthread_mutex_unlock(&c->rx_mu);
     *revoked = count;
     return rc;
@@ -140,8 +141,11 @@ int shm_dead_discard(shm_chan *c, uint32_t s, uint32_t gen, int *wake) {
     if (!CAS_SEQCST(&c->slots[s].state, &expect, SLOT_WORD(gen, SLOT_DISCARD))) return SHM_STALE;
     if (c->is_rx) {
         pthread_mutex_lock(&c->rx_mu);
+        rx_begin(c);
         int rc = handles_finish(c, s);
         ring_advance_head(c);
+        if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+        rx_end(c);
         pthread_mutex_unlock(&c->rx_mu);
         return rc;
     }

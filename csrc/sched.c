@@ -96,6 +96,7 @@ static void key_delete(shm_chan *c, uint32_t i) {
     c->keys[i].head = c->keys[i].tail = NIL;
     c->keys[i].held = NIL;
     c->keys[i].skipped = 0;
+    c->keys[i].count = 0;
     c->keys[i].hash = 0;
 }
 
@@ -171,6 +172,7 @@ static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
     if (k->head == NIL) k->head = n;
     else c->nodes[k->tail].next = n;
     k->tail = n;
+    k->count++;
     return SHM_OK;
 }
 
@@ -311,6 +313,7 @@ static int fifo_unlink(shm_chan *c, uint32_t s) {
         if (k < 0 || c->keys[k].head != n) return SHM_E_CORRUPT; /* must be first in line */
         shm_key *key = &c->keys[k];
         key->head = c->nodes[n].next;
+        key->count--;
         if (key->head == NIL) {
             key->tail = NIL;
             c->skip_epoch++; /* skipped records with this key may return (window.c) */
@@ -355,6 +358,7 @@ static int eager_unlink(shm_chan *c, uint32_t s) {
             uint32_t w = key->head;
             if (!NODE_OK(c, w)) return SHM_E_CORRUPT;
             key->head = c->nodes[w].next;
+            key->count--;
             uint32_t ws = c->nodes[w].slot;
             if (!SLOT_OK(c, ws)) return SHM_E_CORRUPT;
             uint32_t bn;
@@ -408,6 +412,7 @@ int sched_evict(shm_chan *c, uint32_t s) {
             c->nodes[prev].next = NIL;
             key->tail = prev;
         }
+        key->count--;
         key->skipped++;
         node_free(c, n);
         n = sib;
@@ -512,9 +517,9 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     for (uint32_t k = 0; k <= c->keytab_mask && rc == SHM_OK; k++) {
         shm_key *key = &c->keys[k];
         if (key_empty(key)) continue;
-        uint32_t n = key->head;
+        uint32_t n = key->head, len = 0;
         uint64_t last = 0;
-        for (uint32_t guard = 0; n != NIL; guard++) {
+        for (uint32_t guard = 0; n != NIL; guard++, len++) {
             if (!NODE_OK(c, n) || guard > c->max_nodes) { rc = SHM_E_CORRUPT; *what = 5; break; }
             uint32_t s = c->nodes[n].slot;
             if (!SLOT_OK(c, s)) { rc = SHM_E_CORRUPT; *what = 6; break; }
@@ -526,6 +531,8 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
             last = c->slots[s].seq;
             n = c->nodes[n].next;
         }
+        /* the line's length, kept for inspect.c */
+        if (rc == SHM_OK && len != key->count) { rc = SHM_E_CORRUPT; *what = 14; }
     }
     pthread_mutex_unlock(&c->rx_mu);
     return rc;

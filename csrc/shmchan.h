@@ -36,7 +36,7 @@
 #define SHM_CFG_RAW_ONLY    1   /* serializer="raw": refuse pickled payloads */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  2
+#define SHM_LAYOUT_VERSION  3
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
@@ -168,5 +168,45 @@ int  shm_boot_check(shm_chan *c, uint64_t boot_id);
 
 /* --- inspection --------------------------------------------------------- */
 int  shm_stats_read(shm_chan *c, shm_stats *out);
+
+/* --- the operators' view (inspect.c): read-only, from any process ---------
+ * One record type for held messages, waiting lines and why-chains. Keys come back as
+ * the message's encoded key blob (codec.py), copied into the caller's buffer, plus the
+ * place (key_index) of the key an entry is about. */
+#define SHM_VIEW_UNKNOWN    0   /* no such message: not sent yet, or dropped            */
+#define SHM_VIEW_WAITING    1   /* taken in, behind another message on one of its keys  */
+#define SHM_VIEW_READY      2   /* free to go: the next recv() hands it out             */
+#define SHM_VIEW_INFLIGHT   3   /* handed out; `holder` holds it                        */
+#define SHM_VIEW_DELIVERED  4   /* handed out and released                              */
+#define SHM_VIEW_DEAD       5   /* a dead letter                                        */
+#define SHM_VIEW_QUEUED     6   /* accepted, waiting outside the receiver's window      */
+#define SHM_VIEW_TOP_MAX    4096 /* most lines shm_view_lines returns                  */
+#define SHM_VIEW_WORDS      11
+typedef struct {
+    uint64_t seq;
+    uint64_t state;         /* SHM_VIEW_*                                             */
+    uint64_t holder;        /* token of the holding process while in flight, else 0   */
+    uint64_t attempt;       /* deliveries so far                                      */
+    uint64_t age_ns;        /* in flight: time since it was handed out (coarse clock) */
+    uint64_t hash;          /* lines and chains: the key this entry is about          */
+    uint64_t key_index;     /* that key's place in the blob (nkeys if not found)      */
+    uint64_t nkeys;         /* the message's keys: an encoded blob of nkeys keys,     */
+    uint64_t blob_off;      /*   blob_len bytes at blob_off in the caller's buffer    */
+    uint64_t blob_len;
+    uint64_t depth;         /* lines: messages with the key not yet handed out        */
+} shm_view;
+
+/* Every in-flight message (SHM_FULL: more than max, or the buffer is too small). */
+int  shm_view_held(shm_chan *c, shm_view *out, uint32_t max, uint32_t *n,
+                   uint8_t *blob, uint64_t blob_cap);
+/* The `top` deepest lines, deepest first (out has room for top <= SHM_VIEW_TOP_MAX). */
+int  shm_view_lines(shm_chan *c, uint32_t top, shm_view *out, uint32_t *n,
+                    uint8_t *blob, uint64_t blob_cap, uint32_t *partial);
+/* Message `seq` (*self) and, if it waits, the chain of what it waits on (out[0..n)). */
+int  shm_view_why(shm_chan *c, uint64_t seq, shm_view *self, shm_view *out, uint32_t max,
+                  uint32_t *n, uint8_t *blob, uint64_t blob_cap, uint32_t *partial);
+/* Registered producers: their tokens and messages sent through each entry. */
+int  shm_view_producers(shm_chan *c, uint64_t *tokens, uint64_t *sent, uint32_t max,
+                        uint32_t *n);
 int  shm_check_scheduler(shm_chan *c, uint32_t *what);
 int  shm_layout_fact(const char *name, uint64_t *out);

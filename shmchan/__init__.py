@@ -23,6 +23,7 @@ from .errors import (
     ReceiverBusy,
     TooManyKeys,
 )
+from .inspect import HeldKey, Line, Wait, WaitChain
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,10 @@ __all__ = [
     "Handle",
     "Stats",
     "DeadLetter",
+    "HeldKey",
+    "Line",
+    "Wait",
+    "WaitChain",
     "unlink",
     "list_channels",
     "Error",

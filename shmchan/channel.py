@@ -22,6 +22,7 @@ import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
 import posix_ipc
 
 from . import codec, errors, liveness
+from . import inspect as _inspect
 from ._lib import ffi, lib, raise_for
 
 __all__ = [
@@ -464,6 +465,21 @@ class Channel:
             start = int(nxt[0])
         out.sort(key=lambda d: d.seq)
         return out
+
+    # -- the operators' view (shmchan/inspect.py) -----------------------------------------
+    def held(self) -> list[_inspect.HeldKey]:
+        """Keys held by in-flight handles: who holds each, since when (any process)."""
+        return _inspect.held(self)
+
+    def waiting(self, top: int = 20) -> list[_inspect.Line]:
+        """The `top` deepest lines of messages waiting for a key, deepest first."""
+        return _inspect.waiting(self, top)
+
+    def why_waiting(self, seq: int) -> _inspect.WaitChain:
+        """Why message `seq` is not handed out: the chain of messages it waits behind,
+        ending at one in flight (with its holder's pid). Empty, with `.state` saying
+        what the message is, if it is not waiting (see shmchan/inspect.py)."""
+        return _inspect.why_waiting(self, seq)
 
     def shutdown(self) -> None:
         """Refuse new sends (they raise Closed); the receiver drains what was accepted."""
