@@ -91,6 +91,9 @@ typedef struct {
     uint32_t keytab_size; /* key table entries, a power of two */
     uint64_t segment_size;
     uint64_t boot_id; /* hash of the boot the tokens below belong to (recovery.c) */
+    uint64_t chan_id;    /* random, non-zero, drawn at create: which channel this is, so an
+                          * attachment can tell whether its name still means this segment */
+    uint64_t created_ns; /* CLOCK_REALTIME at create (for people reading `stat`)       */
 
     /* -- producers: where the tail probably is (a hint; the ring is the truth) -- */
     _Alignas(SHM_CACHELINE) uint64_t tail_hint;
@@ -100,7 +103,8 @@ typedef struct {
 
     /* -- wake-up words (the eventcount: handles.c, ring.c) -- */
     _Alignas(SHM_CACHELINE) uint32_t rx_sleeping; /* 1 while the receiver may block on its semaphore */
-    uint32_t shutdown;                            /* 1 once shutdown() was called; never cleared */
+    uint32_t shutdown; /* SHUTDOWN_* bits, only ever set (fetch-or): sends are refused once
+                        * either is set; the receiver drains, then reports CLOSED */
     _Alignas(SHM_CACHELINE) uint32_t space_waiters; /* senders blocked (or about to block) on space */
 
     /* -- holders -> consumer: released slots, a push-only stack (handles.c) -- */
@@ -132,6 +136,11 @@ typedef struct {
     uint64_t ingested; /* messages taken into the window, ever */
     uint64_t delivered, released, redelivered, discarded;
 } shm_header;
+
+/* header.shutdown bits */
+#define SHUTDOWN_CLOSED 1u  /* shutdown() was called                                  */
+#define SHUTDOWN_REMOVED 2u /* the channel's name was unlinked (shmchan.unlink): a send
+                             * now would be lost to every future receiver */
 
 /* ---- producer registry ---------------------------------------------------------------- */
 typedef struct {

@@ -246,18 +246,20 @@ static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
     if (rc) return rc;
     rc = key_hashes(keys, keys_len, nkeys, hashes);
     if (rc) return rc;
-    if (LOAD_ACQUIRE(&c->hdr->shutdown)) return SHM_CLOSED; /* pairs with shm_shutdown */
+    uint32_t down = LOAD_ACQUIRE(&c->hdr->shutdown); /* pairs with shm_shutdown */
+    if (UNLIKELY(down)) return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
     rc = claim(c, n, &pos, &seq, stall);
     if (rc) return rc;
     /* seq_cst: after our claim (seq_cst CAS). Pairs with shm_shutdown's seq_cst store:
      * a receiver that saw shutdown and then an EMPTY tail cannot miss a claim that did
      * not see shutdown. */
-    if (LOAD_SEQCST(&c->hdr->shutdown)) {
+    down = LOAD_SEQCST(&c->hdr->shutdown);
+    if (UNLIKELY(down)) {
         shm_record *r = rec_at(c, pos);
         prepare_successor(c, pos + n, seq);
         STORE_RELEASE(&r->meta, META(n, REC_CANCELLED)); /* pairs with ring_peek */
         hint_raise(c, pos + n);
-        return SHM_CLOSED;
+        return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
     }
     fill(c, pos, n, seq, kind, data, len, keys, keys_len, nkeys, hashes);
     shm_producer *p = &c->producers[c->producer - 1];
@@ -437,6 +439,6 @@ int shm_space_wait(shm_chan *c, int arm) {
 int shm_shutdown(shm_chan *c) {
     /* seq_cst: pairs with the seq_cst load of shutdown after a claim in send_one, and with
      * the receiver's load before it declares the channel drained. */
-    STORE_SEQCST(&c->hdr->shutdown, 1);
+    __atomic_fetch_or(&c->hdr->shutdown, SHUTDOWN_CLOSED, __ATOMIC_SEQ_CST);
     return SHM_OK;
 }

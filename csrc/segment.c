@@ -11,10 +11,20 @@
  * header size, every configuration field's range, and that the offsets stored in
  * the header equal the ones recomputed here; the file must be large enough. After
  * that the process works only from its own validated copy (shm_chan.cfg).
+ *
+ * Identity and removal. A name is only a name: it can be unlinked and given to a new
+ * channel while processes still hold the old segment mapped. So the creator stores a
+ * random 64-bit chan_id (and the create time) in the header; whoever caches an
+ * attachment by name compares the id read through the name now (shm_read_identity, a
+ * pread) with its own, and whoever unlinks a name first checks that it means the channel
+ * they meant to remove. Removing a channel sets SHUTDOWN_REMOVED in header.shutdown
+ * (shm_mark_removed*), which send_one (ring.c) already loads on every send: from then on
+ * sends are refused with SHM_REMOVED at no extra cost, while the receiver drains.
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -101,6 +111,20 @@ static void bind(shm_chan *c, const layout *L) {
     c->keytab_mask = L->keytab_size - 1;
 }
 
+/* A random non-zero id; getrandom() practically never fails, but if it does the clock,
+ * the pid and the mapping's address still make a collision with the previous channel of
+ * the same name vanishingly unlikely. */
+static uint64_t new_chan_id(void) {
+    uint64_t id = 0;
+    if (getrandom(&id, sizeof id, GRND_NONBLOCK) != (ssize_t)sizeof id) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        id = hash_bytes((const uint8_t *)&ts, sizeof ts) ^ ((uint64_t)getpid() << 32) ^
+             (uint64_t)(uintptr_t)&id;
+    }
+    return id ? id : 1;
+}
+
 static void init_segment(shm_chan *c, const layout *L) {
     shm_header *h = c->hdr;
     /* The file is fresh (ftruncate zero-fills), so only non-zero fields are written. */
@@ -116,6 +140,10 @@ static void init_segment(shm_chan *c, const layout *L) {
     h->max_nodes = L->max_nodes;
     h->keytab_size = L->keytab_size;
     h->segment_size = L->total;
+    h->chan_id = new_chan_id();
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    h->created_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
     sched_init(c);
     ring_init(c);
     /* release: the segment is complete; pairs with the acquire load in shm_attach. */
@@ -199,6 +227,63 @@ int shm_sync(shm_chan *c) {
     return msync(c->base, len, MS_SYNC) == 0 ? SHM_OK : SHM_E_SYS;
 }
 uint64_t shm_mapped_size(shm_chan *c) { return c->map_len; }
+
+/* ---- identity and removal ----------------------------------------------------------- */
+int shm_identity(shm_chan *c, uint64_t *chan_id, uint64_t *created_ns) {
+    /* written before the magic was published (release), which shm_attach validated */
+    *chan_id = c->hdr->chan_id;
+    *created_ns = c->hdr->created_ns;
+    return SHM_OK;
+}
+
+/* The id of the channel in the file `fd` refers to, read with pread (no mapping):
+ * SHM_EMPTY while its creator is still initializing it, SHM_E_LAYOUT if it is not a
+ * channel of this layout version. */
+int shm_read_identity(int fd, uint64_t *chan_id) {
+    shm_header hd;
+    ssize_t got = pread(fd, &hd, sizeof hd, 0);
+    if (got < 0) return SHM_E_SYS;
+    if ((size_t)got < sizeof hd) return SHM_E_LAYOUT;
+    /* acquire-like: pread copies magic and id in one go; the creator stored the id before
+     * it published the magic (release in init_segment), so an id read with the right
+     * magic is the final one. */
+    if (hd.magic == 0 && hd.layout_version == 0) return SHM_EMPTY;
+    if (hd.magic != SHM_MAGIC || hd.layout_version != SHM_LAYOUT_VERSION ||
+        hd.header_bytes != sizeof(shm_header))
+        return SHM_E_LAYOUT;
+    *chan_id = hd.chan_id;
+    return SHM_OK;
+}
+
+int shm_mark_removed(shm_chan *c) {
+    /* seq_cst: as shm_shutdown (ring.c): pairs with send_one's loads of shutdown and the
+     * receiver's load before it declares the channel drained. */
+    __atomic_fetch_or(&c->hdr->shutdown, SHUTDOWN_REMOVED, __ATOMIC_SEQ_CST);
+    return SHM_OK;
+}
+
+/* Mark the channel in file `fd` removed without attaching to it (the header page only).
+ * expect_id != 0: only if it is that channel (SHM_STALE otherwise). */
+int shm_mark_removed_fd(int fd, uint64_t expect_id) {
+    uint64_t id = 0;
+    int rc = shm_read_identity(fd, &id);
+    if (rc != SHM_OK) return rc;
+    if (expect_id != 0 && id != expect_id) return SHM_STALE;
+    size_t len = (size_t)page_up(sizeof(shm_header));
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return SHM_E_SYS;
+    shm_header *h = p;
+    /* seq_cst: as shm_mark_removed. */
+    if (h->chan_id == id) __atomic_fetch_or(&h->shutdown, SHUTDOWN_REMOVED, __ATOMIC_SEQ_CST);
+    else rc = SHM_STALE; /* replaced between the read and the mapping (a file rewritten) */
+    munmap(p, len);
+    return rc;
+}
+
+int shm_removed(shm_chan *c) {
+    /* acquire: pairs with the fetch-or in shm_mark_removed*. */
+    return (LOAD_ACQUIRE(&c->hdr->shutdown) & SHUTDOWN_REMOVED) ? 1 : 0;
+}
 
 int shm_read_config(shm_chan *c, shm_config *out) {
     *out = c->cfg;
@@ -345,6 +430,8 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.segment_size", offsetof(shm_header, segment_size)},
         {"header.max_producers", offsetof(shm_header, cfg) + offsetof(shm_config, max_producers)},
         {"header.size", sizeof(shm_header)},
+        {"header.chan_id", offsetof(shm_header, chan_id)},
+        {"header.shutdown", offsetof(shm_header, shutdown)},
         {"slot.size", sizeof(shm_slot)},
         {"slot.state", offsetof(shm_slot, state)},
         {"slot.holder", offsetof(shm_slot, holder)},

@@ -18,6 +18,7 @@
 #define SHM_CLOSED        4   /* shut down (and, for the receiver, drained)   */
 #define SHM_STALE         5   /* handle no longer current: release is a no-op */
 #define SHM_BUSY          6   /* receiver owned by another live process       */
+#define SHM_REMOVED       7   /* the channel was removed (unlinked): sends refused */
 #define SHM_E_TOO_LARGE  -1
 #define SHM_E_TOO_MANY_KEYS -2
 #define SHM_E_CORRUPT    -3
@@ -111,6 +112,13 @@ uint8_t *shm_base(shm_chan *c);
 int  shm_sync(shm_chan *c);
 uint64_t shm_mapped_size(shm_chan *c);
 int  shm_read_config(shm_chan *c, shm_config *out);
+/* identity (segment.c): the random id and create time stored at creation */
+int  shm_identity(shm_chan *c, uint64_t *chan_id, uint64_t *created_ns);
+int  shm_read_identity(int fd, uint64_t *chan_id);
+/* removal: mark a segment removed (sends refused), through an attachment or an fd */
+int  shm_mark_removed(shm_chan *c);
+int  shm_mark_removed_fd(int fd, uint64_t expect_id);
+int  shm_removed(shm_chan *c);
 
 /* --- keys --------------------------------------------------------------- */
 uint64_t shm_hash_key(const uint8_t *enc, uint32_t len);

@@ -14,14 +14,18 @@ from .errors import (
     ChannelCorrupted,
     ChannelExists,
     ChannelNotFound,
+    ChannelRemoved,
     Closed,
     Empty,
     Error,
     Full,
+    InvalidArgument,
     LayoutMismatch,
     MessageTooLarge,
     ReceiverBusy,
     TooManyKeys,
+    UnsupportedType,
+    WrongProcess,
 )
 from .inspect import HeldKey, Line, Wait, WaitChain
 
@@ -51,4 +55,8 @@ __all__ = [
     "ReceiverBusy",
     "LayoutMismatch",
     "ChannelCorrupted",
+    "ChannelRemoved",
+    "InvalidArgument",
+    "UnsupportedType",
+    "WrongProcess",
 ]

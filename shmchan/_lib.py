@@ -20,9 +20,13 @@ _ERRORS: dict[int, tuple[type[BaseException], str]] = {
         errors.LayoutMismatch,
         "{what}: not a shmchan segment of this layout version",
     ),
-    lib.SHM_E_INVALID: (ValueError, "{what}: invalid argument"),
+    lib.SHM_E_INVALID: (errors.InvalidArgument, "{what}: invalid argument"),
     lib.SHM_E_NOMEM: (MemoryError, "{what}: out of memory"),
     lib.SHM_CLOSED: (errors.Closed, "{what}: the channel was shut down"),
+    lib.SHM_REMOVED: (
+        errors.ChannelRemoved,
+        "{what}: the channel was removed (unlinked); nobody would ever receive this",
+    ),
     lib.SHM_BUSY: (errors.ReceiverBusy, "{what}: another live receiver owns this channel"),
 }
 

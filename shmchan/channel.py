@@ -44,6 +44,7 @@ _SPIN_PAUSES = 500  # CPU pause instructions per spin round (a few microseconds)
 _MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least this often
 _STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
 _SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
+_NAME_CHECK_SECONDS = 0.05  # how often a waiting sender checks that its name still holds
 _HOLDER_REVOKED = 1  # csrc/core.h HOLDER_REVOKED
 _RX, _TX = 0, 1  # _Segment.post / .wait: the receiver's semaphore, the senders'
 _ORDERS = {"fifo": lib.SHM_ORDER_FIFO, "eager": lib.SHM_ORDER_EAGER}
@@ -67,6 +68,25 @@ def _shm_name(name: str) -> str:
 
 def _sem_names(name: str) -> tuple[str, str]:
     return "/" + _PREFIX + name + ".rx", "/" + _PREFIX + name + ".tx"
+
+
+def _name_file(name: str, path: str | None) -> str:
+    """The file a channel's name refers to: its /dev/shm entry, or its path= file."""
+    return os.path.join(_SHM_DIR, _PREFIX + name) if path is None else path
+
+
+def _read_identity(name: str, path: str | None) -> int | None:
+    """The chan_id of the channel the name refers to now; None if there is none (or it
+    is not a finished channel of this layout). Three system calls: off the hot path."""
+    try:
+        fd = os.open(_name_file(name, path), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        out = ffi.new("uint64_t *")
+        return int(out[0]) if lib.shm_read_identity(fd, out) == lib.SHM_OK else None
+    finally:
+        os.close(fd)
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -108,6 +128,11 @@ class _Segment(_hot.SegmentBase):
         self.max_keys = int(cfg.max_keys)
         self.raw_only = bool(cfg.flags & lib.SHM_CFG_RAW_ONLY)
         self.lease_ns = int(cfg.lease_ns)
+        ident = ffi.new("uint64_t[2]")
+        lib.shm_identity(ptr, ident, ident + 1)
+        self.chan_id = int(ident[0])  # which channel this is (see csrc/segment.c)
+        self.created_ns = int(ident[1])
+        self._next_name_check = 0.0
         # The whole mapping as one buffer; handle views are slices of it. The buffer keeps
         # `base` alive, and `base` unmaps the segment when the last slice is gone.
         size = lib.shm_mapped_size(ptr)
@@ -147,6 +172,29 @@ class _Segment(_hot.SegmentBase):
             s = _Scratch()
             self._local.s = s
         return s
+
+    def removed(self, every: float = 0.0) -> bool:
+        """Was this channel removed? True once unlink() marked it, or once its name no
+        longer means this segment (someone removed the name some other way, or gave it to
+        a new channel); then it is marked, so that its senders are refused at once.
+        Reads the name through the file system: call it off the hot path, at most once
+        per `every` seconds (between checks only the flag is read)."""
+        if lib.shm_removed(self.ptr):
+            return True
+        now = time.monotonic()
+        if now < self._next_name_check:
+            return False
+        self._next_name_check = now + every
+        try:
+            current = _read_identity(self.name, self.path)
+        except OSError:
+            return False  # cannot tell (e.g. permissions): assume it is still ours
+        if current == self.chan_id:
+            return False
+        lib.shm_mark_removed(self.ptr)
+        self.post(_RX, 1)  # the receiver learns it may end once drained
+        self.post(_TX, 64)  # waiting senders are refused
+        return True
 
     def after_fork(self) -> None:
         lib.shm_set_identity(self.ptr, liveness.current_token())
@@ -503,11 +551,23 @@ class Channel:
             seg.registered = False
 
     def unlink(self) -> None:
-        """Remove the channel's name; processes attached to it keep working."""
-        seg = self._seg
-        if seg is None:
-            raise errors.Closed("channel object is closed")
-        unlink(seg.name, path=seg.path)
+        """Remove this channel: its name and semaphores go, its sends are refused from now
+        on (ChannelRemoved), and its receiver may drain what was accepted. If the name
+        was meanwhile given to another channel, that one is left alone and this raises
+        ChannelNotFound (as it does when the channel was already removed)."""
+        seg = self._live()
+        lib.shm_mark_removed(seg.ptr)  # whatever the name means now, this one is gone
+        seg.post(_RX, 1)
+        seg.post(_TX, 64)
+        if not _unlink(seg.name, seg.path, seg.chan_id):
+            raise errors.ChannelNotFound(
+                f"channel {seg.name!r} was already removed"
+                + (
+                    ""
+                    if _read_identity(seg.name, seg.path) is None
+                    else "; the name now belongs to another channel, which was left alone"
+                )
+            )
 
     def _live(self) -> _Segment:
         seg = self._seg
@@ -545,10 +605,11 @@ def _open_sems(name: str, flags: int, mode: int) -> tuple[Any, Any]:
 def _create_segment(
     name: str, path: str | os.PathLike[str] | None, cfg: Any, total: int, mode: int
 ) -> _Segment:
-    # Semaphores first: whoever can see the segment can also open them.
-    rx, tx = _open_sems(name, posix_ipc.O_CREAT, mode)
+    # The name first (O_EXCL): if it is taken, nothing of the existing channel is
+    # touched. Openers wait until the magic is stored, so the semaphores are there by then.
     shm = None
     fd = -1
+    rx = tx = None
     try:
         if path is None:
             try:
@@ -563,6 +624,7 @@ def _create_segment(
                 raise errors.ChannelExists(
                     f"channel file {os.fspath(path)!r} already exists"
                 ) from None
+        rx, tx = _open_sems(name, posix_ipc.O_CREAT, mode)
         try:
             os.ftruncate(fd, total)
             # Reserve every page now: running out of /dev/shm must fail here, not as a
@@ -586,7 +648,8 @@ def _create_segment(
         elif path is not None and fd >= 0:
             os.unlink(os.fspath(path))
         for sem in (rx, tx):
-            sem.unlink()
+            if sem is not None:
+                sem.unlink()
         raise
     finally:
         if shm is not None:
@@ -641,35 +704,74 @@ def _shared_channel(name: str, path: str | None) -> Channel:
     key = (name, path)
     with _shared_lock:
         ch = _shared.get(key)
-        if ch is None or ch._seg is None or ch._seg.pid != os.getpid():
+        seg = None if ch is None else ch._seg
+        # A name means the channel under that name now: a cached attachment whose name
+        # was removed or re-created is dropped (its senders are refused: seg.removed()).
+        if ch is None or seg is None or seg.pid != os.getpid() or seg.removed():
             ch = Channel.open(name, path=path)
             _shared[key] = ch
         return ch
 
 
 def unlink(name: str, *, path: str | os.PathLike[str] | None = None) -> None:
-    """Remove a channel's name (and file, for path= channels). ChannelNotFound if absent."""
+    """Remove the channel of that name (its segment, or file for path= channels, and its
+    semaphores); processes attached to it are refused further sends (ChannelRemoved)
+    and its receiver drains. ChannelNotFound if there is none."""
     _check_name(name)
-    found = False
-    if path is None:
-        try:
-            posix_ipc.unlink_shared_memory(_shm_name(name))
-            found = True
-        except posix_ipc.ExistentialError:
-            pass
-    else:
-        try:
-            os.unlink(os.fspath(path))
-            found = True
-        except FileNotFoundError:
-            pass
-    for sem in _sem_names(name):
-        try:
-            posix_ipc.unlink_semaphore(sem)
-        except posix_ipc.ExistentialError:
-            pass
-    if not found:
+    if not _unlink(name, None if path is None else os.fspath(path), 0):
         raise errors.ChannelNotFound(f"no channel named {name!r}")
+
+
+def _unlink(name: str, path: str | None, expect_id: int) -> bool:
+    """Remove the name, if it means channel `expect_id` (any channel, or anything at all
+    under that name, if 0): mark the segment removed, unlink its file and semaphores,
+    wake whoever sleeps on them. False if there was nothing (of that identity) to remove."""
+    file = _name_file(name, path)
+    try:
+        fd = os.open(file, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not expect_id:
+            _unlink_sems(name, post=False)  # leftovers of a creator that died early
+        return False
+    try:
+        rc = lib.shm_mark_removed_fd(fd, expect_id)
+        if expect_id and rc != lib.SHM_OK:
+            return False  # the name means another channel (or junk) now: not ours
+        # The name must still be the file we checked and marked.
+        st = os.fstat(fd)
+        try:
+            now = os.stat(file)
+        except FileNotFoundError:
+            return False  # someone else removed it just now
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            if expect_id:
+                return False
+            return _unlink(name, path, 0)  # replaced meanwhile: remove what is there now
+        try:
+            os.unlink(file)
+        except FileNotFoundError:
+            return False
+    finally:
+        os.close(fd)
+    _unlink_sems(name, post=True)
+    return True
+
+
+def _unlink_sems(name: str, post: bool) -> None:
+    for sem_name in _sem_names(name):
+        try:
+            sem = posix_ipc.Semaphore(sem_name)
+        except posix_ipc.ExistentialError:
+            continue
+        try:
+            if post:  # sleepers wake and find the channel removed
+                for _ in range(64 if sem_name.endswith(".tx") else 1):
+                    sem.release()
+            sem.unlink()
+        except posix_ipc.ExistentialError:
+            pass
+        finally:
+            sem.close()
 
 
 def list_channels() -> list[str]:
@@ -819,6 +921,8 @@ class Sender(_hot.SenderBase):
                         seg.post(_RX, 1)
                         rc = attempt()  # re-check after announcing ourselves
                         continue
+                    if seg.removed(every=_NAME_CHECK_SECONDS):
+                        raise_for(lib.SHM_REMOVED, what)
                     left = _remaining(deadline)
                     if left is not None and left <= 0:
                         raise errors.Full(f"{what}: channel {seg.name!r} stayed full")
@@ -909,6 +1013,7 @@ class Receiver(_hot.ReceiverBase):
             return 0
         if sweep:
             self._next_sweep = now + _SWEEP_SECONDS
+            seg.removed()  # its name removed some other way: refuse its senders from now
         revoked = ffi.new("uint32_t *")
         rc = lib.shm_revoke(seg.ptr, dead, len(dead), now_ns, revoked)
         if rc:
@@ -939,7 +1044,8 @@ class Receiver(_hot.ReceiverBase):
                 handles: list[Handle] = _hot.handles_from(seg, _address(msgs), got)
                 return handles
             if rc == lib.SHM_CLOSED:
-                raise errors.Closed(f"channel {seg.name!r} is shut down and drained")
+                how = "removed" if lib.shm_removed(seg.ptr) else "shut down"
+                raise errors.Closed(f"channel {seg.name!r} is {how} and drained")
             if rc == lib.SHM_STALLED:
                 # Remembered across calls, so that try_recv() polling also gets a dead
                 # producer's claim repaired.
@@ -1149,15 +1255,15 @@ class Handle(_hot.HandleBase):
         # Hand-over: from now on the unpickling process holds it; we no longer release
         # it when garbage-collected.
         self._pid = -1
-        return (_adopt_handle, (seg.name, seg.path, self._slot, self._gen))
+        return (_adopt_handle, (seg.name, seg.path, self._slot, self._gen, seg.chan_id))
 
     def __repr__(self) -> str:
         state = "released" if self._done else "held"
         return f"<shmchan.Handle seq={self.seq} attempt={self.attempt} {state}>"
 
 
-def _adopt_handle(name: str, path: str | None, slot: int, gen: int) -> Handle:
-    seg = _shared_channel(name, path)._live()
+def _adopt_handle(name: str, path: str | None, slot: int, gen: int, chan_id: int) -> Handle:
+    seg = _attachment_of(name, path, chan_id)
     rc = lib.shm_handle_adopt(seg.ptr, slot, gen, liveness.current_token())
     m = ffi.new("shm_msg *")
     if rc == lib.SHM_OK:
@@ -1170,6 +1276,28 @@ def _adopt_handle(name: str, path: str | None, slot: int, gen: int) -> Handle:
     if rc:
         raise_for(rc, "unpickle handle")
     return Handle._from_msg(seg, m)
+
+
+def _attachment_of(name: str, path: str | None, chan_id: int) -> _Segment:
+    """This process's attachment to channel `chan_id`, named `name`: the channel under
+    the name now, if it is that one, else one this process still has (the channel was
+    removed since). ChannelRemoved if the channel is no longer reachable."""
+    seg: _Segment | None
+    try:
+        seg = _shared_channel(name, path)._live()
+    except errors.ChannelNotFound:
+        seg = None
+    if seg is not None and seg.chan_id == chan_id:
+        return seg
+    pid = os.getpid()
+    for mine in list(_segments):
+        if mine.chan_id == chan_id and mine.pid == pid and not mine.detached[0]:
+            return mine
+    raise errors.ChannelRemoved(
+        f"channel {name!r} was removed"
+        + ("" if seg is None else " (the name now belongs to another channel)")
+        + ": a handle of it cannot be taken over"
+    )
 
 
 # The per-message calls reach the core through the functions of the cffi module loaded

@@ -14,6 +14,7 @@ __all__ = [
     "Full",
     "Empty",
     "Closed",
+    "ChannelRemoved",
     "MessageTooLarge",
     "TooManyKeys",
     "ChannelNotFound",
@@ -21,6 +22,9 @@ __all__ = [
     "ReceiverBusy",
     "LayoutMismatch",
     "ChannelCorrupted",
+    "InvalidArgument",
+    "UnsupportedType",
+    "WrongProcess",
 ]
 
 
@@ -29,7 +33,15 @@ class Error(Exception):
 
 
 class Full(Error, queue.Full):
-    """`send` timed out: the channel had no room for the message in time."""
+    """`send` timed out: the channel had no room for the message in time.
+
+    `seqs` lists the seqs of the messages that were accepted before it was raised: for
+    `send_many`, the prefix of the batch that went in (the rest did not); empty for
+    `send`."""
+
+    def __init__(self, *args: object, seqs: list[int] | None = None) -> None:
+        super().__init__(*args)
+        self.seqs: list[int] = [] if seqs is None else seqs
 
 
 class Empty(Error, queue.Empty):
@@ -38,6 +50,12 @@ class Empty(Error, queue.Empty):
 
 class Closed(Error):
     """The channel was shut down (sends refused), or this object was closed."""
+
+
+class ChannelRemoved(Closed):
+    """The channel was removed (unlinked): sends into it are refused, since no receiver
+    that opens the name from now on would ever see them. A receiver still attached
+    drains what was accepted before."""
 
 
 class MessageTooLarge(Error, ValueError):
@@ -66,3 +84,18 @@ class LayoutMismatch(Error):
 
 class ChannelCorrupted(Error):
     """The shared segment holds bytes no correct process could have written."""
+
+
+class InvalidArgument(Error, ValueError):
+    """An argument's value is wrong (the caller's fault): a NaN or negative timeout, a
+    bad name, an option out of range."""
+
+
+class UnsupportedType(Error, TypeError):
+    """An argument of a type shmchan does not take: a key that is not str, bytes or
+    int, a timeout that is not a number, a payload a raw channel refuses."""
+
+
+class WrongProcess(Error):
+    """An object used in a process it does not belong to, e.g. a Receiver inherited by
+    a forked child (only the process that took the receiver may receive)."""
