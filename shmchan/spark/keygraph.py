@@ -271,6 +271,21 @@ def partition_by_keys(
     `df` is read twice (once for the key graph, once to label its rows): cache it first if
     it is expensive, and it must be deterministic.
     """
+    out, info = partition(df, keys_col, order_col, COMPONENT, num_partitions, driver_threshold)
+    out.components_info = info  # type: ignore[attr-defined]
+    out._shmchan_partitioned_by = (keys_col, order_col)  # type: ignore[attr-defined]
+    return out
+
+
+def partition(
+    df: DataFrame,
+    keys_col: str,
+    order_col: str | Sequence[str],
+    column: str,
+    num_partitions: int | None = None,
+    driver_threshold: int | None = None,
+) -> tuple[DataFrame, ComponentsInfo]:
+    """partition_by_keys with the component in `column` (replacing any column of that name)."""
     order = _order_cols(df, order_col)
     ids = key_ids(df, keys_col)
     comp = components(df, keys_col, driver_threshold=driver_threshold)
@@ -280,13 +295,18 @@ def partition_by_keys(
     rows = df.withColumn(_MIN, F.array_min(ids))
     joined = rows.join(labels, rows[_MIN] == labels[_VERTEX], "left")
     no_keys = F.xxhash64(F.lit("shmchan.spark: no keys"), *[F.col(f"`{c}`") for c in order])
-    component = F.coalesce(F.col(_LABEL), F.col(_MIN), no_keys).alias(COMPONENT)
-    kept = [F.col(f"`{c}`") for c in df.columns if c != COMPONENT]
+    component = F.coalesce(F.col(_LABEL), F.col(_MIN), no_keys).alias(column)
+    kept = [F.col(f"`{c}`") for c in df.columns if c != column]
     labelled = joined.select(*kept, component)
     if num_partitions is None:
         num_partitions = int(df.sparkSession.conf.get("spark.sql.shuffle.partitions") or "200")
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be at least 1, got {num_partitions}")
-    out = labelled.repartition(num_partitions, COMPONENT).sortWithinPartitions(*order)
-    out.components_info = comp.info  # type: ignore[attr-defined]
-    return out
+    out = labelled.repartition(num_partitions, column).sortWithinPartitions(*order)
+    return out, comp.info
+
+
+def partitioned_by(df: DataFrame) -> tuple[str, str | Sequence[str]] | None:
+    """`(keys_col, order_col)` if `df` is the very DataFrame partition_by_keys returned for
+    them (attributes do not pass to DataFrames derived from it), else None."""
+    return getattr(df, "_shmchan_partitioned_by", None)
