@@ -342,6 +342,7 @@ int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_st
 int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len);
 void ring_mark_done(shm_chan *c, uint64_t pos);
 int ring_advance_head(shm_chan *c);
+int space_wake_due(shm_chan *c, int idle);
 /* sched.c */
 int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out);
 int sched_release(shm_chan *c, uint32_t s);

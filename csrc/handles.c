@@ -199,9 +199,9 @@ static int work_pending(shm_chan *c) {
 }
 
 int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sleep,
-             shm_stall *stall, uint32_t *space_waiters) {
+             shm_stall *stall, uint32_t *wake_sender) {
     *got = 0;
-    *space_waiters = 0;
+    *wake_sender = 0;
     if (!c->is_rx) return SHM_E_INVALID;
     shm_header *h = c->hdr;
     pthread_mutex_lock(&c->rx_mu);
@@ -245,11 +245,12 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         if (!work_pending(c)) break;
         STORE_RELAXED(&h->rx_sleeping, 0);
     }
-    if (moved) {
+    int idle = rc == SHM_EMPTY && arm_sleep; /* about to sleep: waiters must try now */
+    if (moved || idle) {
         /* seq_cst fence: between our release store of head and the load of the waiter
          * count; pairs with the seq_cst add in shm_space_wait. */
         FENCE_SEQCST();
-        *space_waiters = LOAD_RELAXED(&h->space_waiters);
+        *wake_sender = (uint32_t)space_wake_due(c, idle); /* the rationing rule: ring.c */
     }
     if (rc != SHM_E_CORRUPT) STORE_RELAXED(&h->dirty, 0);
     rx_end(c);
@@ -274,8 +275,8 @@ int shm_rx_spin(shm_chan *c, uint32_t spins) {
 }
 
 /* ---- holders (any process) ------------------------------------------------------------ */
-#define WAKE_RX (1 << 8)
-#define WAKE_TX_SHIFT 9
+#define WAKE_RX (1 << 8) /* post the receiver's semaphore */
+#define WAKE_TX (1 << 9) /* wake one sender waiting for space (ring.c's rationing) */
 
 int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
@@ -293,8 +294,7 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
         int rc = handles_finish(c, s);
         if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
             FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
-            uint32_t waiters = LOAD_RELAXED(&c->hdr->space_waiters);
-            if (waiters) out |= (int)((waiters > 64 ? 64 : waiters) << WAKE_TX_SHIFT);
+            if (space_wake_due(c, 0)) out |= WAKE_TX;
         }
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
         rx_end(c);
@@ -321,9 +321,9 @@ int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, u
             continue;
         }
         rx |= r & WAKE_RX;
-        if ((r >> WAKE_TX_SHIFT) > tx) tx = r >> WAKE_TX_SHIFT;
+        tx |= r & WAKE_TX;
     }
-    *wake = (rx ? 1 : 0) | (tx << 1);
+    *wake = (rx ? 1 : 0) | (tx ? 2 : 0); /* at most one sender per call, like shm_recv */
     return rc;
 }
 

@@ -161,6 +161,7 @@ typedef struct {
     PyObject *mem;        /* read-only memoryview of the whole mapping (its owner)   */
     sem_t *rx_sem;        /* the receiver's semaphore, posted when a send wakes it  */
     sem_t *tx_sem;        /* the senders' semaphore (waiting for space)             */
+    unsigned long long tx_posts; /* posts of tx_sem by wake_sender: a count for tests  */
 } SegmentObject;
 
 static PyTypeObject SegmentType;
@@ -172,17 +173,27 @@ static int seg_detached(SegmentObject *s) {
 }
 
 #define WAKE_RX_BIT (1 << 8) /* shm_release's wake-up requests (csrc/handles.c) */
-#define WAKE_TX_SHIFT 9
+#define WAKE_TX_BIT (1 << 9)
 
 /* Post n times (at most 64: each sleeper needs one, and more are only spurious). */
 static void post_n(sem_t *sem, unsigned n) {
     for (unsigned i = 0; sem != NULL && i < n && i < 64; i++) sem_post(sem);
 }
 
-/* Post what a release asked for: bit 8 the receiver, bits 9.. that many senders. */
+/* Wake one sender waiting for space, unless an earlier post is still unconsumed: that one
+ * already makes a waiter look again (the rationing rule, csrc/ring.c). sem_getvalue reads
+ * the count without a system call. */
+static void wake_sender(SegmentObject *seg) {
+    int v = 0;
+    if (seg->tx_sem == NULL || (sem_getvalue(seg->tx_sem, &v) == 0 && v > 0)) return;
+    sem_post(seg->tx_sem);
+    seg->tx_posts++;
+}
+
+/* Post what a release asked for: bit 8 the receiver, bit 9 one sender. */
 static void post_wakeups(SegmentObject *seg, int r) {
     if (r & WAKE_RX_BIT) post_n(seg->rx_sem, 1);
-    post_n(seg->tx_sem, (unsigned)r >> WAKE_TX_SHIFT);
+    if (r & WAKE_TX_BIT) wake_sender(seg);
 }
 
 static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
@@ -262,6 +273,13 @@ static PyObject *Segment_post(SegmentObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* wake_sender(): wake one sender waiting for space, unless a post is still pending. */
+static PyObject *Segment_wake_sender(SegmentObject *self, PyObject *unused) {
+    if (self->tx_sem == NULL) return PyErr_Format(PyExc_ValueError, "an unbound segment");
+    wake_sender(self);
+    Py_RETURN_NONE;
+}
+
 static void Segment_dealloc(SegmentObject *self) {
     if (self->rx_sem) sem_close(self->rx_sem);
     if (self->tx_sem) sem_close(self->tx_sem);
@@ -277,6 +295,8 @@ static PyMethodDef Segment_methods[] = {
     {"post", (PyCFunction)Segment_post, METH_VARARGS,
      "post(which, n): post the receiver's (0) or the senders' (1) semaphore n times\n"
      "(at most 64)."},
+    {"wake_sender", (PyCFunction)Segment_wake_sender, METH_NOARGS,
+     "wake_sender(): post the senders' semaphore once, unless a post is still pending."},
     {"wait", (PyCFunction)Segment_wait, METH_VARARGS,
      "wait(which, seconds): sleep on the receiver's (0) or the senders' (1) semaphore\n"
      "until posted or seconds pass; a signal handler's exception propagates."},
@@ -287,6 +307,8 @@ static PyMemberDef Segment_members[] = {
     {"registered", T_BOOL, offsetof(SegmentObject, registered), 0,
      "this process holds a producer registry entry"},
     {"pid", T_LONG, offsetof(SegmentObject, pid), 0, "the process this attachment is for"},
+    {"tx_posts", T_ULONGLONG, offsetof(SegmentObject, tx_posts), READONLY,
+     "times this process woke a sender waiting for space (wake_sender)"},
     {NULL},
 };
 
@@ -626,8 +648,6 @@ static int ensure_msgs(ReceiverObject *r, uint32_t n) {
     return 0;
 }
 
-/* Senders wait for the space a poll freed. */
-static void wake_senders(SegmentObject *seg, uint32_t waiters) { post_n(seg->tx_sem, waiters); }
 
 /* The core handed out msgs[from..got) but they cannot become Handles (out of memory):
  * give them back (as a nack: they are redelivered with attempt + 1) rather than leave
@@ -645,10 +665,10 @@ static void give_back(SegmentObject *seg, const shm_msg *msgs, uint32_t from, ui
 static PyObject *poll_fast(ReceiverObject *self, SegmentObject *seg, uint32_t n, int arm,
                            int *rc) {
     if (ensure_msgs(self, n) < 0) return NULL;
-    uint32_t got = 0, waiters = 0;
+    uint32_t got = 0, wake = 0;
     shm_stall stall;
-    *rc = core.recv(seg->c, self->msgs, n, &got, arm, &stall, &waiters);
-    if (waiters) wake_senders(seg, waiters);
+    *rc = core.recv(seg->c, self->msgs, n, &got, arm, &stall, &wake);
+    if (wake) wake_sender(seg);
     PyObject *out = PyList_New(got);
     if (out == NULL) {
         give_back(seg, self->msgs, 0, got);
@@ -673,10 +693,10 @@ static PyObject *poll_fast(ReceiverObject *self, SegmentObject *seg, uint32_t n,
  * an exception set on error, without one if nothing was ready (*rc says why). */
 static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int *rc) {
     if (ensure_msgs(self, 1) < 0) return NULL;
-    uint32_t got = 0, waiters = 0;
+    uint32_t got = 0, wake = 0;
     shm_stall stall;
-    *rc = core.recv(seg->c, self->msgs, 1, &got, arm, &stall, &waiters);
-    if (waiters) wake_senders(seg, waiters);
+    *rc = core.recv(seg->c, self->msgs, 1, &got, arm, &stall, &wake);
+    if (wake) wake_sender(seg);
     if (!got) return NULL;
     PyObject *h = make_handle(seg, &self->msgs[0]);
     if (h == NULL) give_back(seg, self->msgs, 0, 1);
@@ -854,7 +874,7 @@ static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) 
         PyMem_Free(gens);
     }
     if (wake & 1) post_n(seg->rx_sem, 1);
-    post_n(seg->tx_sem, (unsigned)wake >> 1);
+    if (wake & 2) wake_sender(seg);
     Py_DECREF(seg);
     Py_DECREF(seq);
     if (rc >= 0) Py_RETURN_NONE;

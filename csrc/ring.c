@@ -419,19 +419,65 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
     return rc;
 }
 
-/* Producers blocked on space count themselves as waiters; the consumer posts the space
- * semaphore after moving head while the count is non-zero. */
-int shm_space_wait(shm_chan *c, int arm) {
+/* ---- senders waiting for space ----------------------------------------------------------
+ * A sender that finds the ring full counts itself in space_waiters (shm_space_wait), checks
+ * again, and sleeps on the senders' semaphore. Waking every waiter whenever head moves costs
+ * a futex call per waiter per receive call, and most of them find too little room and sleep
+ * again. So wake-ups are rationed (the Python layer and hotpath.c post the semaphore):
+ *
+ *   1. The consumer asks for a wake-up only when free space reaches SPACE_LOW_WATER (a
+ *      quarter of the capacity), or when it is about to sleep with any room free (nothing
+ *      else will free space soon: a sender must try now). At most one request per receive
+ *      call or release.
+ *   2. A request is one post, and only if no earlier post is still unconsumed (sem value 0):
+ *      an unconsumed post already guarantees that some waiter will look again.
+ *   3. The woken sender, when it stops waiting, passes the wake-up on to the next waiter if
+ *      one is left and room remains (a baton): waiters wake one after another, each while
+ *      there is room for it, instead of all at once.
+ *
+ * No lost wake-up: a waiter counts itself (seq_cst add) before its last check of head, and
+ * the consumer stores head before it loads the count (seq_cst fence), so either the check
+ * sees the new head or the consumer sees the waiter. A waiter the consumer saw is then woken
+ * by (1) once enough is free or the consumer idles, and a post that is not consumed stays
+ * in the semaphore for the next waiter. Every wait is also bounded (the Python layer looks
+ * again at least every 0.1 s), so even a waker killed mid-way costs a delay, not a hang. */
+#define SPACE_LOW_WATER(c) ((c)->limit / 4)
+#define SPACE_MIN_RECORD (REC_BODY + REC_HDR) /* the smallest record a sender may wait for */
+
+/* Bytes a sender could claim now (a lower bound of head, an upper bound of the tail; a
+ * lagging tail hint overstates the room, which only makes a wake-up early). */
+static uint64_t space_free(shm_chan *c) {
+    uint64_t head = LOAD_ACQUIRE(&c->hdr->head);      /* pairs with ring_advance_head */
+    uint64_t tail = LOAD_ACQUIRE(&c->hdr->tail_hint); /* pairs with hint_raise */
+    if (tail < head) tail = head;
+    uint64_t used = tail - head;
+    return used >= c->limit ? 0 : c->limit - used;
+}
+
+/* Consumer, after it freed space (or, with idle, before it sleeps): should one waiting
+ * sender be woken? The caller has issued the seq_cst fence after its store of head. */
+int space_wake_due(shm_chan *c, int idle) {
+    if (LOAD_RELAXED(&c->hdr->space_waiters) == 0) return 0; /* ordered by the fence */
+    uint64_t room = space_free(c);
+    return room >= SPACE_LOW_WATER(c) || (idle && room >= SPACE_MIN_RECORD);
+}
+
+/* arm = 1: count this sender as waiting. arm = 0: no longer waiting; *wake = 1 asks the
+ * caller to wake the next waiting sender (rule 3 above). */
+int shm_space_wait(shm_chan *c, int arm, int *wake) {
+    *wake = 0;
     if (c->producer == 0) return SHM_E_INVALID;
     shm_producer *p = &c->producers[c->producer - 1];
     if (arm && !p->waiting) {
         p->waiting = 1;
         /* seq_cst: pairs with the consumer's fence between its store of head and its load
-         * of space_waiters (handles.c): either it sees us waiting or our retry sees its head. */
+         * of space_waiters (space_wake_due): either it sees us waiting or our retry sees
+         * its head. */
         FETCH_ADD_SEQCST(&c->hdr->space_waiters, 1);
     } else if (!arm && p->waiting) {
         p->waiting = 0;
-        FETCH_ADD_SEQCST(&c->hdr->space_waiters, (uint32_t)-1);
+        uint32_t left = FETCH_ADD_SEQCST(&c->hdr->space_waiters, (uint32_t)-1) - 1;
+        if (left > 0 && left < UINT32_MAX && space_free(c) >= SPACE_MIN_RECORD) *wake = 1;
     }
     return SHM_OK;
 }

@@ -320,7 +320,8 @@ int shm_producer_attach(shm_chan *c) {
 
 int shm_producer_detach(shm_chan *c) {
     if (!c->producer) return SHM_OK;
-    shm_space_wait(c, 0);
+    int pass_on; /* a detaching producer is not waiting (the Python layer disarms first) */
+    shm_space_wait(c, 0, &pass_on);
     uint64_t me = c->token;
     /* release: our last sent count is visible to whoever registers next; pairs with the
      * CAS in shm_producer_attach. */

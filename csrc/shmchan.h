@@ -140,7 +140,7 @@ int  shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds,
                    const uint32_t *nkeys, uint64_t *seqs_out, uint32_t *done,
                    shm_stall *stall, int *wake);
 int  shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner);
-int  shm_space_wait(shm_chan *c, int arm);
+int  shm_space_wait(shm_chan *c, int arm, int *wake);
 int  shm_shutdown(shm_chan *c);
 
 /* --- receiver ----------------------------------------------------------- */
@@ -148,13 +148,13 @@ int  shm_rx_owner(shm_chan *c, uint64_t *owner);
 int  shm_rx_acquire(shm_chan *c, uint64_t expect_owner);
 int  shm_rx_release_ownership(shm_chan *c);
 int  shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got,
-              int arm_sleep, shm_stall *stall, uint32_t *space_waiters);
+              int arm_sleep, shm_stall *stall, uint32_t *wake_sender);
 int  shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner);
 int  shm_rx_spin(shm_chan *c, uint32_t spins);
 
 /* --- handles (any process) ---------------------------------------------- */
 /* returns a status code; on success also wake-up requests: bit 8 = post the
- * receiver's semaphore, bits 9.. = senders waiting for space */
+ * receiver's semaphore, bit 9 = wake one sender waiting for space (ring.c) */
 int  shm_release(shm_chan *c, uint32_t slot, uint32_t gen, int nack);
 int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
                       uint32_t n, int *wake);

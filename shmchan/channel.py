@@ -223,12 +223,13 @@ class _Segment(_hot.SegmentBase):
 class _Scratch:
     """Per-thread out-parameters, allocated once (ffi.new is not free)."""
 
-    __slots__ = ("seq", "stall", "wake", "got", "waiters", "msgs", "nmsgs")
+    __slots__ = ("seq", "stall", "wake", "pass_on", "got", "waiters", "msgs", "nmsgs")
 
     def __init__(self) -> None:
         self.seq = ffi.new("uint64_t *")
         self.stall = ffi.new("shm_stall *")
         self.wake = ffi.new("int *")
+        self.pass_on = ffi.new("int *")  # shm_space_wait's: wake the next waiting sender
         self.got = ffi.new("uint32_t *")
         self.waiters = ffi.new("uint32_t *")
         self.msgs = ffi.new("shm_msg[]", 1)
@@ -913,7 +914,7 @@ class Sender(_hot.SenderBase):
                 if rc == lib.SHM_FULL:
                     stalled_since = None
                     if not armed:
-                        lib.shm_space_wait(seg.ptr, 1)
+                        lib.shm_space_wait(seg.ptr, 1, s.pass_on)
                         armed = True
                         # An idle receiver may be able to free space by compacting
                         # (csrc/compact.c): wake it to poll. (After a failed try it
@@ -946,7 +947,9 @@ class Sender(_hot.SenderBase):
                 rc = attempt()
         finally:
             if armed:
-                lib.shm_space_wait(seg.ptr, 0)
+                lib.shm_space_wait(seg.ptr, 0, s.pass_on)
+                if s.pass_on[0]:
+                    seg.wake_sender()  # pass the wake-up on to the next waiter (csrc/ring.c)
         return rc
 
     def close(self) -> None:
@@ -1038,7 +1041,7 @@ class Receiver(_hot.ReceiverBase):
                 self.maintain()
             rc = lib.shm_recv(seg.ptr, msgs, n, s.got, arm, s.stall, s.waiters)
             if s.waiters[0]:
-                seg.post(_TX, s.waiters[0])
+                seg.wake_sender()  # one sender, rationed (csrc/ring.c)
             got = s.got[0]
             if got:
                 handles: list[Handle] = _hot.handles_from(seg, _address(msgs), got)
