@@ -125,7 +125,7 @@ typedef struct {
     uint32_t free_slots; /* free list of message table slots (via slot.next) */
     uint32_t free_nodes; /* free list of nodes (via node.next) */
     uint32_t ready_count; /* messages free to hand out: a min-heap by seq at heap_off */
-    uint32_t pad1;
+    uint32_t handed_out; /* slots out of the consumer's hands, via slot.out_next (handles.c) */
     uint32_t window;     /* slots in use */
     uint32_t nodes_used;
     uint32_t pad0;
@@ -185,6 +185,7 @@ typedef struct {
     uint32_t seen;     /* maintenance: generation + 1 when last found RELEASED    */
     uint32_t pin;      /* PIN_*: may the consumer move this message's record?     */
     uint32_t newer, older; /* the window's messages in order of taking in (window.c) */
+    uint32_t out_next, out_prev; /* the handed-out list while INFLIGHT ... DISCARD (handles.c) */
     uint32_t pad;
     uint64_t handed_ns; /* when it was last handed out, coarse CLOCK_MONOTONIC ns (inspect.c) */
 } shm_slot;
@@ -370,6 +371,7 @@ int handles_drain(shm_chan *c);
 int handles_finish(shm_chan *c, uint32_t s);
 void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
+int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
 /* recovery.c */
 int recovery_rebuild(shm_chan *c);
 /* hash.c */

@@ -20,6 +20,14 @@
  * then). A releaser killed between its CAS and its push leaves a RELEASED slot that is
  * not on the stack; recovery finds such slots by scanning the table.
  *
+ * The handed-out list: every slot whose state word another process may change (INFLIGHT,
+ * RELEASED, NACKED, DEAD, DISCARD) is on one doubly linked list, headed by hdr.handed_out
+ * and linked through slot.out_next / out_prev. Only the consumer links (hand_out) and
+ * unlinks (handles_finish), under rx_mu with the header marked dirty, so a receiver that
+ * dies half way leaves dirty set and recovery_rebuild relinks the list from the message
+ * table. Upkeep (recovery.c: dead holders, leases, forgotten releases) walks this list,
+ * so it costs O(handles out + dead letters), not O(max_messages).
+ *
  * Wake-ups (an eventcount with one waiter): before blocking on its semaphore the
  * receiver stores rx_sleeping = 1 (seq_cst) and checks every source of work again;
  * producers and releasers publish their work, issue a seq_cst fence and, if they see
@@ -89,6 +97,39 @@ int shm_rx_release_ownership(shm_chan *c) {
     return SHM_OK;
 }
 
+/* ---- the handed-out list (receiver only, under rx_mu) ----------------------------------- */
+static void out_link(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    sl->out_prev = NIL;
+    sl->out_next = h->handed_out;
+    if (h->handed_out != NIL && h->handed_out <= c->cfg.max_messages)
+        c->slots[h->handed_out].out_prev = s;
+    h->handed_out = s;
+}
+
+static void out_unlink(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    uint32_t next = sl->out_next, prev = sl->out_prev, m = c->cfg.max_messages;
+    if (prev == NIL) {
+        if (h->handed_out == s) h->handed_out = next;
+    } else if (prev <= m) {
+        c->slots[prev].out_next = next;
+    }
+    if (next != NIL && next <= m) c->slots[next].out_prev = prev;
+    sl->out_next = sl->out_prev = NIL;
+}
+
+/* Walking the list: *next is the slot after s (NIL at the end; s == NIL gives the first).
+ * Links come from shared memory: a link out of range is corruption, not a crash. */
+int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next) {
+    uint32_t n = s == NIL ? c->hdr->handed_out : c->slots[s].out_next;
+    if (n > c->cfg.max_messages) return SHM_E_CORRUPT;
+    *next = n;
+    return SHM_OK;
+}
+
 /* ---- finishing handles (receiver only, under rx_mu) ------------------------------------ */
 void slot_free(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
@@ -109,6 +150,7 @@ int handles_finish(shm_chan *c, uint32_t s) {
     uint64_t w = LOAD_ACQUIRE(&sl->state);
     uint32_t st = SLOT_STATE(w);
     if (st == SLOT_DISCARD) { /* a dropped dead letter: its keys went long ago */
+        out_unlink(c, s);
         ring_mark_done(c, sl->pos);
         slot_free(c, s);
         h->dead_letters--;
@@ -117,16 +159,20 @@ int handles_finish(shm_chan *c, uint32_t s) {
     if (st != SLOT_RELEASED && st != SLOT_NACKED) return SHM_OK; /* duplicate notice */
     h->inflight--;
     h->held_keys -= sl->nkeys;
-    if (st == SLOT_NACKED && (c->cfg.max_attempts == 0 || sl->attempt < c->cfg.max_attempts))
+    if (st == SLOT_NACKED && (c->cfg.max_attempts == 0 || sl->attempt < c->cfg.max_attempts)) {
+        out_unlink(c, s);
         return sched_requeue(c, s);
+    }
     int rc = sched_release(c, s);
     if (rc) return rc;
     if (st == SLOT_NACKED) {
-        /* Out of attempts: a dead letter. It keeps its slot and record, keys released. */
+        /* Out of attempts: a dead letter. It keeps its slot and record, keys released,
+         * and stays on the handed-out list (anyone may discard it). */
         STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w), SLOT_DEAD)); /* see slot_free */
         h->dead_letters++;
         return SHM_OK;
     }
+    out_unlink(c, s);
     ring_mark_done(c, sl->pos);
     slot_free(c, s);
     h->released++;
@@ -178,6 +224,7 @@ static void hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     h->held_keys += sl->nkeys;
     h->delivered++;
     if (sl->attempt > 1) h->redelivered++;
+    out_link(c, s);
 
     msg_fill(c, s, gen, m); /* validated when taken in */
 }

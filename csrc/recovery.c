@@ -43,25 +43,42 @@
 #include "core.h"
 
 
-/* ---- holders ------------------------------------------------------------------------------ */
+/* ---- holders ------------------------------------------------------------------------------
+ * The receiver walks the handed-out list (handles.c): O(handles out), whatever the size of
+ * the message table. Any other process (it cannot lock the list) scans the table. */
+static void holder_note(shm_slot *sl, uint64_t *tokens, uint32_t max, uint32_t *count,
+                        uint32_t *late, uint64_t now_ns) {
+    /* acquire: pairs with hand_out's release store; holder was written before it. */
+    if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) return;
+    uint64_t dl = LOAD_ACQUIRE(&sl->deadline); /* pairs with shm_handle_extend */
+    uint64_t t = LOAD_ACQUIRE(&sl->holder);     /* pairs with shm_handle_adopt */
+    /* a revocation a dead receiver left half done counts as work to do */
+    if ((dl && dl < now_ns) || t == HOLDER_REVOKED) (*late)++;
+    uint32_t i = 0;
+    while (i < *count && tokens[i] != t) i++;
+    if (i == *count && *count < max) tokens[(*count)++] = t;
+}
+
 int shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64_t now_ns,
                 uint32_t *expired) {
     uint32_t count = 0, late = 0;
-    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
-        shm_slot *sl = &c->slots[s];
-        /* acquire: pairs with hand_out's release store; holder was written before it. */
-        if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue;
-        uint64_t dl = LOAD_ACQUIRE(&sl->deadline); /* pairs with shm_handle_extend */
-        uint64_t t = LOAD_ACQUIRE(&sl->holder);     /* pairs with shm_handle_adopt */
-        /* a revocation a dead receiver left half done counts as work to do */
-        if ((dl && dl < now_ns) || t == HOLDER_REVOKED) late++;
-        uint32_t i = 0;
-        while (i < count && tokens[i] != t) i++;
-        if (i == count && count < max) tokens[count++] = t;
+    int rc = SHM_OK;
+    if (c->is_rx) {
+        pthread_mutex_lock(&c->rx_mu);
+        uint32_t s = NIL;
+        for (uint32_t guard = 0; guard <= c->cfg.max_messages; guard++) {
+            rc = handed_out_next(c, s, &s);
+            if (rc || s == NIL) break;
+            holder_note(&c->slots[s], tokens, max, &count, &late, now_ns);
+        }
+        pthread_mutex_unlock(&c->rx_mu);
+    } else {
+        for (uint32_t s = 1; s <= c->cfg.max_messages; s++)
+            holder_note(&c->slots[s], tokens, max, &count, &late, now_ns);
     }
     *n = count;
     *expired = late;
-    return SHM_OK;
+    return rc;
 }
 
 static int in_set(const uint64_t *set, uint32_t n, uint64_t t) {
@@ -70,7 +87,9 @@ static int in_set(const uint64_t *set, uint32_t n, uint64_t t) {
     return 0;
 }
 
-/* Revoke handles held by dead processes or past their lease; finish forgotten releases. */
+/* Revoke handles held by dead processes or past their lease; finish forgotten releases.
+ * Walks the handed-out list (handles.c); finishing a slot may unlink it, so the next one
+ * is read first. */
 int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_ns,
                uint32_t *revoked) {
     if (!c->is_rx) return SHM_E_INVALID;
@@ -79,7 +98,13 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
     int rc = SHM_OK;
     uint32_t count = 0;
     int stack_empty = LOAD_ACQUIRE(&c->hdr->release_stack) == NIL; /* pairs with push_release */
-    for (uint32_t s = 1; s <= c->cfg.max_messages && rc == SHM_OK; s++) {
+    uint32_t s = NIL, next;
+    rc = handed_out_next(c, NIL, &next);
+    for (uint32_t guard = 0; rc == SHM_OK && next != NIL && guard <= c->cfg.max_messages;
+         guard++) {
+        s = next;
+        rc = handed_out_next(c, s, &next);
+        if (rc) break;
         shm_slot *sl = &c->slots[s];
         uint64_t w = LOAD_ACQUIRE(&sl->state); /* pairs with holders' CAS */
         uint32_t st = SLOT_STATE(w);
@@ -224,8 +249,9 @@ int recovery_rebuild(shm_chan *c) {
     uint32_t nkept = 0;
     uint64_t inflight = 0, dead = 0;
 
-    /* 1. keep handed-out slots, free the rest */
+    /* 1. keep handed-out slots (relinked into the handed-out list), free the rest */
     h->free_slots = NIL;
+    h->handed_out = NIL;
     for (uint32_t s = m; s >= 1; s--) {
         shm_slot *sl = &c->slots[s];
         uint64_t w = LOAD_ACQUIRE(&sl->state); /* pairs with holders' CAS */
@@ -256,6 +282,10 @@ int recovery_rebuild(shm_chan *c) {
             continue;
         }
         kept[nkept++] = (kept_t){sl->seq, sl->pos, s};
+        sl->out_prev = NIL; /* link at the front (as handles.c's out_link does) */
+        sl->out_next = h->handed_out;
+        if (h->handed_out != NIL) c->slots[h->handed_out].out_prev = s;
+        h->handed_out = s;
         if (st == SLOT_DEAD || st == SLOT_DISCARD) dead++;
         else inflight++;
     }

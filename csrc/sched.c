@@ -43,6 +43,7 @@ void sched_init(shm_chan *c) {
     for (uint32_t n = 1; n < c->max_nodes; n++) c->nodes[n].next = n + 1 < c->max_nodes ? n + 1 : NIL;
     h->free_nodes = 1;
     h->ready_count = 0;
+    h->handed_out = NIL;
 }
 
 /* ---- key table ------------------------------------------------------------------------- */
@@ -513,6 +514,23 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
         else if (i > 0 && c->heap[(i - 1) / 2].seq > c->heap[i].seq) { rc = SHM_E_CORRUPT; *what = 12; }
     }
     if (rc == SHM_OK && listed != ready) { rc = SHM_E_CORRUPT; *what = 11; }
+    /* the handed-out list holds exactly the slots out of the consumer's hands, each once,
+     * with consistent back links */
+    uint32_t out = 0, on_list = 0, prev = NIL;
+    for (uint32_t s = 1; s <= m; s++) {
+        uint32_t st = SLOT_STATE(c->slots[s].state);
+        out += st == SLOT_INFLIGHT || st == SLOT_RELEASED || st == SLOT_NACKED ||
+               st == SLOT_DEAD || st == SLOT_DISCARD;
+    }
+    for (uint32_t s = c->hdr->handed_out; s != NIL && rc == SHM_OK; s = c->slots[s].out_next) {
+        if (!SLOT_OK(c, s) || on_list > m || c->slots[s].out_prev != prev) { rc = SHM_E_CORRUPT; *what = 14; break; }
+        uint32_t st = SLOT_STATE(c->slots[s].state);
+        if (st != SLOT_INFLIGHT && st != SLOT_RELEASED && st != SLOT_NACKED && st != SLOT_DEAD &&
+            st != SLOT_DISCARD) { rc = SHM_E_CORRUPT; *what = 15; break; }
+        on_list++;
+        prev = s;
+    }
+    if (rc == SHM_OK && on_list != out) { rc = SHM_E_CORRUPT; *what = 16; }
     /* every line's nodes belong to live messages, and the line is in seq order */
     for (uint32_t k = 0; k <= c->keytab_mask && rc == SHM_OK; k++) {
         shm_key *key = &c->keys[k];
