@@ -358,8 +358,41 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     return SHM_OK;
 }
 
+/* The receiver's own releases, many at once: one lock, one head advance. */
+static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
+                           int *wake) {
+    int rc = SHM_OK, broken = 0;
+    pthread_mutex_lock(&c->rx_mu);
+    STORE_RELAXED(&c->hdr->dirty, 1);
+    for (uint32_t i = 0; i < n && !broken; i++) {
+        uint32_t s = slots[i];
+        if (s == NIL || s > c->cfg.max_messages) {
+            rc = SHM_E_INVALID;
+            continue;
+        }
+        uint64_t expect = SLOT_WORD(gens[i], SLOT_INFLIGHT);
+        /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
+        if (!CAS_SEQCST(&c->slots[s].state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
+            continue; /* stale: a no-op */
+        int r = handles_finish(c, s);
+        if (r) { /* half done: leave the header dirty for the next receiver's rebuild */
+            rc = r;
+            broken = 1;
+        }
+    }
+    if (!broken && (ring_advance_head(c) | compact(c))) {
+        FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
+        if (space_wake_due(c, 0)) *wake |= 2;
+    }
+    if (!broken) STORE_RELAXED(&c->hdr->dirty, 0);
+    pthread_mutex_unlock(&c->rx_mu);
+    return rc;
+}
+
 int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
                      int *wake) {
+    *wake = 0;
+    if (c->is_rx) return release_many_rx(c, slots, gens, n, wake);
     int rc = SHM_OK, rx = 0, tx = 0;
     for (uint32_t i = 0; i < n; i++) {
         int r = shm_release(c, slots[i], gens[i], 0);

@@ -9,7 +9,17 @@ whose messages carry keys, and whose receiver hands out key-locked handles.
 See README.md for the semantics and the failure model.
 """
 
-from .channel import Channel, DeadLetter, Handle, Receiver, Sender, Stats, list_channels, unlink
+from .channel import (
+    Batch,
+    Channel,
+    DeadLetter,
+    Handle,
+    Receiver,
+    Sender,
+    Stats,
+    list_channels,
+    unlink,
+)
 from .errors import (
     ChannelCorrupted,
     ChannelExists,
@@ -36,6 +46,7 @@ __all__ = [
     "Sender",
     "Receiver",
     "Handle",
+    "Batch",
     "Stats",
     "DeadLetter",
     "HeldKey",

@@ -840,6 +840,22 @@ class Sender(_hot.SenderBase):
             seg.post(_RX, 1)
         return int(s.seq[0])
 
+    def _send_batch_slow(
+        self,
+        packed: tuple[int, bytes, bytes, bytes, bytes, bytes, bytes],
+        seqs_buf: bytearray,
+        done_so_far: int,
+        timeout: float | None,
+    ) -> memoryview:
+        """send_batch() from message `done_so_far` on, when its C call did not send it all
+        (full, unregistered, an odd timeout): waits like send_many."""
+        if packed[0]:
+            self._send_packed(packed, seqs_buf, done_so_far, timeout)
+        else:
+            self._live()
+            _deadline(timeout)
+        return memoryview(seqs_buf).cast("Q")
+
     def _send_many_slow(
         self, items: Iterable[tuple[object, Any]], timeout: float | None
     ) -> list[int]:
@@ -1091,6 +1107,13 @@ class Receiver(_hot.ReceiverBase):
             raise ValueError(f"max_items must be a positive int, not {max_items!r}")
         return self._poll(self._live(), min(max_items, 65536), _deadline(timeout), True)
 
+    def _recv_batch_slow(self, max_items: object, timeout: float | None) -> Batch:
+        """recv_batch() when its one poll found nothing (or an argument needs checking):
+        wait as recv_many does, then turn the Handles into one Batch."""
+        handles = self.recv_many(max_items, timeout)  # type: ignore[arg-type]  # checked there
+        batch: Batch = _hot.batch_from_handles(self._live(), handles)
+        return batch
+
     def _release_many_slow(self, handles: list[object]) -> None:
         """release_many() for lists its C fast path does not take: handles of another
         attachment of the channel, things that are not handles, more than 65536 handles,
@@ -1303,6 +1326,27 @@ def _attachment_of(name: str, path: str | None, chan_id: int) -> _Segment:
     )
 
 
+class Batch(_hot.BatchBase):
+    """Messages on loan as one object, from `Receiver.recv_batch`: no Python object per
+    message unless asked for one.
+
+    `len(b)` messages in delivery order; `b.seqs`, `b.attempts` and `b.lengths` are
+    memoryviews of uint64; `b.payload(i)`, `b.keys(i)`, `b.payloads()`, and `b.joined()`
+    (every payload back to back, split by `b.lengths`). `b.release()` releases every
+    message still held, `b.release(i)` or `b.release([i, j, ...])` some of them, each
+    exactly once; `b.nack(...)` gives messages back; `b.handle(i)` takes one out as a
+    Handle of its own; `b.held` counts what is still held. `with b:` releases on exit,
+    and a batch collected while holding messages releases them (in the receiving
+    process). Keys stay locked until each message is released, exactly as with Handles.
+    Implemented in C (csrc/hotpath.c)."""
+
+    __slots__ = ()
+
+    def _released(self, r: int) -> NoReturn:
+        """A release whose core call failed with status r (C calls this): raise it."""
+        raise_for(r, "release")
+
+
 # The per-message calls reach the core through the functions of the cffi module loaded
 # above (whichever build it is), and build Handles of the class defined here.
 _hot.bind(
@@ -1322,4 +1366,5 @@ _hot.bind(
     Handle,
     codec.encode_payload,
     codec.encode_keys,
+    Batch,
 )
