@@ -363,7 +363,7 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
                            int *wake) {
     int rc = SHM_OK, broken = 0;
     pthread_mutex_lock(&c->rx_mu);
-    STORE_RELAXED(&c->hdr->dirty, 1);
+    rx_begin(c);
     for (uint32_t i = 0; i < n && !broken; i++) {
         uint32_t s = slots[i];
         if (s == NIL || s > c->cfg.max_messages) {
@@ -385,6 +385,7 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
         if (space_wake_due(c, 0)) *wake |= 2;
     }
     if (!broken) STORE_RELAXED(&c->hdr->dirty, 0);
+    rx_end(c);
     pthread_mutex_unlock(&c->rx_mu);
     return rc;
 }
