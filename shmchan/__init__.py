@@ -33,11 +33,15 @@ from .errors import (
     LayoutMismatch,
     MessageTooLarge,
     ReceiverBusy,
+    TaskNotPicklable,
+    TaskTimeout,
     TooManyKeys,
     UnsupportedType,
+    WorkerDied,
     WrongProcess,
 )
 from .inspect import HeldKey, Line, Wait, WaitChain
+from .pool import ExecutorStats, KeyedExecutor, KeyedPool, PoolStats, RemoteTraceback, WorkerStats
 
 __version__ = "0.1.0"
 
@@ -70,4 +74,13 @@ __all__ = [
     "InvalidArgument",
     "UnsupportedType",
     "WrongProcess",
+    "WorkerDied",
+    "TaskTimeout",
+    "TaskNotPicklable",
+    "KeyedExecutor",
+    "KeyedPool",
+    "ExecutorStats",
+    "PoolStats",
+    "WorkerStats",
+    "RemoteTraceback",
 ]

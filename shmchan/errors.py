@@ -7,6 +7,7 @@ Each exception also subclasses the builtin a caller would naturally catch
 
 from __future__ import annotations
 
+import pickle
 import queue
 
 __all__ = [
@@ -25,6 +26,9 @@ __all__ = [
     "InvalidArgument",
     "UnsupportedType",
     "WrongProcess",
+    "WorkerDied",
+    "TaskTimeout",
+    "TaskNotPicklable",
 ]
 
 
@@ -99,3 +103,18 @@ class UnsupportedType(Error, TypeError):
 class WrongProcess(Error):
     """An object used in a process it does not belong to, e.g. a Receiver inherited by
     a forked child (only the process that took the receiver may receive)."""
+
+
+class WorkerDied(Error):
+    """A pool's task ran out of attempts because its worker process died each time (it
+    exited, was killed by a signal, or was likely OOM-killed: the message says which)."""
+
+
+class TaskTimeout(WorkerDied):
+    """A pool's task ran past `task_timeout` on its last attempt, so its worker was killed.
+    (Not a `TimeoutError`: that is what `Future.result(timeout=)` raises while it waits.)"""
+
+
+class TaskNotPicklable(Error, pickle.PicklingError, TypeError):
+    """A task's function, arguments or result cannot be pickled, so it cannot travel
+    between processes (define functions at module level; pass picklable arguments)."""

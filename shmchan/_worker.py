@@ -1,0 +1,247 @@
+"""The worker processes of KeyedExecutor and KeyedPool (shmchan/pool.py).
+
+A worker is handed key-locked handles by its manager (the pool's process, which is the
+channel's receiver). The handles travel by pickling through a pipe that carries nothing
+but those references, a few bytes each; the task or message itself is read from shared
+memory through the handle.
+
+    manager --(pickled handles: pipe)--> reader thread: unpickles at once --> inbox
+                                                                               |
+    main thread: take a handle, run it, [executor: send the result into the result
+    channel], release the handle  <--------------------------------------------'
+
+The reader thread unpickles every batch the moment it arrives: unpickling is what makes
+this process the handles' holder, so from then on the channel notices this process's
+death and redelivers them (attempt + 1), and no handle waits in the pipe past the
+channel's hand-over deadline. A handle is released only after its result was sent, so a
+worker that dies never loses a task: it runs again.
+
+The manager follows each worker through a few int64 words in shared memory (a
+multiprocessing RawArray, written only by the worker):
+
+    words[SLOT * i + RUNNING]   seq + 1 of the handle being run, 0 between handles
+    words[SLOT * i + STARTED]   CLOCK_MONOTONIC ns when that run started
+    words[SLOT * i + FINISHED]  handles taken from the inbox and finished, ever
+    words[SLOT * i + FAILED]    of those, handler calls that raised (KeyedPool)
+
+Handles are finished in the order they were handed over, so the manager knows from
+FINISHED which of the handles it gave this worker are still in its hands.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import signal
+import struct
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import errors, liveness
+from .channel import Handle, Sender
+
+__all__ = [
+    "SLOT",
+    "RUNNING",
+    "STARTED",
+    "FINISHED",
+    "FAILED",
+    "TASK_HEADER",
+    "RESULT_HEADER",
+    "OK",
+    "RAISED",
+    "executor_worker",
+    "pool_worker",
+]
+
+SLOT, RUNNING, STARTED, FINISHED, FAILED = 4, 0, 1, 2, 3
+
+# A task message: TASK_HEADER (the executor's task id) + pickle((fn, args, kwargs)).
+TASK_HEADER = struct.Struct("<Q")
+# A result message: RESULT_HEADER (task id, seq of the task's message, worker pid,
+# FINISHED including this one, OK | RAISED) + pickle(value) or pickle((exception, text)).
+RESULT_HEADER = struct.Struct("<QQIQB")
+OK, RAISED = 0, 1
+
+_PARENT_CHECK_SECONDS = 1.0  # how often an idle reader checks that its manager lives
+EXIT_PARENT_GONE = 70  # the manager's process died: nobody wants our results any more
+EXIT_INIT_FAILED = 71  # the initializer raised
+
+log = logging.getLogger("shmchan.pool")
+
+
+class _Inbox:
+    """Handles received from the manager, adopted on arrival by a reader thread."""
+
+    def __init__(self, conn: Any, parent_token: int) -> None:
+        self._conn = conn
+        self._parent = parent_token
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._read, name="shmchan-worker-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                if not self._conn.poll(_PARENT_CHECK_SECONDS):
+                    if not liveness.is_alive(self._parent):
+                        os._exit(EXIT_PARENT_GONE)
+                    continue
+                data = self._conn.recv_bytes()
+                if not data:  # the manager's stop mark: finish what is here, then exit
+                    break
+                handles = pickle.loads(data)  # adopts them: we hold them from here on
+                with self._cond:
+                    self._queue.extend(handles)
+                    self._cond.notify()
+        except (EOFError, OSError):
+            pass  # the manager closed the pipe: same as a stop mark
+        except BaseException:  # a bug or a corrupted channel: say so, then stop taking
+            log.exception("shmchan worker %d: reading handles from the manager failed", os.getpid())
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify()
+
+    def __iter__(self) -> Iterator[Handle]:
+        queue = self._queue
+        while True:
+            if queue:
+                yield queue.popleft()
+                continue
+            with self._cond:
+                while not queue and not self._closed:
+                    self._cond.wait()
+                if not queue:
+                    return
+
+
+def _start(initializer: Callable[..., object] | None, initargs: tuple[Any, ...]) -> None:
+    # Ctrl-C in a terminal reaches the whole process group; the manager's process
+    # decides what happens to the work, the workers just keep going until told.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if initializer is not None:
+        try:
+            initializer(*initargs)
+        except BaseException:
+            log.exception("shmchan worker %d: the initializer raised", os.getpid())
+            os._exit(EXIT_INIT_FAILED)
+
+
+def _picklable_exception(exc: BaseException, text: str) -> bytes:
+    """pickle((exc, text)), or of a stand-in Error that keeps its type's name and message."""
+    try:
+        blob = pickle.dumps((exc, text), protocol=5)
+        pickle.loads(blob)  # an exception whose __init__ takes other args fails only here
+        return blob
+    except Exception:
+        stand_in = errors.Error(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+        return pickle.dumps((stand_in, text), protocol=5)
+
+
+def executor_worker(
+    conn: Any,
+    words: Any,
+    index: int,
+    result_channel: str,
+    parent_token: int,
+    initializer: Callable[..., object] | None,
+    initargs: tuple[Any, ...],
+) -> None:
+    """A KeyedExecutor worker: run tasks, send each result, then release its handle."""
+    _start(initializer, initargs)
+    tx = Sender.open(result_channel)
+    base = SLOT * index
+    pid = os.getpid()
+    finished = 0
+    clock = time.monotonic_ns
+    for h in _Inbox(conn, parent_token):
+        finished += 1
+        try:
+            view = h.data
+        except errors.Closed:  # redelivered before we adopted it: not ours to run
+            words[base + FINISHED] = finished
+            continue
+        seq = h.seq
+        (tid,) = TASK_HEADER.unpack_from(view)
+        words[base + STARTED] = clock()
+        words[base + RUNNING] = seq + 1
+        try:
+            fn, args, kwargs = pickle.loads(view[TASK_HEADER.size :])
+            del view
+            value = fn(*args, **kwargs)
+            status = OK
+            try:
+                body = pickle.dumps(value, protocol=5)
+            except Exception as e:
+                status = RAISED
+                unpicklable = errors.TaskNotPicklable(
+                    f"the result of {getattr(fn, '__qualname__', fn)!r} cannot be pickled "
+                    f"to travel back to the caller: {type(e).__name__}: {e}"
+                )
+                body = _picklable_exception(unpicklable, traceback.format_exc())
+            del value
+        except BaseException as e:
+            status = RAISED
+            body = _picklable_exception(e, traceback.format_exc())
+        header = RESULT_HEADER.pack(tid, seq, pid, finished, status)
+        try:
+            tx.send(header + body)
+        except errors.MessageTooLarge as e:
+            too_large = errors.MessageTooLarge(f"the task's result is too large to send back: {e}")
+            header = RESULT_HEADER.pack(tid, seq, pid, finished, RAISED)
+            tx.send(header + _picklable_exception(too_large, ""))
+        words[base + RUNNING] = 0
+        h.release()
+        words[base + FINISHED] = finished
+
+
+def pool_worker(
+    conn: Any,
+    words: Any,
+    index: int,
+    handler: Callable[[Any, tuple[Any, ...]], object],
+    parent_token: int,
+    initializer: Callable[..., object] | None,
+    initargs: tuple[Any, ...],
+) -> None:
+    """A KeyedPool worker: handler(payload, keys) per message; return releases, an
+    exception is logged and nacks (the channel's max_attempts / dead letters apply)."""
+    _start(initializer, initargs)
+    base = SLOT * index
+    finished = failed = 0
+    clock = time.monotonic_ns
+    for h in _Inbox(conn, parent_token):
+        finished += 1
+        try:
+            payload, keys = h.payload, h.keys
+        except errors.Closed:  # redelivered before we adopted it: not ours to run
+            words[base + FINISHED] = finished
+            continue
+        words[base + STARTED] = clock()
+        words[base + RUNNING] = h.seq + 1
+        try:
+            handler(payload, keys)
+        except BaseException:
+            log.exception(
+                "shmchan.KeyedPool: handler raised on seq %d (attempt %d, keys %r); "
+                "the message goes back to the channel",
+                h.seq,
+                h.attempt,
+                keys,
+            )
+            words[base + RUNNING] = 0
+            failed += 1
+            words[base + FAILED] = failed
+            h.nack()
+        else:
+            words[base + RUNNING] = 0
+            h.release()
+        del payload
+        words[base + FINISHED] = finished

@@ -1,0 +1,1149 @@
+"""KeyedExecutor and KeyedPool: worker processes with the key-lock promise, crash-proof.
+
+Work that shares a key never runs at the same time and runs in submission order, even
+when a worker process is killed: both classes are built on a channel's key-locked
+handles (its public API only), and a worker holds a task's handle until it is done.
+
+KeyedExecutor's data flow (one manager thread owns every piece of bookkeeping; the
+caller's threads only register futures and send task messages):
+
+    caller: submit / map                  manager thread                 worker processes
+      Future into `tasks`,
+      task message (task id + pickled fn, args) with the user's keys
+        --> [task channel] --recv_many: handles whose keys are free and whose
+                                        predecessors on them finished-->
+                                          dispatch: pickled handle references
+                                             --pipe--> reader thread adopts them
+                                                       main thread: run fn
+        [result channel] <------------------ result message (task id + pickled value)
+      futures resolved <-- recv_many, release_many              then release the task's
+                                                                handle: its keys go to
+                                                                the next task in line
+
+A worker that dies (any exit, signal, OOM kill) still holds, or was about to adopt, the
+handles it was given. The manager sees the death, nacks them (the channel redelivers
+each with attempt + 1 ahead of everything behind it on its keys, so the keys are never
+free in between), replaces the worker, and runs them again. The task that was running
+when its worker died counts an attempt; after `max_attempts` its future fails with
+WorkerDied (TaskTimeout if the last attempt ran past task_timeout) and its handle is
+released. Nothing else is lost and the executor keeps working.
+
+KeyedPool serves an existing named channel instead: the pool's process is its receiver,
+the same workers run handler(payload, keys) for every message, a return releases the
+handle and an exception nacks it (the channel's own max_attempts / dead letters apply).
+
+The channels an executor creates are named `kx-<creator token>-<n>-tasks|results`;
+they are unlinked at shutdown, and a new executor unlinks those of dead creators.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import multiprocessing
+import os
+import pickle
+import re
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any
+
+from . import _worker, errors, liveness
+from ._worker import FINISHED, RAISED, RESULT_HEADER, RUNNING, SLOT, STARTED, TASK_HEADER
+from .channel import Channel, Handle, list_channels, unlink
+
+__all__ = [
+    "KeyedExecutor",
+    "KeyedPool",
+    "ExecutorStats",
+    "PoolStats",
+    "WorkerStats",
+    "RemoteTraceback",
+]
+
+_TICK = 0.05  # the manager's longest sleep: deaths and timeouts are noticed this fast
+_BATCH = 256  # handles taken from a channel per call
+_PREFETCH = 32  # handles a worker may have in hand (running and waiting) at once
+_STOP_GRACE = 5.0  # seconds a stopped worker gets to exit before it is killed
+_CAPACITY = 32 << 20  # default bytes of each of an executor's two channels
+_NAME_RE = re.compile(r"kx-([0-9a-f]+)-(\d+)-(tasks|results)")
+_names = itertools.count()
+
+
+class RemoteTraceback(Exception):
+    """The traceback, as text, of an exception raised in a worker process; set as the
+    `__cause__` of the exception a future raises, so that it is printed with it."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker process, as the manager last saw it."""
+
+    pid: int | None
+    """Its process id (None before it started)."""
+    state: str
+    """"idle", "busy" (running a task), "stopping" or "dead" (about to be replaced)."""
+    finished: int
+    """Tasks (or messages) it finished, ever."""
+    started: float | None
+    """How long the task it runs has been running, in seconds (None when not busy)."""
+
+
+@dataclass(frozen=True)
+class ExecutorStats:
+    """A snapshot of a KeyedExecutor."""
+
+    queued: int
+    """Tasks submitted and not yet handed to a worker (waiting for keys included)."""
+    running: int
+    """Tasks handed to a worker and not finished."""
+    done: int
+    """Tasks that finished with a result, ever."""
+    retried: int
+    """Times a task was handed to a worker again after a worker died, ever."""
+    failed: int
+    """Tasks that finished with an exception (theirs, WorkerDied or TaskTimeout), ever."""
+    cancelled: int
+    """Tasks cancelled before they ran, ever."""
+    held_keys: int
+    """Keys locked by tasks that are out of the task channel (running or about to)."""
+    workers: tuple[WorkerStats, ...]
+    """The worker processes."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a KeyedPool."""
+
+    queued: int
+    """Messages in the channel not yet handed out (waiting for keys included)."""
+    running: int
+    """Messages the pool holds: handed to a worker or about to be."""
+    handled: int
+    """Messages whose handler returned, ever."""
+    failed: int
+    """Handler calls that raised (the message was nacked), ever."""
+    redelivered: int
+    """Messages given back after their worker died, ever."""
+    held_keys: int
+    """Keys locked by the channel's in-flight handles."""
+    workers: tuple[WorkerStats, ...]
+    """The worker processes."""
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _as_keys(keys: object) -> tuple[Any, ...]:
+    """A task's keys as a tuple: one str / bytes / int is one key, None is none."""
+    if keys is None:
+        return ()
+    if isinstance(keys, (str, bytes, int)):
+        return (keys,)
+    if isinstance(keys, tuple):
+        return keys
+    if isinstance(keys, Iterable):
+        return tuple(keys)
+    raise TypeError(
+        f"keys must be a str, bytes, int or an iterable of them, not {type(keys).__name__}"
+    )
+
+
+def _name_of(fn: object) -> str:
+    mod = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if name is None:
+        return repr(fn)
+    return f"{mod}.{name}" if mod else str(name)
+
+
+def _dumps(obj: object, what: str) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=5)
+    except Exception as e:
+        raise errors.TaskNotPicklable(
+            f"{what} cannot be pickled, and tasks travel to the worker processes by "
+            f"pickling ({type(e).__name__}: {e}); use a function defined at module level "
+            "and picklable arguments"
+        ) from e
+
+
+def _context(mp_context: Any) -> Any:
+    if mp_context is None:
+        return multiprocessing.get_context()
+    if isinstance(mp_context, str):
+        return multiprocessing.get_context(mp_context)
+    return mp_context
+
+
+def _oom_kills() -> tuple[int, int]:
+    """(the cgroup's oom_kill count, the kernel's), -1 where unreadable."""
+    cgroup = kernel = -1
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    path = "/sys/fs/cgroup" + line[3:].strip() + "/memory.events"
+                    with open(path) as ev:
+                        for row in ev:
+                            if row.startswith("oom_kill "):
+                                cgroup = int(row.split()[1])
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/vmstat") as f:
+            for row in f:
+                if row.startswith("oom_kill "):
+                    kernel = int(row.split()[1])
+    except (OSError, ValueError):
+        pass
+    return cgroup, kernel
+
+
+def _exit_status(exitcode: int | None, oom_before: tuple[int, int]) -> str:
+    """How a worker process ended, for an error message."""
+    if exitcode is None:
+        return "vanished"
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = str(-exitcode)
+    text = f"was killed by signal {name}"
+    if -exitcode == signal.SIGKILL:
+        after = _oom_kills()
+        raised = [
+            what
+            for what, b, a in zip(("cgroup", "kernel"), oom_before, after, strict=True)
+            if b >= 0 and a > b
+        ]
+        if raised:
+            text += f", likely OOM-killed (the {' and '.join(raised)} oom_kill counter rose)"
+    return text
+
+
+def _reap_dead_executors() -> None:
+    """Unlink channels left behind by executors whose process died."""
+    for name in list_channels():
+        m = _NAME_RE.fullmatch(name)
+        if m and not liveness.is_alive(int(m.group(1), 16)):
+            try:
+                unlink(name)
+            except errors.ChannelNotFound:
+                pass  # another process cleaned it first
+
+
+# ---------------------------------------------------------------------------------------
+# the worker processes (shared by KeyedExecutor and KeyedPool)
+# ---------------------------------------------------------------------------------------
+
+
+class _Worker:
+    """One worker process as its manager sees it."""
+
+    __slots__ = ("index", "process", "conn", "given", "taken", "finished", "oom", "stopping")
+
+    def __init__(self, index: int, process: Any, conn: Any) -> None:
+        self.index = index
+        self.process = process
+        self.conn = conn
+        self.given: collections.deque[tuple[Handle, int]] = collections.deque()  # unfinished
+        self.taken = 0  # handles given, ever
+        self.finished = 0  # of those, finished (the worker's FINISHED word, or results)
+        self.oom = _oom_kills()
+        self.stopping = False
+
+    def catch_up(self, finished: int, done: list[Handle]) -> None:
+        """The worker finished its first `finished` handles: move those to `done`."""
+        if finished > self.finished:
+            given = self.given
+            for _ in range(min(finished, self.taken) - self.finished):
+                done.append(given.popleft()[0])
+            self.finished = min(finished, self.taken)
+
+
+class _Workers:
+    """The worker processes: start, hand out, notice deaths, replace, stop."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        size: int,
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        max_tasks: int | None,
+    ) -> None:
+        self.ctx = ctx
+        self.target = target
+        self.args = args  # after (conn, words, index)
+        self.max_tasks = max_tasks
+        self.words = ctx.RawArray("q", SLOT * size)
+        self.slots: list[_Worker | None] = [None] * size
+        self.by_pid: dict[int, _Worker] = {}
+
+    def start(self, index: int) -> _Worker:
+        base = SLOT * index
+        for k in range(SLOT):
+            self.words[base + k] = 0
+        reader, writer = self.ctx.Pipe(duplex=False)
+        p = self.ctx.Process(
+            target=self.target,
+            args=(reader, self.words, index, *self.args),
+            name=f"shmchan-worker-{index}",
+        )
+        try:
+            p.start()
+        finally:
+            reader.close()
+        w = _Worker(index, p, writer)
+        self.slots[index] = w
+        self.by_pid[p.pid] = w
+        return w
+
+    def start_all(self) -> None:
+        for i in range(len(self.slots)):
+            self.start(i)
+
+    def live(self) -> list[_Worker]:
+        return [w for w in self.slots if w is not None]
+
+    def budget(self, w: _Worker) -> int:
+        """How many more handles `w` may be given now."""
+        if w.stopping:
+            return 0
+        room = _PREFETCH - (w.taken - w.finished)
+        if self.max_tasks is not None:
+            room = min(room, self.max_tasks - w.taken)
+        return max(room, 0)
+
+    def refresh(self) -> list[Handle]:
+        """Catch up with the workers' FINISHED words; the handles they finished."""
+        words = self.words
+        done: list[Handle] = []
+        for w in self.slots:
+            if w is not None:
+                w.catch_up(words[SLOT * w.index + FINISHED], done)
+        return done
+
+    def outstanding(self) -> int:
+        return sum(w.taken - w.finished for w in self.slots if w is not None)
+
+    def capacity(self) -> int:
+        return sum(self.budget(w) for w in self.slots if w is not None)
+
+    def give(self, batch: list[tuple[Handle, int]]) -> None:
+        """Hand each (handle, task id) to a worker, the least loaded first."""
+        workers = [w for w in self.slots if w is not None]
+        shares: dict[int, list[tuple[Handle, int]]] = {}
+        for item in batch:
+            w = max(workers, key=self.budget)
+            if self.budget(w) <= 0:
+                raise AssertionError("handles taken beyond the workers' capacity")
+            shares.setdefault(w.index, []).append(item)
+            w.given.append(item)
+            w.taken += 1
+        for index, items in shares.items():
+            w = self.slots[index]  # type: ignore[assignment]  # filled: it was chosen above
+            data = pickle.dumps([h for h, _ in items], protocol=5)  # hands them over
+            try:
+                w.conn.send_bytes(data)
+            except OSError:
+                pass  # it died: reap() gives its handles back
+            if self.max_tasks is not None and w.taken >= self.max_tasks:
+                self.stop(w)
+
+    def stop(self, w: _Worker) -> None:
+        """Ask `w` to exit once it has finished what it holds."""
+        if not w.stopping:
+            w.stopping = True
+            try:
+                w.conn.send_bytes(b"")
+            except OSError:
+                pass
+
+    def running(self, w: _Worker) -> tuple[int, int] | None:
+        """(seq, started ns) of the handle `w` is running, or None."""
+        base = SLOT * w.index
+        seq = self.words[base + RUNNING]
+        started = self.words[base + STARTED]
+        if seq == 0 or seq != self.words[base + RUNNING]:
+            return None
+        return seq - 1, started
+
+    def ended(self) -> list[tuple[_Worker, int | None, int | None]]:
+        """Workers that exited since the last call: (worker, exitcode, seq it was running)."""
+        out = []
+        for w in self.slots:
+            if w is None or w.process.exitcode is None:
+                continue
+            w.catch_up(self.words[SLOT * w.index + FINISHED], [])
+            run = self.running(w)
+            out.append((w, w.process.exitcode, None if run is None else run[0]))
+            self.slots[w.index] = None
+            self.by_pid.pop(w.process.pid, None)
+            w.conn.close()
+            w.process.join(0)
+        return out
+
+    def shut(self, kill: bool) -> None:
+        """Stop every worker (kill: at once) and wait for them; never leaves one running."""
+        workers = self.live()
+        for w in workers:
+            if kill:
+                w.process.kill()
+            else:
+                self.stop(w)
+        deadline = time.monotonic() + _STOP_GRACE
+        for w in workers:
+            w.process.join(max(deadline - time.monotonic(), 0))
+            if w.process.exitcode is None:
+                w.process.kill()
+                w.process.join(_STOP_GRACE)
+            w.conn.close()
+
+    def stats(self) -> tuple[WorkerStats, ...]:
+        now = time.monotonic_ns()
+        out = []
+        for w in self.slots:
+            if w is None:
+                continue
+            run = self.running(w)
+            dead = w.process.exitcode is not None
+            state = "dead" if dead else "stopping" if w.stopping else "busy" if run else "idle"
+            out.append(
+                WorkerStats(
+                    pid=w.process.pid,
+                    state=state,
+                    finished=int(self.words[SLOT * w.index + FINISHED]),
+                    started=None if run is None else max(now - run[1], 0) / 1e9,
+                )
+            )
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------
+# KeyedExecutor
+# ---------------------------------------------------------------------------------------
+
+
+_Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Any]  # fn, args, kwargs, keys
+
+
+class _Task:
+    """A submitted call, from submit until its future is resolved."""
+
+    __slots__ = ("future", "fn", "keys", "started", "deaths", "last_death", "timed_out")
+
+    def __init__(self, future: Future[Any], fn: object, keys: tuple[Any, ...]) -> None:
+        self.future = future
+        self.fn = fn
+        self.keys = keys
+        self.started = False  # handed to a worker at least once
+        self.deaths = 0  # workers that died while running it
+        self.last_death = ""
+        self.timed_out = False  # the last death was a task_timeout kill
+
+
+class _Core:
+    """Everything a KeyedExecutor owns; the manager thread runs `run`."""
+
+    def __init__(
+        self,
+        max_workers: int,
+        ctx: Any,
+        initializer: Callable[..., object] | None,
+        initargs: tuple[Any, ...],
+        max_attempts: int,
+        task_timeout: float | None,
+        max_tasks_per_child: int | None,
+        capacity: int,
+    ) -> None:
+        self.max_attempts = max_attempts
+        self.timeout_ns = None if task_timeout is None else int(task_timeout * 1e9)
+        self.task_timeout = task_timeout
+        self.lock = threading.Lock()
+        self.tasks: dict[int, _Task] = {}
+        self.next_tid = 1
+        self.shutdown_requested = False
+        self.broken: BaseException | None = None
+        self.done = self.retried = self.failed = self.cancelled = 0
+        self.sleeping = False  # the manager waits on the result channel (see wake())
+        _reap_dead_executors()
+        stem = f"kx-{liveness.current_token():x}-{next(_names)}"
+        self.task_ch = Channel.create(f"{stem}-tasks", capacity, max_keys=64, max_messages=16384)
+        try:
+            self.result_ch = Channel.create(
+                f"{stem}-results", capacity, max_keys=0, max_messages=8192, serializer="raw"
+            )
+        except BaseException:
+            self._unlink(self.task_ch)
+            raise
+        try:
+            self.tx = self.task_ch.sender()
+            self.wake_tx = self.result_ch.sender()
+            self.rx_tasks = self.task_ch.receiver()
+            self.rx_results = self.result_ch.receiver()
+            self.workers = _Workers(
+                ctx,
+                max_workers,
+                _worker.executor_worker,
+                (self.result_ch.name, liveness.current_token(), initializer, initargs),
+                max_tasks_per_child,
+            )
+            self.workers.start_all()
+        except BaseException:
+            self.teardown()
+            raise
+        self.thread = threading.Thread(target=self.run, name="shmchan-KeyedExecutor", daemon=False)
+        self.thread.start()
+
+    # -- caller side -------------------------------------------------------------------
+    def check_open(self) -> None:
+        if self.broken is not None:
+            raise errors.Error(f"KeyedExecutor's manager failed: {self.broken!r}") from self.broken
+        if self.shutdown_requested:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    def register(self, fn: object, keys: tuple[Any, ...]) -> tuple[int, Future[Any]]:
+        fut: Future[Any] = Future()
+        with self.lock:
+            self.check_open()
+            tid = self.next_tid
+            self.next_tid += 1
+            self.tasks[tid] = _Task(fut, fn, keys)
+        return tid, fut
+
+    def submit_many(
+        self, calls: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]
+    ) -> list[Future[Any]]:
+        """Submit (fn, args, kwargs, keys) calls; one send_many per batch."""
+        out: list[Future[Any]] = []
+        for start in range(0, len(calls), _BATCH):
+            items = []
+            tids = []
+            for fn, args, kwargs, keys in calls[start : start + _BATCH]:
+                keys = _as_keys(keys)
+                body = _dumps((fn, args, kwargs), f"the task {_name_of(fn)}(...)")
+                tid, fut = self.register(fn, keys)
+                tids.append(tid)
+                out.append(fut)
+                items.append((TASK_HEADER.pack(tid) + body, keys))
+            try:
+                if len(items) == 1:
+                    self.tx.send(items[0][0], keys=items[0][1])
+                else:
+                    self.tx.send_many(items)
+                self.wake()
+            except BaseException:
+                for tid in tids:
+                    self.tasks.pop(tid, None)
+                for fut in out[start:]:
+                    fut.cancel()
+                raise
+        return out
+
+    def request_shutdown(self, cancel_futures: bool) -> None:
+        with self.lock:
+            self.shutdown_requested = True
+        if cancel_futures:
+            for task in list(self.tasks.values()):
+                task.future.cancel()  # only those not yet running are cancelled
+
+    # -- the manager thread ------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.loop()
+        except BaseException as e:
+            self.broken = e
+            for task in list(self.tasks.values()):
+                if not task.future.done():
+                    task.future.set_exception(
+                        errors.Error(f"KeyedExecutor's manager failed: {e!r}")
+                    )
+        finally:
+            self.teardown()
+
+    def loop(self) -> None:
+        next_check = 0.0
+        while True:
+            busy = self.collect(0)
+            busy |= self.dispatch(0)
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _TICK
+                if self.housekeeping():
+                    return
+            if busy:
+                continue
+            if self.workers.outstanding():
+                # Results (and with them free keys: we release a task's handle when its
+                # result arrives) come on the result channel; a submit that finds us
+                # sleeping there sends an empty wake-up message (see wake()).
+                self.sleeping = True
+                try:
+                    if not self.dispatch(0):
+                        self.collect(_TICK)
+                finally:
+                    self.sleeping = False
+            elif self.workers.capacity():
+                self.dispatch(_TICK)  # only a submit can bring work now
+            else:
+                time.sleep(0.001)  # every worker is being replaced
+
+    def wake(self) -> None:
+        """Called after a send into the task channel: wake a manager waiting for results."""
+        if self.sleeping:
+            self.sleeping = False
+            self.wake_tx.send(b"")
+
+    def collect(self, timeout: float) -> bool:
+        """Resolve the futures of the results that arrived; False if none did."""
+        try:
+            hs = self.rx_results.recv_many(_BATCH, timeout=timeout)
+        except errors.Empty:
+            return False
+        by_pid = self.workers.by_pid
+        finished: list[Handle] = []
+        for h in hs:
+            view = h.data
+            if len(view) < RESULT_HEADER.size:
+                continue  # wake()'s empty message
+            tid, _seq, pid, count, status = RESULT_HEADER.unpack_from(view)
+            w = by_pid.get(pid)
+            if w is not None:
+                w.catch_up(count, finished)
+            task = self.tasks.pop(tid, None)
+            if task is None:
+                continue  # a second result of a task that ran again after a death
+            try:
+                value = pickle.loads(view[RESULT_HEADER.size :])
+            except Exception as e:
+                status, value = RAISED, (e, "")
+            del view
+            if status == RAISED:
+                exc, tb = value
+                if tb:
+                    exc.__cause__ = RemoteTraceback(tb)
+                task.future.set_exception(exc)
+                self.failed += 1
+            else:
+                task.future.set_result(value)
+                self.done += 1
+        self.rx_results.release_many(hs)
+        # The worker releases a task's handle right after sending its result; releasing
+        # it here too (a no-op for whichever comes second) frees its keys for the
+        # dispatch that follows without waiting for that.
+        if finished:
+            self.rx_tasks.release_many(finished)
+        return True
+
+    def dispatch(self, timeout: float) -> bool:
+        """Take tasks whose keys are free and hand them to workers; False if none came."""
+        room = self.workers.capacity()
+        if room <= 0:
+            return False
+        try:
+            hs = self.rx_tasks.recv_many(min(room, _BATCH), timeout=timeout)
+        except errors.Empty:
+            return False
+        if any(h.attempt > 1 for h in hs):
+            # Redelivered: maybe its worker died. Count that death before running it again.
+            self.reap()
+        batch: list[tuple[Handle, int]] = []
+        drop: list[Handle] = []
+        tasks = self.tasks
+        for h in hs:
+            (tid,) = TASK_HEADER.unpack_from(h.data)
+            task = tasks.get(tid)
+            if task is None:  # resolved already (it failed for good, or ran twice)
+                drop.append(h)
+                continue
+            if task.started:
+                self.retried += 1
+            elif task.future.set_running_or_notify_cancel():
+                task.started = True
+            else:
+                del tasks[tid]
+                self.cancelled += 1
+                drop.append(h)
+                continue
+            batch.append((h, tid))
+        if drop:
+            self.rx_tasks.release_many(drop)
+        if batch:
+            self.workers.give(batch)
+        return True
+
+    def housekeeping(self) -> bool:
+        """Timeouts, deaths, replacements; True once the executor may close down."""
+        workers = self.workers
+        finished = workers.refresh()
+        if finished:
+            self.rx_tasks.release_many(finished)
+        if self.timeout_ns is not None:
+            now = time.monotonic_ns()
+            for w in workers.live():
+                run = workers.running(w)
+                if run is not None and now - run[1] > self.timeout_ns:
+                    tid = next((t for h, t in w.given if h.seq == run[0]), None)
+                    task = self.tasks.get(tid) if tid is not None else None
+                    if task is not None:
+                        task.timed_out = True
+                    w.process.kill()
+        self.reap()
+        if self.shutdown_requested:
+            pending = [t for t in self.tasks.values() if not t.future.cancelled()]
+            if not pending and all(w.taken == w.finished for w in workers.live()):
+                return True
+        for i, slot in enumerate(workers.slots):
+            if slot is None:
+                workers.start(i)
+        return False
+
+    def bury(self, w: _Worker, code: int | None, running_seq: int | None) -> None:
+        """A worker ended: give back what it held; the task it ran counts an attempt.
+
+        Its list may hold two copies of one task: the channel may have redelivered the
+        first (dead holder) and we handed the copy to this worker before seeing it dead.
+        Giving back a stale copy is a no-op; the death counts once."""
+        status = _exit_status(code, w.oom)
+        give_back: list[Handle] = []
+        drop: list[Handle] = []
+        counted: set[int] = set()
+        for h, tid in w.given:
+            task = self.tasks.get(tid)
+            if task is None:  # resolved: whatever copy this is, nobody must run it
+                drop.append(h)
+                continue
+            if h.seq == running_seq and tid not in counted:
+                counted.add(tid)
+                task.deaths += 1
+                if task.timed_out:
+                    status = f"was killed after running past task_timeout={self.task_timeout:g} s"
+                task.last_death = f"worker pid {w.process.pid} {status}"
+                if task.deaths >= self.max_attempts:
+                    del self.tasks[tid]
+                    drop.append(h)  # its keys go to the next in line
+                    self.fail(task)
+                    continue
+                task.timed_out = False
+            give_back.append(h)
+        w.given.clear()
+        if drop:
+            self.rx_tasks.release_many(drop)  # a no-op for copies already redelivered
+        for h in give_back:
+            h.nack()  # redelivered with attempt + 1, ahead of its keys' lines
+
+    def reap(self) -> None:
+        """Notice workers that ended and bury them (results they sent first count)."""
+        ended = self.workers.ended()
+        if ended:
+            while self.collect(0):
+                pass
+            for w, code, seq in ended:
+                self.bury(w, code, seq)
+
+    def fail(self, task: _Task) -> None:
+        kind = errors.TaskTimeout if task.timed_out else errors.WorkerDied
+        task.future.set_exception(
+            kind(
+                f"{_name_of(task.fn)} with keys {task.keys!r} failed {task.deaths} time(s) "
+                f"(max_attempts={self.max_attempts}) because its worker died; "
+                f"last time: {task.last_death}"
+            )
+        )
+        self.failed += 1
+
+    def teardown(self) -> None:
+        workers = getattr(self, "workers", None)
+        if workers is not None:
+            workers.shut(kill=self.broken is not None)
+        for name in ("rx_tasks", "rx_results"):
+            rx = getattr(self, name, None)
+            if rx is not None:
+                rx.close()
+        for ch in (getattr(self, "task_ch", None), getattr(self, "result_ch", None)):
+            if ch is not None:
+                self._unlink(ch)
+        _live_cores.discard(self)
+
+    @staticmethod
+    def _unlink(ch: Channel) -> None:
+        try:
+            ch.unlink()
+        except (errors.ChannelNotFound, errors.Closed):
+            pass
+        ch.close()
+
+    def stats(self) -> ExecutorStats:
+        tasks = list(self.tasks.values())
+        running = sum(1 for t in tasks if t.started)
+        try:
+            held = self.task_ch.stats().held_keys
+        except errors.Closed:
+            held = 0
+        return ExecutorStats(
+            queued=len(tasks) - running,
+            running=running,
+            done=self.done,
+            retried=self.retried,
+            failed=self.failed,
+            cancelled=self.cancelled,
+            held_keys=held,
+            workers=self.workers.stats(),
+        )
+
+
+_live_cores: weakref.WeakSet[_Core] = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    # Before the interpreter joins the manager threads: let them finish and clean up.
+    for core in list(_live_cores):
+        core.request_shutdown(cancel_futures=False)
+
+
+getattr(threading, "_register_atexit")(_at_exit)  # noqa: B009 - private, as concurrent.futures
+
+
+def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any]:
+    return [fn(*args) for args in chunk]
+
+
+class KeyedExecutor(Executor):
+    """A concurrent.futures.Executor whose tasks carry keys: tasks sharing a key never
+    run at the same time and run in submission order; a worker that dies is replaced and
+    its task runs again (see the module docstring and README "Worker pools")."""
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        mp_context: Any = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+        max_attempts: int = 3,
+        task_timeout: float | None = None,
+        max_tasks_per_child: int | None = None,
+        *,
+        capacity: int = _CAPACITY,
+    ) -> None:
+        if max_workers is None:
+            max_workers = len(os.sched_getaffinity(0)) or 1
+        for what, value in (("max_workers", max_workers), ("max_attempts", max_attempts)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{what} must be a positive int, got {value!r}")
+        if max_tasks_per_child is not None and (
+            not isinstance(max_tasks_per_child, int) or max_tasks_per_child < 1
+        ):
+            raise ValueError(
+                f"max_tasks_per_child must be a positive int or None, got {max_tasks_per_child!r}"
+            )
+        if task_timeout is not None and not task_timeout > 0:
+            raise ValueError(
+                f"task_timeout must be a positive number of seconds or None, got {task_timeout!r}"
+            )
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be callable")
+        ctx = _context(mp_context)
+        if ctx.get_start_method() != "fork":
+            _dumps((initializer, initargs), "the initializer or its initargs")
+        self._max_workers = max_workers
+        self._core = _Core(
+            max_workers,
+            ctx,
+            initializer,
+            tuple(initargs),
+            max_attempts,
+            task_timeout,
+            max_tasks_per_child,
+            capacity,
+        )
+        _live_cores.add(self._core)
+        # An executor dropped without shutdown() finishes its work and cleans up.
+        weakref.finalize(self, _Core.request_shutdown, self._core, False)
+
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, keys: Any = (), **kwargs: Any
+    ) -> Future[Any]:
+        """Run fn(*args, **kwargs) in a worker once no earlier task with one of `keys`
+        is unfinished; a Future of its result."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        self._core.check_open()
+        return self._core.submit_many([(fn, args, kwargs, keys)])[0]
+
+    def map(
+        self,
+        fn: Callable[..., Any],
+        *iterables: Iterable[Any],
+        keys: Callable[..., Any] | None = None,
+        timeout: float | None = None,
+        chunksize: int = 1,
+        progress: bool = False,
+    ) -> Iterator[Any]:
+        """Like Executor.map: fn over the items, results lazily in input order.
+
+        `keys(item)` gives an item's keys (with several iterables it gets the tuple of
+        items). With chunksize > 1 a task runs that many items in order and holds all
+        their keys. `timeout` counts from this call. progress=True shows a tqdm bar.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        if not isinstance(chunksize, int) or chunksize < 1:
+            raise ValueError(f"chunksize must be a positive int, got {chunksize!r}")
+        end = None if timeout is None else time.monotonic() + timeout
+        self._core.check_open()
+        single = len(iterables) == 1
+        items = list(zip(*iterables, strict=False))
+
+        def keys_of(args: tuple[Any, ...]) -> tuple[Any, ...]:
+            if keys is None:
+                return ()
+            return _as_keys(keys(args[0] if single else args))
+
+        if chunksize == 1:
+            calls: list[_Call] = [(fn, args, {}, keys_of(args)) for args in items]
+        else:
+            calls = []
+            for i in range(0, len(items), chunksize):
+                chunk = items[i : i + chunksize]
+                union = tuple(dict.fromkeys(k for args in chunk for k in keys_of(args)))
+                calls.append((_run_chunk, (fn, chunk), {}, union))
+        futures = self._core.submit_many(calls)
+        return self._results(futures, end, chunksize > 1, len(items) if progress else None)
+
+    def _results(
+        self, futures: list[Future[Any]], end: float | None, chunked: bool, total: int | None
+    ) -> Iterator[Any]:
+        bar = None
+        if total is not None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="task")
+        futures.reverse()
+        try:
+            while futures:
+                fut = futures.pop()
+                left = None if end is None else end - time.monotonic()
+                try:
+                    value = fut.result(left)
+                finally:
+                    del fut
+                if bar is not None:
+                    bar.set_postfix(retries=self._core.retried, refresh=False)
+                if chunked:
+                    for v in value:
+                        yield v
+                        if bar is not None:
+                            bar.update(1)
+                else:
+                    yield value
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            for f in futures:
+                f.cancel()
+            if bar is not None:
+                bar.close()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No new tasks; with cancel_futures, cancel those not yet running; with wait,
+        return once every task finished and the workers and channels are gone."""
+        self._core.request_shutdown(cancel_futures)
+        if wait and self._core.thread is not threading.current_thread():
+            self._core.thread.join()
+
+    def stats(self) -> ExecutorStats:
+        """Tasks queued, running, done, retried, failed; held keys; the workers."""
+        return self._core.stats()
+
+
+# ---------------------------------------------------------------------------------------
+# KeyedPool
+# ---------------------------------------------------------------------------------------
+
+
+class KeyedPool:
+    """Worker processes serving an existing named channel: handler(payload, keys) for
+    every message outside producers send to it. A return releases the message's handle,
+    an exception is logged and nacks it (the channel's max_attempts / dead letters
+    apply), a worker that dies is replaced and its messages are redelivered.
+
+    `close()` stops taking messages and lets the workers finish what the pool holds;
+    `terminate()` kills them and gives back what they held; `join()` waits for either.
+    The pool also ends once the channel is shut down and drained. This process is the
+    channel's receiver meanwhile (ReceiverBusy if another live one exists)."""
+
+    def __init__(
+        self,
+        name: str,
+        handler: Callable[[Any, tuple[Any, ...]], object],
+        processes: int | None = None,
+        mp_context: Any = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+    ) -> None:
+        if not callable(handler):
+            raise TypeError(f"handler must be callable, not {type(handler).__name__}")
+        if processes is None:
+            processes = len(os.sched_getaffinity(0)) or 1
+        if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+            raise ValueError(f"processes must be a positive int, got {processes!r}")
+        ctx = _context(mp_context)
+        if ctx.get_start_method() != "fork":
+            _dumps((handler, initializer, initargs), "the handler, initializer or initargs")
+        self._lock = threading.Lock()
+        self._closing = False
+        self._terminating = False
+        self._held: collections.deque[Handle] = collections.deque()
+        self._failed_before = 0
+        self._redelivered = 0
+        self._ch = Channel.open(name)
+        try:
+            self._rx = self._ch.receiver()
+        except BaseException:
+            self._ch.close()
+            raise
+        self._workers = _Workers(
+            ctx,
+            processes,
+            _worker.pool_worker,
+            (handler, liveness.current_token(), initializer, tuple(initargs)),
+            None,
+        )
+        try:
+            self._workers.start_all()
+        except BaseException:
+            self._workers.shut(kill=True)
+            self._rx.close()
+            self._ch.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="shmchan-KeyedPool", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop taking messages; the workers finish what the pool holds, then exit."""
+        self._closing = True
+
+    def terminate(self) -> None:
+        """Kill the workers now; what they held goes back to the channel (attempt + 1)."""
+        self._terminating = True
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the pool has stopped (after close(), terminate(), or the channel's
+        shutdown and drain), at most `timeout` seconds."""
+        self._thread.join(timeout)
+
+    def __enter__(self) -> KeyedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self.join()
+
+    def stats(self) -> PoolStats:
+        """Messages queued in the channel, held by the pool, handled, failed; workers."""
+        st = self._ch.stats() if self._ch._seg is not None else None
+        workers = self._workers.stats()
+        finished = sum(w.finished for w in workers)
+        failed = self._failed_before + sum(
+            int(self._workers.words[SLOT * w.index + _worker.FAILED]) for w in self._workers.live()
+        )
+        running = len(self._held) + sum(w.taken - w.finished for w in self._workers.live())
+        return PoolStats(
+            queued=st.queued if st is not None else 0,
+            running=running,
+            handled=max(finished - failed, 0),
+            failed=failed,
+            redelivered=self._redelivered,
+            held_keys=st.held_keys if st is not None else 0,
+            workers=workers,
+        )
+
+    # -- the manager thread ------------------------------------------------------------
+    def _run(self) -> None:
+        workers = self._workers
+        drained = False
+        next_check = 0.0
+        try:
+            while not self._terminating:
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + _TICK
+                    self._housekeeping()
+                workers.refresh()  # the workers released those themselves
+                self._give()
+                stopping = self._closing or drained
+                if stopping:
+                    if not self._held and all(w.taken == w.finished for w in workers.live()):
+                        break
+                    time.sleep(0.001)
+                    continue
+                if self._held:
+                    time.sleep(0.0005)  # every worker is full: wait for one to finish one
+                    continue
+                room = max(workers.capacity(), 1)
+                try:
+                    self._held.extend(self._rx.recv_many(min(room, _BATCH), timeout=_TICK))
+                except errors.Empty:
+                    pass
+                except errors.Closed:
+                    # Shut down and everything handed out; but a nacked message, or one
+                    # whose worker died, comes back: done only once nothing is out.
+                    st = self._ch.stats()
+                    if st.inflight == 0 and st.queued == 0:
+                        drained = True
+                    else:
+                        time.sleep(0.005)
+        finally:
+            self._stop()
+
+    def _give(self) -> None:
+        room = self._workers.capacity()
+        if room and self._held:
+            batch = [(self._held.popleft(), 0) for _ in range(min(room, len(self._held)))]
+            self._workers.give(batch)
+
+    def _housekeeping(self) -> None:
+        for w, _code, _seq in self._workers.ended():
+            self._count_failed(w)
+            for h, _ in w.given:
+                h.nack()  # a no-op for those already released or revoked
+                self._redelivered += 1
+            w.given.clear()
+            if not (self._closing or self._terminating):
+                self._workers.start(w.index)
+
+    def _count_failed(self, w: _Worker) -> None:
+        self._failed_before += int(self._workers.words[SLOT * w.index + _worker.FAILED])
+
+    def _stop(self) -> None:
+        workers = self._workers
+        kill = self._terminating
+        for w in workers.live():
+            if kill:
+                w.process.kill()
+        workers.shut(kill=kill)
+        for w in workers.live():
+            for h, _ in w.given:
+                h.nack()
+            w.given.clear()
+        while self._held:
+            self._held.popleft().nack()
+        self._rx.close()
+        self._ch.close()

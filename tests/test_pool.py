@@ -1,0 +1,531 @@
+"""KeyedExecutor and KeyedPool: key order across processes, crashes, timeouts, clean-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import shmchan
+from shmchan import liveness
+
+WAIT = 60  # seconds any single future or join may take before the test fails
+METHODS = ["fork", "spawn", "forkserver"]
+
+
+def _our_executor_channels() -> list[str]:
+    prefix = f"kx-{liveness.current_token():x}-"
+    return [n for n in shmchan.list_channels() if n.startswith(prefix)]
+
+
+def _helper(proc: psutil.Process) -> bool:
+    """multiprocessing's own long-lived helpers (they outlive every pool by design)."""
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return True
+    return "resource_tracker" in cmdline or "forkserver" in cmdline
+
+
+def _workers_alive() -> list[psutil.Process]:
+    alive = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and not _helper(c):
+                alive.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers() -> Iterator[None]:
+    """Every test leaves no worker process and no executor channel behind."""
+    yield
+    deadline = time.monotonic() + 10
+    while alive := _workers_alive():
+        if time.monotonic() > deadline:
+            for c in alive:
+                c.kill()
+            pytest.fail(f"worker processes left running: {[c.pid for c in alive]}")
+        time.sleep(0.05)
+    left = _our_executor_channels()
+    for name in left:
+        shmchan.unlink(name)
+    assert not left, f"executor channels left in /dev/shm: {left}"
+
+
+# ------------------------------------------------------------------ task functions
+# (module level: tasks travel to the workers by pickling)
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def add(a: int, b: int, *, c: int = 0) -> int:
+    return a + b + c
+
+
+def fail(message: str) -> None:
+    raise KeyError(message)
+
+
+def slow(seconds: float, value: Any = None) -> Any:
+    time.sleep(seconds)
+    return value
+
+
+def echo_size(blob: bytes) -> tuple[int, int]:
+    return len(blob), sum(blob[:: 1 << 12])
+
+
+def make_blob(size: int) -> bytes:
+    return bytes(range(256)) * (size // 256)
+
+
+def append_line(path: str, line: str) -> str:
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    return Path(path).read_text()
+
+
+def count_and_kill(path: str) -> None:
+    with open(path, "a") as f:
+        f.write("x")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def count_and_exit(path: str, code: int) -> None:
+    with open(path, "a") as f:
+        f.write("x")
+    os._exit(code)
+
+
+def count_and_sleep(path: str, seconds: float) -> None:
+    with open(path, "a") as f:
+        f.write("x")
+    time.sleep(seconds)
+
+
+def my_pid() -> int:
+    return os.getpid()
+
+
+# ------------------------------------------------------------------ the bank oracle
+# Each account is a JSON file {"balance": b, "applied": {tid: accepted}}. A transfer
+# reads and writes both accounts' files with no lock of its own: only the keys make that
+# safe. It is idempotent (it records what it applied), so that a worker killed halfway
+# and the task run again still gives the serial result.
+
+INITIAL = 100
+
+
+def _load(directory: str, account: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(Path(directory, f"{account}.json").read_text())
+    return data
+
+
+def _store(directory: str, account: int, data: dict[str, Any]) -> None:
+    tmp = Path(directory, f"{account}.json.{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, Path(directory, f"{account}.json"))
+
+
+def transfer(directory: str, tid: int, src: int, dst: int, amount: int, nap: float) -> bool:
+    time.sleep(nap)
+    key = str(tid)
+    s = _load(directory, src)
+    if key in s["applied"]:
+        accepted = bool(s["applied"][key])
+    else:
+        accepted = s["balance"] >= amount  # the overdraft rule: order matters
+        if accepted:
+            s["balance"] -= amount
+        s["applied"][key] = accepted
+        _store(directory, src, s)
+    if accepted:
+        d = _load(directory, dst)
+        if key not in d["applied"]:
+            time.sleep(nap / 2)
+            d["balance"] += amount
+            d["applied"][key] = True
+            _store(directory, dst, d)
+    return accepted
+
+
+def _bank(tmp_path: Path, accounts: int) -> str:
+    for a in range(accounts):
+        _store(str(tmp_path), a, {"balance": INITIAL, "applied": {}})
+    return str(tmp_path)
+
+
+def _transfers(n: int, accounts: int, seed: int) -> list[tuple[int, int, int, int, float]]:
+    rng = random.Random(seed)
+    out = []
+    for tid in range(n):
+        src, dst = rng.sample(range(accounts), 2)
+        out.append((tid, src, dst, rng.randint(1, 80), rng.random() * 0.003))
+    return out
+
+
+def _serial(
+    transfers: list[tuple[int, int, int, int, float]], accounts: int
+) -> tuple[list[bool], list[int]]:
+    balances = [INITIAL] * accounts
+    decisions = []
+    for _tid, src, dst, amount, _nap in transfers:
+        ok = balances[src] >= amount
+        if ok:
+            balances[src] -= amount
+            balances[dst] += amount
+        decisions.append(ok)
+    return decisions, balances
+
+
+def _run_bank(
+    tmp_path: Path, killer: Callable[[shmchan.KeyedExecutor], None] | None, **kwargs: Any
+) -> None:
+    accounts, n = 6, 300
+    directory = _bank(tmp_path, accounts)
+    transfers = _transfers(n, accounts, seed=7)
+    with shmchan.KeyedExecutor(4, **kwargs) as ex:
+        futures = [
+            ex.submit(transfer, directory, *t, keys=(f"acct:{t[1]}", f"acct:{t[2]}"))
+            for t in transfers
+        ]
+        if killer is not None:
+            killer(ex)
+        decisions = [f.result(timeout=WAIT) for f in futures]
+    expected_decisions, expected_balances = _serial(transfers, accounts)
+    assert decisions == expected_decisions
+    assert [_load(directory, a)["balance"] for a in range(accounts)] == expected_balances
+    assert not all(decisions) and any(decisions)  # the overdraft rule fired: order mattered
+
+
+# ------------------------------------------------------------------ KeyedExecutor
+
+
+def test_submit_returns_results_and_passes_kwargs() -> None:
+    with shmchan.KeyedExecutor(2) as ex:
+        assert ex.submit(square, 7, keys=("a",)).result(timeout=WAIT) == 49
+        assert ex.submit(add, 1, 2, c=3).result(timeout=WAIT) == 6
+        assert ex.submit(add, 1, 2, keys="single key").result(timeout=WAIT) == 3
+
+
+def test_an_exception_keeps_its_type_and_the_remote_traceback() -> None:
+    with shmchan.KeyedExecutor(1) as ex:
+        fut = ex.submit(fail, "no such account", keys=("k",))
+        with pytest.raises(KeyError, match="no such account") as info:
+            fut.result(timeout=WAIT)
+        cause = info.value.__cause__
+        assert isinstance(cause, shmchan.RemoteTraceback)
+        assert "in fail" in str(cause) and "KeyError" in str(cause)
+        assert ex.submit(square, 3, keys=("k",)).result(timeout=WAIT) == 9  # key freed
+
+
+def test_map_gives_results_in_input_order_lazily() -> None:
+    with shmchan.KeyedExecutor(3) as ex:
+        assert list(ex.map(square, range(500), keys=lambda x: x % 7)) == [x * x for x in range(500)]
+        assert list(ex.map(add, [1, 2, 3], [10, 20, 30], keys=lambda t: (t[0],))) == [11, 22, 33]
+        chunked = ex.map(square, range(100), keys=lambda x: (x % 5,), chunksize=8)
+        assert list(chunked) == [x * x for x in range(100)]
+
+
+def test_map_timeout_raises_timeout_error() -> None:
+    with shmchan.KeyedExecutor(1) as ex:
+        results = ex.map(slow, [2.0, 2.0], timeout=0.2)
+        with pytest.raises(TimeoutError):
+            next(results)
+        results.close()  # cancels what has not started
+
+
+def test_map_with_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    with shmchan.KeyedExecutor(2) as ex:
+        assert list(ex.map(square, range(50), progress=True)) == [x * x for x in range(50)]
+    assert "50/50" in capsys.readouterr().err
+
+
+def test_submit_after_shutdown_raises_runtime_error() -> None:
+    ex = shmchan.KeyedExecutor(1)
+    ex.shutdown()
+    with pytest.raises(RuntimeError):
+        ex.submit(square, 2)
+    with pytest.raises(RuntimeError):
+        ex.map(square, [1])
+
+
+def test_an_unpicklable_function_fails_at_submit() -> None:
+    with shmchan.KeyedExecutor(1) as ex:
+        with pytest.raises(shmchan.TaskNotPicklable, match="pickl") as info:
+            ex.submit(lambda: 1)
+        assert isinstance(info.value, pickle.PicklingError)
+        with pytest.raises(shmchan.TaskNotPicklable):
+            ex.submit(square, threading.Lock())
+        assert ex.submit(square, 4).result(timeout=WAIT) == 16
+
+
+def test_bad_keys_fail_at_submit() -> None:
+    with shmchan.KeyedExecutor(1) as ex:
+        with pytest.raises(TypeError):
+            ex.submit(square, 1, keys=(1.5,))
+        assert ex.submit(square, 5).result(timeout=WAIT) == 25
+
+
+def test_concurrent_results_equal_a_serial_replay(tmp_path: Path) -> None:
+    _run_bank(tmp_path, None)
+
+
+def test_serial_replay_holds_with_workers_killed_at_random(tmp_path: Path) -> None:
+    kills = []
+
+    def killer(ex: shmchan.KeyedExecutor) -> None:
+        rng = random.Random(3)
+        for _ in range(6):
+            time.sleep(rng.uniform(0.05, 0.15))
+            busy = [w.pid for w in ex.stats().workers if w.state == "busy" and w.pid]
+            if busy:
+                pid = rng.choice(busy)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    kills.append(pid)
+                except ProcessLookupError:
+                    pass
+
+    _run_bank(tmp_path, killer, max_attempts=50)
+    assert kills  # workers really died during the run
+
+
+def test_a_task_that_kills_its_worker_fails_after_max_attempts(tmp_path: Path) -> None:
+    counter = str(tmp_path / "runs")
+    log = str(tmp_path / "log")
+    with shmchan.KeyedExecutor(2, max_attempts=3) as ex:
+        doomed = ex.submit(count_and_kill, counter, keys=("acct:1",))
+        after = ex.submit(append_line, log, "after", keys=("acct:1",))
+        with pytest.raises(shmchan.WorkerDied) as info:
+            doomed.result(timeout=WAIT)
+        message = str(info.value)
+        assert "count_and_kill" in message and "acct:1" in message
+        assert "killed by signal SIGKILL" in message
+        assert Path(counter).read_text() == "xxx"  # ran exactly max_attempts times
+        # the key is free again, and the task behind it ran only after the last attempt
+        assert after.result(timeout=WAIT) == "after\n"
+        assert ex.submit(square, 6, keys=("acct:1",)).result(timeout=WAIT) == 36
+        assert ex.stats().failed >= 1
+
+
+def test_worker_died_names_the_exit_code(tmp_path: Path) -> None:
+    with shmchan.KeyedExecutor(1, max_attempts=2) as ex:
+        fut = ex.submit(count_and_exit, str(tmp_path / "runs"), 3, keys=("k",))
+        with pytest.raises(shmchan.WorkerDied, match="exited with code 3"):
+            fut.result(timeout=WAIT)
+        assert (tmp_path / "runs").read_text() == "xx"
+        assert ex.submit(square, 2, keys=("k",)).result(timeout=WAIT) == 4
+
+
+def test_task_timeout_kills_the_worker_and_raises_task_timeout(tmp_path: Path) -> None:
+    counter = str(tmp_path / "runs")
+    with shmchan.KeyedExecutor(1, task_timeout=0.3, max_attempts=2) as ex:
+        fut = ex.submit(count_and_sleep, counter, 30, keys=("k",))
+        with pytest.raises(shmchan.TaskTimeout, match="task_timeout"):
+            fut.result(timeout=WAIT)
+        assert isinstance(fut.exception(), shmchan.WorkerDied)
+        assert Path(counter).read_text() == "xx"
+        assert ex.submit(square, 3, keys=("k",)).result(timeout=WAIT) == 9
+
+
+def test_large_arguments_and_results() -> None:
+    blob = make_blob(6 << 20)
+    with shmchan.KeyedExecutor(2) as ex:
+        assert ex.submit(echo_size, blob).result(timeout=WAIT) == echo_size(blob)
+        assert ex.submit(make_blob, 5 << 20).result(timeout=WAIT) == make_blob(5 << 20)
+
+
+def test_shutdown_cancel_futures_cancels_what_has_not_started() -> None:
+    ex = shmchan.KeyedExecutor(1)
+    first = ex.submit(slow, 0.5, "first", keys=("k",))
+    rest = [ex.submit(square, i, keys=("k",)) for i in range(20)]
+    while not first.running():
+        time.sleep(0.01)
+    ex.shutdown(wait=True, cancel_futures=True)
+    assert first.result(timeout=0) == "first"
+    assert all(f.cancelled() for f in rest)
+
+
+def test_max_tasks_per_child_recycles_workers() -> None:
+    with shmchan.KeyedExecutor(1, max_tasks_per_child=2) as ex:
+        pids = [ex.submit(my_pid).result(timeout=WAIT) for _ in range(6)]
+    assert len(set(pids)) == 3
+
+
+def test_stats_report_tasks_and_workers() -> None:
+    with shmchan.KeyedExecutor(2) as ex:
+        blocker = ex.submit(slow, 0.5, keys=("k",))
+        waiting = ex.submit(square, 2, keys=("k",))
+        time.sleep(0.2)
+        st = ex.stats()
+        assert st.running == 1 and st.queued == 1
+        assert st.held_keys == 1
+        assert len(st.workers) == 2 and all(w.pid for w in st.workers)
+        assert {w.state for w in st.workers} == {"busy", "idle"}
+        blocker.result(timeout=WAIT)
+        waiting.result(timeout=WAIT)
+        assert ex.stats().done == 2
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_start_method_works(method: str, tmp_path: Path) -> None:
+    log = str(tmp_path / "log")
+    with shmchan.KeyedExecutor(2, mp_context=method) as ex:
+        assert list(ex.map(square, range(20), keys=lambda x: x % 3)) == [x * x for x in range(20)]
+        lines = [ex.submit(append_line, log, str(i), keys=("log",)) for i in range(10)]
+        assert lines[-1].result(timeout=WAIT).split() == [str(i) for i in range(10)]
+        with pytest.raises(shmchan.TaskNotPicklable):
+            ex.submit(lambda x: x, 1)
+        with pytest.raises(shmchan.WorkerDied):
+            ex.submit(count_and_exit, str(tmp_path / "runs"), 1).result(timeout=WAIT)
+
+
+def test_an_abandoned_executor_cleans_up() -> None:
+    ex = shmchan.KeyedExecutor(1)
+    fut = ex.submit(square, 3)
+    del ex
+    assert fut.result(timeout=WAIT) == 9
+
+
+# ------------------------------------------------------------------ KeyedPool
+
+
+def fail_once_then_log(directory: str, payload: Any, keys: tuple[Any, ...]) -> None:
+    key, index = payload
+    marker = Path(directory, f"seen-{key}-{index}")
+    if not marker.exists():
+        marker.touch()
+        raise ValueError(f"first attempt of {payload}")
+    with open(Path(directory, "log"), "a") as f:
+        f.write(f"{key} {index}\n")
+
+
+def die_once_then_log(directory: str, payload: Any, keys: tuple[Any, ...]) -> None:
+    key, index = payload
+    marker = Path(directory, f"seen-{key}-{index}")
+    if index == 3 and not marker.exists():
+        marker.touch()
+        os._exit(9)
+    with open(Path(directory, "log"), "a") as f:
+        f.write(f"{key} {index}\n")
+
+
+def sleepy_handler(payload: Any, keys: tuple[Any, ...]) -> None:
+    time.sleep(0.2)
+
+
+class _Handler:
+    """A picklable handler bound to a directory (functools.partial would do as well)."""
+
+    def __init__(self, fn: Callable[..., None], directory: str) -> None:
+        self.fn = fn
+        self.directory = directory
+
+    def __call__(self, payload: Any, keys: tuple[Any, ...]) -> None:
+        self.fn(self.directory, payload, keys)
+
+
+def _send_keyed(ch: shmchan.Channel, keys: int, per_key: int) -> list[tuple[str, int]]:
+    tx = ch.sender()
+    sent = []
+    for index in range(per_key):
+        for k in range(keys):
+            key = f"k{k}"
+            tx.send((key, index), keys=(key,))
+            sent.append((key, index))
+    return sent
+
+
+def _log_by_key(directory: Path) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for line in (directory / "log").read_text().splitlines():
+        key, index = line.split()
+        out.setdefault(key, []).append(int(index))
+    return out
+
+
+def test_pool_retries_a_failing_handler_in_key_order(
+    make_channel: Callable[..., shmchan.Channel], tmp_path: Path
+) -> None:
+    ch = make_channel(max_attempts=5)
+    sent = _send_keyed(ch, keys=4, per_key=10)
+    with shmchan.KeyedPool(
+        ch.name, _Handler(fail_once_then_log, str(tmp_path)), processes=3
+    ) as pool:
+        ch.shutdown()  # the pool ends once everything was handed out and handled
+        pool.join(WAIT)
+        st = pool.stats()
+    assert _log_by_key(tmp_path) == {f"k{k}": list(range(10)) for k in range(4)}
+    assert st.failed == len(sent) and st.handled == len(sent)
+    assert ch.stats().dead_letters == 0
+
+
+def test_pool_redelivers_the_message_of_a_dead_worker(
+    make_channel: Callable[..., shmchan.Channel], tmp_path: Path
+) -> None:
+    ch = make_channel(max_attempts=3)
+    _send_keyed(ch, keys=2, per_key=6)
+    with shmchan.KeyedPool(
+        ch.name, _Handler(die_once_then_log, str(tmp_path)), processes=2
+    ) as pool:
+        ch.shutdown()
+        pool.join(WAIT)
+    assert _log_by_key(tmp_path) == {"k0": list(range(6)), "k1": list(range(6))}
+    assert ch.stats().redelivered >= 2
+
+
+def test_only_one_pool_per_channel(make_channel: Callable[..., shmchan.Channel]) -> None:
+    ch = make_channel()
+    with shmchan.KeyedPool(ch.name, sleepy_handler, processes=1):
+        with pytest.raises(shmchan.ReceiverBusy):
+            shmchan.KeyedPool(ch.name, sleepy_handler, processes=1)
+
+
+def test_pool_terminate_gives_messages_back(make_channel: Callable[..., shmchan.Channel]) -> None:
+    ch = make_channel()
+    tx = ch.sender()
+    for i in range(6):
+        tx.send(i, keys=(f"k{i}",))
+    pool = shmchan.KeyedPool(ch.name, sleepy_handler, processes=2)
+    time.sleep(0.1)
+    pool.terminate()
+    pool.join(WAIT)
+    assert all(w.state == "dead" or w.pid for w in pool.stats().workers)
+    # everything not handled goes to the next receiver
+    rx = ch.receiver()
+    got = []
+    while True:
+        h = rx.try_recv()
+        if h is None:
+            break
+        got.append(h.payload)
+        h.release()
+    rx.close()
+    assert len(got) + pool.stats().handled == 6
+
+
+def test_pool_close_finishes_what_it_holds(make_channel: Callable[..., shmchan.Channel]) -> None:
+    ch = make_channel()
+    pool = shmchan.KeyedPool(ch.name, sleepy_handler, processes=2)
+    ch.sender().send("x", keys=("a",))
+    time.sleep(0.1)
+    pool.close()
+    pool.join(WAIT)
+    assert pool.stats().handled == 1
+    assert ch.stats().inflight == 0
