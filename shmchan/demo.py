@@ -2,10 +2,11 @@
 
 `python -m shmchan demo` starts a few producer processes that send order-dependent
 work -- transfers between accounts, deposits, withdrawals, with an overdraft rule --
-through one channel. Every message carries the keys of the accounts it touches. The
-consumer (this process) receives key-locked handles and hands them, by pickling, to a
-pool of worker processes. The workers update balances that live in one shared array
-*without any lock of their own*: shmchan's key locks are what make that safe.
+through one channel. Every message carries the keys of the accounts it touches. This
+process serves the channel with a `shmchan.KeyedPool`: it receives the key-locked
+handles and hands them to the pool's worker processes, which run `_Apply` on each
+message. The workers update balances that live in one shared array *without any lock
+of their own*: shmchan's key locks are what make that safe.
 
 At the end the demo replays the producers' log serially, in `seq` order, and checks
 that the final balances and every accept / reject decision equal what the workers
@@ -25,7 +26,6 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import random
 import signal
@@ -181,27 +181,32 @@ def _producer(
     logs.put((producer, log))
 
 
-def _worker(worker: int, balances: Any, work: Any, results: Any, ready: Any) -> None:
-    """Worker process: take over handles, apply their operations, release them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    parent = mp.parent_process()
-    done: list[tuple[int, int, int, bool]] = []
-    ready.put(("worker", worker))
-    while True:
-        try:
-            item = work.get(timeout=0.5)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                sys.exit(f"demo worker {worker}: consumer is gone")
-            continue
-        if item is None:
-            break
-        # Unpickling hands the handles over: this process now holds their keys.
-        for h in pickle.loads(item):
-            with h:  # releases the handle, and so its keys, on exit
-                op = h.payload
-                done.append((h.seq, op[4], op[5], apply(balances, op)))
-    results.put((worker, done))
+class _Apply:
+    """The KeyedPool handler: apply one operation to the shared balances.
+
+    Everything it writes lives in shared arrays with *no lock of their own*: the
+    message's keys (the accounts it touches) are what make that safe. Besides the
+    balance it records, per message, whether it was accepted, how many times it ran,
+    and a Lamport stamp: one more than the largest stamp of the accounts it touches,
+    which it then gives those accounts. Sorting by stamp gives an order in which every
+    account sees its operations exactly as the workers applied them, i.e. the channel's
+    hand-out order per key, which the check needs."""
+
+    def __init__(self, balances: Any, clocks: Any, results: Any, offsets: list[int]) -> None:
+        self.balances = balances
+        self.clocks = clocks  # per account: the stamp of the last operation on it
+        self.results = results  # per message: accepted, runs, stamp (3 ints)
+        self.offsets = offsets  # producer -> index of its first message in `results`
+
+    def __call__(self, op: Op, keys: tuple[Any, ...]) -> None:
+        i = 3 * (self.offsets[op[4]] + op[5])
+        touched = (op[1], op[2]) if op[0] == TRANSFER else (op[1],)
+        stamp = max(self.clocks[a] for a in touched) + 1
+        for a in touched:
+            self.clocks[a] = stamp
+        self.results[i] = apply(self.balances, op)
+        self.results[i + 1] += 1
+        self.results[i + 2] = stamp
 
 
 # --------------------------------------------------------------------------- consumer
@@ -211,7 +216,8 @@ def _worker(worker: int, balances: Any, work: Any, results: Any, ready: Any) -> 
 class _Outcome:
     logs: dict[int, list[tuple[int, Op]]]  # producer -> [(seq, op)] in send order
     done: list[tuple[int, int, int, bool]]  # (seq, producer, index, accepted), all workers
-    handout: list[tuple[int, tuple[str, ...]]]  # (seq, keys) in the order recv handed them out
+    handout: list[tuple[int, tuple[str, ...]]]  # (seq, keys) in the order the workers
+    # applied them, per key (by Lamport stamp: see _Apply)
     balances: list[int]
     elapsed: float
     stats: shmchan.Stats | None  # None only in unit tests of the checker
@@ -233,7 +239,7 @@ class _Progress:
         now = time.monotonic()
         if self.enabled and (force or now - self.last >= 0.2):
             self.last = now
-            print(f"\r  handed out {n}/{self.total}", end="", file=sys.stderr, flush=True)
+            print(f"\r  handled {n}/{self.total}", end="", file=sys.stderr, flush=True)
 
     def finish(self) -> None:
         if self.enabled:
@@ -250,18 +256,23 @@ def _run_consumer(
     ctx: Any,
     children: list[Any],
     queues: list[Any],
+    pools: list[shmchan.KeyedPool],
 ) -> _Outcome:
-    """Start the children, dispatch every message, collect the results.
+    """Start the producers and a KeyedPool of workers on the channel, wait until every
+    message was handled, and collect the results.
 
-    Appends every process it starts to `children` and every queue to `queues`,
-    so the caller can clean up whatever happens here.
+    Appends every process it starts to `children`, every queue to `queues` and the
+    pool to `pools`, so the caller can clean up whatever happens here.
     """
+    counts = _split(args.messages, args.producers)
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
     balances = ctx.RawArray("q", [INITIAL_BALANCE] * args.accounts)  # no lock: keys protect it
-    queues[:] = [ctx.Queue() for _ in range(4)]
-    ready, logs_q, work, results_q = queues
+    clocks = ctx.RawArray("q", args.accounts)
+    results = ctx.RawArray("q", 3 * args.messages)
+    queues[:] = [ctx.Queue() for _ in range(2)]
+    ready, logs_q = queues
     go = ctx.Event()
     tx = ch.sender()
-    rx = ch.receiver()
     producers = [
         ctx.Process(
             target=_producer,
@@ -280,20 +291,20 @@ def _run_consumer(
             ),
             daemon=True,
         )
-        for i, n in enumerate(_split(args.messages, args.producers))
+        for i, n in enumerate(counts)
     ]
-    workers = [
-        ctx.Process(
-            target=_worker,
-            name=f"demo-worker-{i}",
-            args=(i, balances, work, results_q, ready),
-            daemon=True,
-        )
-        for i in range(args.workers)
-    ]
-    for p in producers + workers:
+    for p in producers:
         p.start()
         children.append(p)
+    # The pool: this process becomes the channel's receiver and hands key-locked handles
+    # to its worker processes, which run _Apply for each message.
+    pool = shmchan.KeyedPool(
+        ch.name,
+        _Apply(balances, clocks, results, offsets),
+        processes=args.workers,
+        mp_context=ctx,
+    )
+    pools.append(pool)
 
     deadline = time.monotonic() + args.timeout
 
@@ -303,18 +314,15 @@ def _run_consumer(
             raise _DemoFailed(f"timed out after {args.timeout:g} s (raise --timeout?)")
         return left
 
-    def check_children() -> None:
+    def check_producers() -> None:
         for p in producers:
             if p.exitcode not in (None, 0):
                 raise _DemoFailed(f"{p.name} exited with code {p.exitcode}")
-        for p in workers:
-            if p.exitcode is not None:
-                raise _DemoFailed(f"{p.name} exited early with code {p.exitcode}")
 
-    # Start the clock once every child is up, so process start-up is not measured.
-    for _ in producers + workers:
+    # Start the clock once every producer is up, so process start-up is not measured.
+    for _ in producers:
         while True:
-            check_children()
+            check_producers()
             try:
                 ready.get(timeout=min(0.2, remaining()))
                 break
@@ -324,61 +332,42 @@ def _run_consumer(
     start = time.monotonic()
 
     logs: dict[int, list[tuple[int, Op]]] = {}
-    handout: list[tuple[int, tuple[str, ...]]] = []
     progress = _Progress(args.messages)
-    while len(handout) < args.messages:
-        remaining()
-        check_children()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                producer, log = logs_q.get_nowait()
-                logs[producer] = log
-        try:
-            hs = rx.recv_many(256, timeout=0.1)
-        except shmchan.Empty:
-            continue
-        if not hs:
-            continue
-        handout.extend((h.seq, tuple(str(k) for k in h.keys)) for h in hs)
-        # Spread the batch over the workers. Handles that are live at the same time
-        # never share a key, so any worker may take any of them.
-        size = min(CHUNK, -(-len(hs) // args.workers))  # ceil(len / workers), at most CHUNK
-        for i in range(0, len(hs), size):
-            work.put(pickle.dumps(hs[i : i + size]))  # pickling hands the handles over
-        del hs
-        progress.update(len(handout))
-    progress.update(len(handout), force=True)
-    progress.finish()
-
-    for _ in workers:
-        work.put(None)
-    done: list[tuple[int, int, int, bool]] = []
-    for _ in workers:
-        while True:
-            for p in workers:
-                if p.exitcode not in (None, 0):
-                    raise _DemoFailed(f"{p.name} exited with code {p.exitcode}")
-            try:
-                _, part = results_q.get(timeout=min(0.2, remaining()))
-                done.extend(part)
-                break
-            except queue.Empty:
-                pass
-    elapsed = time.monotonic() - start
-
     while len(logs) < len(producers):
-        check_children()
+        remaining()
+        check_producers()
+        progress.update(pool.stats().handled)
         with contextlib.suppress(queue.Empty):
-            producer, log = logs_q.get(timeout=min(0.2, remaining()))
+            producer, log = logs_q.get(timeout=0.1)
             logs[producer] = log
-    for p in producers + workers:
+    # Every message is sent. Once the pool has handled them all, shut the channel
+    # down: the pool then finds it drained and ends.
+    while (handled := pool.stats().handled) < args.messages:
+        remaining()
+        progress.update(handled)
+        time.sleep(0.01)
+    ch.shutdown()
+    while not pool.join(min(0.2, remaining())):
+        pass
+    progress.update(args.messages, force=True)
+    progress.finish()
+    elapsed = time.monotonic() - start
+    for p in producers:
         p.join(timeout=remaining())
-    # Everything sent was processed, so the channel must be empty now. Polling once
-    # more also lets the receiver account for the workers' last releases in stats().
-    leftover = rx.try_recv()
-    if leftover is not None:
-        raise _DemoFailed(f"an extra message came out of the channel: seq {leftover.seq}")
-    rx.close()
+
+    seq_of = {(op[4], op[5]): seq for log in logs.values() for seq, op in log}
+    ops_by_seq = {seq: op for log in logs.values() for seq, op in log}
+    done: list[tuple[int, int, int, bool]] = []
+    stamped: list[tuple[int, int]] = []  # (stamp, seq) of every message that ran
+    for producer, count in enumerate(counts):
+        for index in range(count):
+            i = 3 * (offsets[producer] + index)
+            accepted, runs, stamp = results[i], results[i + 1], results[i + 2]
+            seq = seq_of.get((producer, index), -1)
+            done += [(seq, producer, index, bool(accepted))] * runs
+            if runs and seq in ops_by_seq:
+                stamped.append((stamp, seq))
+    handout = [(seq, keys_of(ops_by_seq[seq])) for _, seq in sorted(stamped)]
     return _Outcome(logs, done, handout, list(balances), elapsed, ch.stats())
 
 
@@ -500,9 +489,10 @@ def run(args: argparse.Namespace) -> int:
     ch = shmchan.Channel.create(name, args.capacity, order=args.order, max_keys=2)
     children: list[Any] = []
     queues: list[Any] = []
+    pools: list[shmchan.KeyedPool] = []
     try:
         print(f"channel: {name}", flush=True)
-        outcome = _run_consumer(ch, args, ctx, children, queues)
+        outcome = _run_consumer(ch, args, ctx, children, queues, pools)
     except _DemoFailed as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return EXIT_MISMATCH
@@ -510,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted; cleaning up", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
-        _cleanup(ch, children, queues)
+        _cleanup(ch, children, queues, pools)
 
     problems, notes = _check(outcome, args)
     accepted = sum(1 for d in outcome.done if d[3])
@@ -544,10 +534,16 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cleanup(ch: shmchan.Channel, children: list[Any], queues: list[Any]) -> None:
-    """Stop our children and remove the channel; never raises, ignores a second Ctrl-C."""
+def _cleanup(
+    ch: shmchan.Channel, children: list[Any], queues: list[Any], pools: list[shmchan.KeyedPool]
+) -> None:
+    """Stop the pool and our children and remove the channel; never raises, ignores a
+    second Ctrl-C."""
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        for pool in pools:
+            pool.terminate()  # a no-op once it has ended on its own
+            pool.join(10)
         for q in queues:
             q.cancel_join_thread()  # never block exit on data nobody will read
         for p in children:

@@ -67,6 +67,7 @@ __all__ = [
 ]
 
 _TICK = 0.05  # the manager's longest sleep: deaths and timeouts are noticed this fast
+_SHUT_TICK = 0.002  # a KeyedPool's wait on a channel that was shut down
 _BATCH = 256  # handles taken from a channel per call
 _PREFETCH = 32  # handles a worker may have in hand (running and waiting) at once
 _STOP_GRACE = 5.0  # seconds a stopped worker gets to exit before it is killed
@@ -859,9 +860,7 @@ class KeyedExecutor(Executor):
             )
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be callable")
-        ctx = _context(mp_context)
-        if ctx.get_start_method() != "fork":
-            _dumps((initializer, initargs), "the initializer or its initargs")
+        ctx = _context(mp_context)  # (an unpicklable initializer fails in Process.start)
         self._max_workers = max_workers
         self._core = _Core(
             max_workers,
@@ -1004,15 +1003,14 @@ class KeyedPool:
             processes = len(os.sched_getaffinity(0)) or 1
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
             raise ValueError(f"processes must be a positive int, got {processes!r}")
-        ctx = _context(mp_context)
-        if ctx.get_start_method() != "fork":
-            _dumps((handler, initializer, initargs), "the handler, initializer or initargs")
+        ctx = _context(mp_context)  # (an unpicklable handler fails in Process.start)
         self._lock = threading.Lock()
         self._closing = False
         self._terminating = False
         self._held: collections.deque[Handle] = collections.deque()
         self._failed_before = 0
         self._redelivered = 0
+        self._shut_down = False  # the channel was shut down (seen at housekeeping)
         self._ch = Channel.open(name)
         try:
             self._rx = self._ch.receiver()
@@ -1044,10 +1042,11 @@ class KeyedPool:
         """Kill the workers now; what they held goes back to the channel (attempt + 1)."""
         self._terminating = True
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float | None = None) -> bool:
         """Wait until the pool has stopped (after close(), terminate(), or the channel's
-        shutdown and drain), at most `timeout` seconds."""
+        shutdown and drain), at most `timeout` seconds; True if it has."""
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> KeyedPool:
         return self
@@ -1098,8 +1097,11 @@ class KeyedPool:
                     time.sleep(0.0005)  # every worker is full: wait for one to finish one
                     continue
                 room = max(workers.capacity(), 1)
+                # (A receiver waiting on a shut-down channel is not woken by releases:
+                # poll it more often then.)
+                wait = _SHUT_TICK if self._shut_down else _TICK
                 try:
-                    self._held.extend(self._rx.recv_many(min(room, _BATCH), timeout=_TICK))
+                    self._held.extend(self._rx.recv_many(min(room, _BATCH), timeout=wait))
                 except errors.Empty:
                     pass
                 except errors.Closed:
@@ -1120,6 +1122,8 @@ class KeyedPool:
             self._workers.give(batch)
 
     def _housekeeping(self) -> None:
+        if not self._shut_down:
+            self._shut_down = self._ch.stats().shutdown
         for w, _code, _seq in self._workers.ended():
             self._count_failed(w)
             for h, _ in w.given:
