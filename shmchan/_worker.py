@@ -61,8 +61,11 @@ __all__ = [
 
 SLOT, RUNNING, STARTED, FINISHED, FAILED = 4, 0, 1, 2, 3
 
-# A task message: TASK_HEADER (the executor's task id) + pickle((fn, args, kwargs)).
-TASK_HEADER = struct.Struct("<Q")
+# A task message: TASK_HEADER (the executor's task id, n) + pickle(fn) (n bytes) +
+# pickle((args, kwargs)). The function is pickled apart so that a worker unpickles each
+# function once (map sends the same one many times).
+TASK_HEADER = struct.Struct("<QI")
+_FUNCTIONS = 64  # unpickled functions a worker keeps
 # A result message: RESULT_HEADER (task id, seq of the task's message, worker pid,
 # FINISHED including this one, OK | RAISED) + pickle(value) or pickle((exception, text)).
 RESULT_HEADER = struct.Struct("<QQIQB")
@@ -161,6 +164,7 @@ def executor_worker(
     pid = os.getpid()
     finished = 0
     clock = time.monotonic_ns
+    functions: dict[bytes, Callable[..., Any]] = {}
     for h in _Inbox(conn, parent_token):
         finished += 1
         try:
@@ -169,11 +173,20 @@ def executor_worker(
             words[base + FINISHED] = finished
             continue
         seq = h.seq
-        (tid,) = TASK_HEADER.unpack_from(view)
+        tid, n = TASK_HEADER.unpack_from(view)
         words[base + STARTED] = clock()
         words[base + RUNNING] = seq + 1
+        fn: Any = None
         try:
-            fn, args, kwargs = pickle.loads(view[TASK_HEADER.size :])
+            start = TASK_HEADER.size
+            blob = bytes(view[start : start + n])
+            fn = functions.get(blob)
+            if fn is None:
+                fn = pickle.loads(blob)
+                if len(functions) >= _FUNCTIONS:
+                    functions.clear()
+                functions[blob] = fn
+            args, kwargs = pickle.loads(view[start + n :])
             del view
             value = fn(*args, **kwargs)
             status = OK

@@ -39,6 +39,7 @@ they are unlinked at shutdown, and a new executor unlinks those of dead creators
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -49,7 +50,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import CancelledError, Executor, Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,12 +173,13 @@ def _name_of(fn: object) -> str:
     return f"{mod}.{name}" if mod else str(name)
 
 
-def _dumps(obj: object, what: str) -> bytes:
+def _dumps(obj: object, what: str, fn: object) -> bytes:
     try:
         return pickle.dumps(obj, protocol=5)
     except Exception as e:
         raise errors.TaskNotPicklable(
-            f"{what} cannot be pickled, and tasks travel to the worker processes by "
+            f"{what} of the task {_name_of(fn)}(...) cannot be pickled, and tasks travel "
+            f"to the worker processes by "
             f"pickling ({type(e).__name__}: {e}); use a function defined at module level "
             "and picklable arguments"
         ) from e
@@ -347,26 +349,31 @@ class _Workers:
     def capacity(self) -> int:
         return sum(self.budget(w) for w in self.slots if w is not None)
 
-    def give(self, batch: list[tuple[Handle, int]]) -> None:
-        """Hand each (handle, task id) to a worker, the least loaded first."""
-        workers = [w for w in self.slots if w is not None]
-        shares: dict[int, list[tuple[Handle, int]]] = {}
-        for item in batch:
-            w = max(workers, key=self.budget)
-            if self.budget(w) <= 0:
-                raise AssertionError("handles taken beyond the workers' capacity")
-            shares.setdefault(w.index, []).append(item)
-            w.given.append(item)
-            w.taken += 1
-        for index, items in shares.items():
-            w = self.slots[index]  # type: ignore[assignment]  # filled: it was chosen above
-            data = pickle.dumps([h for h, _ in items], protocol=5)  # hands them over
-            try:
-                w.conn.send_bytes(data)
-            except OSError:
-                pass  # it died: reap() gives its handles back
-            if self.max_tasks is not None and w.taken >= self.max_tasks:
-                self.stop(w)
+    def give(self, batch: list[tuple[Handle, int]]) -> list[tuple[Handle, int]]:
+        """Hand each (handle, task id) to a worker: evenly over those with room, in runs
+        (one pipe write per worker). Returns those no worker had room for."""
+        todo = batch
+        while todo:
+            open_ = [(b, w) for w in self.slots if w is not None and (b := self.budget(w)) > 0]
+            if not open_:
+                return todo  # a worker died since the room was counted
+            share = -(-len(todo) // len(open_))  # ceil
+            for room, w in open_:
+                items, todo = todo[: min(share, room)], todo[min(share, room) :]
+                if items:
+                    self._send(w, items)
+        return []
+
+    def _send(self, w: _Worker, items: list[tuple[Handle, int]]) -> None:
+        w.given.extend(items)
+        w.taken += len(items)
+        data = pickle.dumps([h for h, _ in items], protocol=5)  # hands them over
+        try:
+            w.conn.send_bytes(data)
+        except OSError:
+            pass  # it died: reap() gives its handles back
+        if self.max_tasks is not None and w.taken >= self.max_tasks:
+            self.stop(w)
 
     def stop(self, w: _Worker) -> None:
         """Ask `w` to exit once it has finished what it holds."""
@@ -445,19 +452,119 @@ class _Workers:
 _Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Any]  # fn, args, kwargs, keys
 
 
+class _Pending:
+    """The mark of a map result not yet there."""
+
+
+_PENDING = _Pending()
+
+
+class _Raised:
+    """A map result that is an exception."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _MapBatch:
+    """The results of one map() call, filled in by the manager, read in order by the
+    caller's iterator (lighter than a Future per item)."""
+
+    __slots__ = ("results", "cond", "waiting", "closed")
+
+    def __init__(self, n: int) -> None:
+        self.results: list[Any] = [_PENDING] * n
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting = -1  # the index the caller waits for
+        self.closed = False  # the iterator was closed: run nothing more of it
+
+    def resolve(self, index: int, value: Any) -> None:
+        """Manager side: result `index` is `value` (a _Raised for an exception)."""
+        self.results[index] = value
+        if self.waiting == index:
+            with self.cond:
+                self.cond.notify()
+
+    def get(self, index: int, deadline: float | None) -> Any:
+        """Caller side: wait for result `index` (TimeoutError past `deadline`)."""
+        value = self.results[index]
+        if value is _PENDING:
+            with self.cond:
+                self.waiting = index
+                try:
+                    while (value := self.results[index]) is _PENDING:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise TimeoutError
+                        self.cond.wait(left)
+                finally:
+                    self.waiting = -1
+        self.results[index] = None  # the caller has it: do not keep it alive
+        if isinstance(value, _Raised):
+            raise value.exc
+        return value
+
+
 class _Task:
-    """A submitted call, from submit until its future is resolved."""
+    """A submitted call, from submit until it is resolved: a future (submit) or one
+    slot of a map() batch."""
 
-    __slots__ = ("future", "fn", "keys", "started", "deaths", "last_death", "timed_out")
+    __slots__ = (
+        "future", "batch", "index", "fn", "keys", "started", "cancelled", "deaths",
+        "last_death", "timed_out",
+    )  # fmt: skip
 
-    def __init__(self, future: Future[Any], fn: object, keys: tuple[Any, ...]) -> None:
+    def __init__(
+        self,
+        fn: object,
+        keys: tuple[Any, ...],
+        future: Future[Any] | None,
+        batch: _MapBatch | None = None,
+        index: int = 0,
+    ) -> None:
         self.future = future
+        self.batch = batch
+        self.index = index
         self.fn = fn
         self.keys = keys
         self.started = False  # handed to a worker at least once
+        self.cancelled = False  # a map item cancelled before it ran
         self.deaths = 0  # workers that died while running it
         self.last_death = ""
         self.timed_out = False  # the last death was a task_timeout kill
+
+    def start(self) -> bool:
+        """Mark it running; False if it was cancelled first (then it must not run)."""
+        if self.future is not None:
+            return self.future.set_running_or_notify_cancel()
+        return not (self.cancelled or self.batch is None or self.batch.closed)
+
+    def cancel(self) -> None:
+        """Cancel it if it has not started."""
+        if self.future is not None:
+            self.future.cancel()
+        elif not self.started and self.batch is not None:
+            self.cancelled = True
+            self.batch.resolve(self.index, _Raised(CancelledError()))
+
+    def is_cancelled(self) -> bool:
+        if self.future is not None:
+            return self.future.cancelled()
+        return self.cancelled or (not self.started and self.batch is not None and self.batch.closed)
+
+    def set_result(self, value: Any) -> None:
+        if self.future is not None:
+            self.future.set_result(value)
+        elif self.batch is not None:
+            self.batch.resolve(self.index, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if self.future is not None:
+            self.future.set_exception(exc)
+        elif self.batch is not None:
+            self.batch.resolve(self.index, _Raised(exc))
 
 
 class _Core:
@@ -484,6 +591,7 @@ class _Core:
         self.broken: BaseException | None = None
         self.done = self.retried = self.failed = self.cancelled = 0
         self.sleeping = False  # the manager waits on the result channel (see wake())
+        self.spare: list[tuple[Handle, int]] = []  # taken, but no worker had room yet
         _reap_dead_executors()
         stem = f"kx-{liveness.current_token():x}-{next(_names)}"
         self.task_ch = Channel.create(f"{stem}-tasks", capacity, max_keys=64, max_messages=16384)
@@ -520,42 +628,47 @@ class _Core:
         if self.shutdown_requested:
             raise RuntimeError("cannot schedule new futures after shutdown")
 
-    def register(self, fn: object, keys: tuple[Any, ...]) -> tuple[int, Future[Any]]:
-        fut: Future[Any] = Future()
-        with self.lock:
-            self.check_open()
-            tid = self.next_tid
-            self.next_tid += 1
-            self.tasks[tid] = _Task(fut, fn, keys)
-        return tid, fut
-
-    def submit_many(
-        self, calls: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]
-    ) -> list[Future[Any]]:
-        """Submit (fn, args, kwargs, keys) calls; one send_many per batch."""
-        out: list[Future[Any]] = []
+    def submit_many(self, calls: list[_Call], batch: _MapBatch | None = None) -> list[_Task]:
+        """Submit (fn, args, kwargs, keys) calls, one send_many per _BATCH of them:
+        futures for them, or slots of `batch` (in order)."""
+        out: list[_Task] = []
+        blobs: dict[int, bytes] = {}  # id(fn) -> pickle(fn): each function pickled once
         for start in range(0, len(calls), _BATCH):
+            part = calls[start : start + _BATCH]
+            tasks = []
             items = []
-            tids = []
-            for fn, args, kwargs, keys in calls[start : start + _BATCH]:
+            for i, (fn, args, kwargs, keys) in enumerate(part, start):
+                blob = blobs.get(id(fn))
+                if blob is None:
+                    blob = blobs[id(fn)] = _dumps(fn, "the function", fn)
+                body = _dumps((args, kwargs), "the arguments", fn)
                 keys = _as_keys(keys)
-                body = _dumps((fn, args, kwargs), f"the task {_name_of(fn)}(...)")
-                tid, fut = self.register(fn, keys)
-                tids.append(tid)
-                out.append(fut)
-                items.append((TASK_HEADER.pack(tid) + body, keys))
+                task = _Task(fn, keys, None if batch is not None else Future(), batch, i)
+                tasks.append(task)
+                items.append((blob, body, keys))
+            with self.lock:
+                self.check_open()
+                first = self.next_tid
+                self.next_tid += len(tasks)
+                for tid, task in enumerate(tasks, first):
+                    self.tasks[tid] = task
+            messages = [
+                (TASK_HEADER.pack(tid, len(blob)) + blob + body, keys)
+                for tid, (blob, body, keys) in enumerate(items, first)
+            ]
             try:
-                if len(items) == 1:
-                    self.tx.send(items[0][0], keys=items[0][1])
+                if len(messages) == 1:
+                    self.tx.send(messages[0][0], keys=messages[0][1])
                 else:
-                    self.tx.send_many(items)
-                self.wake()
+                    self.tx.send_many(messages)
             except BaseException:
-                for tid in tids:
+                for tid in range(first, first + len(tasks)):
                     self.tasks.pop(tid, None)
-                for fut in out[start:]:
-                    fut.cancel()
+                for task in out:
+                    task.cancel()
                 raise
+            self.wake()
+            out += tasks
         return out
 
     def request_shutdown(self, cancel_futures: bool) -> None:
@@ -563,7 +676,7 @@ class _Core:
             self.shutdown_requested = True
         if cancel_futures:
             for task in list(self.tasks.values()):
-                task.future.cancel()  # only those not yet running are cancelled
+                task.cancel()  # only those not yet running are cancelled
 
     # -- the manager thread ------------------------------------------------------------
     def run(self) -> None:
@@ -572,10 +685,8 @@ class _Core:
         except BaseException as e:
             self.broken = e
             for task in list(self.tasks.values()):
-                if not task.future.done():
-                    task.future.set_exception(
-                        errors.Error(f"KeyedExecutor's manager failed: {e!r}")
-                    )
+                with contextlib.suppress(InvalidStateError):
+                    task.set_exception(errors.Error(f"KeyedExecutor's manager failed: {e!r}"))
         finally:
             self.teardown()
 
@@ -640,10 +751,10 @@ class _Core:
                 exc, tb = value
                 if tb:
                     exc.__cause__ = RemoteTraceback(tb)
-                task.future.set_exception(exc)
+                task.set_exception(exc)
                 self.failed += 1
             else:
-                task.future.set_result(value)
+                task.set_result(value)
                 self.done += 1
         self.rx_results.release_many(hs)
         # The worker releases a task's handle right after sending its result; releasing
@@ -656,6 +767,12 @@ class _Core:
     def dispatch(self, timeout: float) -> bool:
         """Take tasks whose keys are free and hand them to workers; False if none came."""
         room = self.workers.capacity()
+        if self.spare:
+            if room <= 0:
+                return False
+            spare, self.spare = self.spare, []
+            self.spare = self.workers.give(spare)
+            return True
         if room <= 0:
             return False
         try:
@@ -669,14 +786,14 @@ class _Core:
         drop: list[Handle] = []
         tasks = self.tasks
         for h in hs:
-            (tid,) = TASK_HEADER.unpack_from(h.data)
+            tid = TASK_HEADER.unpack_from(h.data)[0]
             task = tasks.get(tid)
             if task is None:  # resolved already (it failed for good, or ran twice)
                 drop.append(h)
                 continue
             if task.started:
                 self.retried += 1
-            elif task.future.set_running_or_notify_cancel():
+            elif task.start():
                 task.started = True
             else:
                 del tasks[tid]
@@ -687,7 +804,7 @@ class _Core:
         if drop:
             self.rx_tasks.release_many(drop)
         if batch:
-            self.workers.give(batch)
+            self.spare += self.workers.give(batch)
         return True
 
     def housekeeping(self) -> bool:
@@ -708,12 +825,9 @@ class _Core:
                     w.process.kill()
         self.reap()
         if self.shutdown_requested:
-            pending = [t for t in self.tasks.values() if not t.future.cancelled()]
-            if not pending and all(w.taken == w.finished for w in workers.live()):
+            pending = [t for t in self.tasks.values() if not t.is_cancelled()]
+            if not pending and not self.spare and not workers.outstanding():
                 return True
-        for i, slot in enumerate(workers.slots):
-            if slot is None:
-                workers.start(i)
         return False
 
     def bury(self, w: _Worker, code: int | None, running_seq: int | None) -> None:
@@ -758,10 +872,13 @@ class _Core:
                 pass
             for w, code, seq in ended:
                 self.bury(w, code, seq)
+        for i, slot in enumerate(self.workers.slots):
+            if slot is None:
+                self.workers.start(i)
 
     def fail(self, task: _Task) -> None:
         kind = errors.TaskTimeout if task.timed_out else errors.WorkerDied
-        task.future.set_exception(
+        task.set_exception(
             kind(
                 f"{_name_of(task.fn)} with keys {task.keys!r} failed {task.deaths} time(s) "
                 f"(max_attempts={self.max_attempts}) because its worker died; "
@@ -884,7 +1001,9 @@ class KeyedExecutor(Executor):
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         self._core.check_open()
-        return self._core.submit_many([(fn, args, kwargs, keys)])[0]
+        future = self._core.submit_many([(fn, args, kwargs, keys)])[0].future
+        assert future is not None
+        return future
 
     def map(
         self,
@@ -909,40 +1028,41 @@ class KeyedExecutor(Executor):
         self._core.check_open()
         single = len(iterables) == 1
         items = list(zip(*iterables, strict=False))
-
-        def keys_of(args: tuple[Any, ...]) -> tuple[Any, ...]:
-            if keys is None:
-                return ()
-            return _as_keys(keys(args[0] if single else args))
-
+        if keys is None:
+            key_lists: list[tuple[Any, ...]] = [()] * len(items)
+        elif single:
+            key_lists = [_as_keys(keys(args[0])) for args in items]
+        else:
+            key_lists = [_as_keys(keys(args)) for args in items]
         if chunksize == 1:
-            calls: list[_Call] = [(fn, args, {}, keys_of(args)) for args in items]
+            calls: list[_Call] = [
+                (fn, args, {}, k) for args, k in zip(items, key_lists, strict=True)
+            ]
         else:
             calls = []
             for i in range(0, len(items), chunksize):
-                chunk = items[i : i + chunksize]
-                union = tuple(dict.fromkeys(k for args in chunk for k in keys_of(args)))
-                calls.append((_run_chunk, (fn, chunk), {}, union))
-        futures = self._core.submit_many(calls)
-        return self._results(futures, end, chunksize > 1, len(items) if progress else None)
+                union = tuple(dict.fromkeys(k for ks in key_lists[i : i + chunksize] for k in ks))
+                calls.append((_run_chunk, (fn, items[i : i + chunksize]), {}, union))
+        batch = _MapBatch(len(calls))
+        tasks = self._core.submit_many(calls, batch)
+        return self._results(batch, tasks, end, chunksize > 1, len(items) if progress else None)
 
     def _results(
-        self, futures: list[Future[Any]], end: float | None, chunked: bool, total: int | None
+        self,
+        batch: _MapBatch,
+        tasks: list[_Task],
+        end: float | None,
+        chunked: bool,
+        total: int | None,
     ) -> Iterator[Any]:
         bar = None
         if total is not None:
             from tqdm import tqdm
 
             bar = tqdm(total=total, unit="task")
-        futures.reverse()
         try:
-            while futures:
-                fut = futures.pop()
-                left = None if end is None else end - time.monotonic()
-                try:
-                    value = fut.result(left)
-                finally:
-                    del fut
+            for index in range(len(tasks)):
+                value = batch.get(index, end)
                 if bar is not None:
                     bar.set_postfix(retries=self._core.retried, refresh=False)
                 if chunked:
@@ -955,8 +1075,10 @@ class KeyedExecutor(Executor):
                     if bar is not None:
                         bar.update(1)
         finally:
-            for f in futures:
-                f.cancel()
+            batch.closed = True  # what has not started will not run
+            for task in tasks:
+                if not task.started:
+                    task.cancelled = True
             if bar is not None:
                 bar.close()
 
@@ -1063,7 +1185,10 @@ class KeyedPool:
         failed = self._failed_before + sum(
             int(self._workers.words[SLOT * w.index + _worker.FAILED]) for w in self._workers.live()
         )
-        running = len(self._held) + sum(w.taken - w.finished for w in self._workers.live())
+        words = self._workers.words
+        running = len(self._held) + sum(
+            max(w.taken - words[SLOT * w.index + FINISHED], 0) for w in self._workers.live()
+        )
         return PoolStats(
             queued=st.queued if st is not None else 0,
             running=running,
