@@ -68,6 +68,11 @@ static struct {
 static PyTypeObject *handle_type;   /* shmchan.Handle (a subclass of HandleBase)      */
 static PyObject *encode_payload_fn; /* shmchan.codec.encode_payload, for pickling     */
 static PyObject *encode_keys_fn;    /* shmchan.codec.encode_keys, for unusual keys    */
+/* shmchan.InvalidArgument (a ValueError) and shmchan.UnsupportedType (a TypeError), for
+ * the caller's mistakes found here; the builtins until bind() sets them */
+static PyObject *exc_invalid, *exc_type;
+#define EXC_INVALID (exc_invalid ? exc_invalid : PyExc_ValueError)
+#define EXC_TYPE (exc_type ? exc_type : PyExc_TypeError)
 
 /* interned names of the Python-side slow paths */
 static PyObject *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_slow,
@@ -1488,7 +1493,7 @@ typedef struct {
 
 static int gbuf_put(gbuf *b, const void *src, size_t n) {
     if (n > PY_SSIZE_T_MAX - b->len) {
-        PyErr_SetString(PyExc_OverflowError, "send_many: the batch is too large");
+        PyErr_SetString(EXC_INVALID, "send_many: the batch is too large for this process");
         return -1;
     }
     if (b->len + n > b->cap) {
@@ -1513,7 +1518,8 @@ static PyObject *gbuf_bytes(gbuf *b) { return PyBytes_FromStringAndSize(b->p ? b
 static int pack_payload(SegmentObject *seg, PyObject *obj, gbuf *kinds, gbuf *data, gbuf *lens) {
     uint32_t kind = SHM_PAYLOAD_RAW;
     PyObject *enc = NULL, *buf = obj;
-    if (!(PyBytes_Check(obj) || PyByteArray_Check(obj) || PyMemoryView_Check(obj))) {
+    /* memoryviews too go through encode_payload, which refuses non-contiguous ones */
+    if (!(PyBytes_Check(obj) || PyByteArray_Check(obj))) {
         enc = PyObject_CallFunction(encode_payload_fn, "OO", obj,
                                     seg->raw_only ? Py_True : Py_False);
         if (enc == NULL) return -1;
@@ -1598,7 +1604,8 @@ static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
     if (tup == NULL) {
         if (PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
-            PyErr_SetString(PyExc_TypeError, "send_many() takes an iterable of (payload, keys)");
+            PyErr_Format(EXC_TYPE, "send_many() takes an iterable of (payload, keys) pairs, not %s",
+                         Py_TYPE(items)->tp_name);
         }
         return -1;
     }
@@ -1612,8 +1619,10 @@ static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
         if (pair == NULL || PyTuple_GET_SIZE(pair) != 2) {
             Py_XDECREF(pair);
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
-                         "send_many items must be (payload, keys) pairs; item %zd is not", i);
+            PyErr_Format(EXC_TYPE,
+                         "send_many items must be (payload, keys) pairs; item %zd is not "
+                         "(nothing was sent)",
+                         i);
             rc = -1;
             break;
         }
@@ -1681,7 +1690,7 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
         goto out;
     }
     if ((size_t)p.n > UINT32_MAX) {
-        res = PyErr_Format(PyExc_ValueError, "send_many: too many items in one batch");
+        res = PyErr_Format(EXC_INVALID, "send_many: more than 4294967295 items in one batch");
         goto out;
     }
     PyObject *seqs = PyByteArray_FromStringAndSize(NULL, p.n * (Py_ssize_t)sizeof(uint64_t));
@@ -1890,8 +1899,9 @@ static PyTypeObject SenderType = {
  * functions' names to their addresses in the loaded cffi module. */
 static PyObject *bind(PyObject *mod, PyObject *args) {
     PyObject *addrs, *htype, *encp, *enck, *btype = (PyObject *)&BatchType;
-    if (!PyArg_ParseTuple(args, "O!O!OO|O!", &PyDict_Type, &addrs, &PyType_Type, &htype, &encp,
-                          &enck, &PyType_Type, &btype))
+    PyObject *einv = NULL, *etype = NULL;
+    if (!PyArg_ParseTuple(args, "O!O!OO|O!OO", &PyDict_Type, &addrs, &PyType_Type, &htype, &encp,
+                          &enck, &PyType_Type, &btype, &einv, &etype))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)htype, &HandleType))
         return PyErr_Format(PyExc_TypeError, "handle type must subclass HandleBase");
@@ -1923,12 +1933,15 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     batch_type = (PyTypeObject *)btype;
     Py_XSETREF(encode_payload_fn, Py_NewRef(encp));
     Py_XSETREF(encode_keys_fn, Py_NewRef(enck));
+    Py_XSETREF(exc_invalid, Py_XNewRef(einv));
+    Py_XSETREF(exc_type, Py_XNewRef(etype));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
     {"bind", bind, METH_VARARGS,
-     "bind(addresses, handle_type, encode_payload, encode_keys): wire up the hot path"},
+     "bind(addresses, handle_type, encode_payload, encode_keys[, batch_type,\n"
+     "invalid_argument, unsupported_type]): wire up the hot path"},
     {"handles_from", handles_from, METH_VARARGS,
      "handles_from(seg, address, n): Handles for n shm_msg structs at address"},
     {"batch_from_handles", batch_from_handles, METH_VARARGS,

@@ -224,6 +224,16 @@ static int check_message(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys
     return SHM_OK;
 }
 
+/* The figures behind a MessageTooLarge: the record a message needs and the most the
+ * channel takes (the capacity less one record header). Returns check_message's status. */
+int shm_message_size(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_len,
+                     uint32_t nkeys, uint64_t *record, uint64_t *limit) {
+    *record = rec_size(nkeys > SHM_MAX_KEYS_LIMIT ? SHM_MAX_KEYS_LIMIT : nkeys, keys_len, len);
+    *limit = c->limit - REC_HDR;
+    uint64_t n;
+    return check_message(c, kind, len, keys_len, nkeys, &n);
+}
+
 /* Producer-side wake-up check after commits (the eventcount's signal side). */
 static void wake_receiver(shm_chan *c, int *wake) {
     /* seq_cst fence: pairs with the receiver's seq_cst store of rx_sleeping = 1 before
@@ -286,6 +296,22 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
     if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
     uint64_t doff = 0, koff = 0;
     uint32_t i = 0;
+    if (*done == 0) {
+        /* All or nothing for bad input: every message is checked before the first one is
+         * sent, so a batch with one oversize or malformed message sends none of it. */
+        uint64_t hashes[SHM_MAX_KEYS_LIMIT], rec;
+        for (uint32_t j = 0; j < n; j++) {
+            if (doff > data_total || data_lens[j] > data_total - doff || koff > keys_total ||
+                keys_lens[j] > keys_total - koff)
+                return SHM_E_INVALID;
+            int bad = check_message(c, kinds[j], data_lens[j], keys_lens[j], nkeys[j], &rec);
+            if (!bad) bad = key_hashes((const uint8_t *)keys + koff, keys_lens[j], nkeys[j], hashes);
+            if (bad) return bad;
+            doff += data_lens[j];
+            koff += keys_lens[j];
+        }
+        doff = koff = 0;
+    }
     for (; i < *done && i < n; i++) { /* skip what an earlier call already sent */
         doff += data_lens[i];
         koff += keys_lens[i];

@@ -139,6 +139,8 @@ int  shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds,
                    const char *keys, uint64_t keys_total, const uint32_t *keys_lens,
                    const uint32_t *nkeys, uint64_t *seqs_out, uint32_t *done,
                    shm_stall *stall, int *wake);
+int  shm_message_size(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_len,
+                      uint32_t nkeys, uint64_t *record, uint64_t *limit);
 int  shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner);
 int  shm_space_wait(shm_chan *c, int arm, int *wake);
 int  shm_shutdown(shm_chan *c);

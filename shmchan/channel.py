@@ -9,6 +9,8 @@ with timeouts, deciding liveness (shmchan.liveness) and (de)serialization
 from __future__ import annotations
 
 import errno
+import math
+import numbers
 import os
 import re
 import threading
@@ -53,9 +55,9 @@ _SERIALIZERS = ("pickle", "raw")
 
 def _check_name(name: str) -> str:
     if not isinstance(name, str):
-        raise TypeError(f"channel name must be a str, not {type(name).__name__}")
+        raise errors.UnsupportedType(f"channel name must be a str, not {type(name).__name__}")
     if not _NAME_RE.fullmatch(name):
-        raise ValueError(
+        raise errors.InvalidArgument(
             f"invalid channel name {name!r}: use 1-200 characters from A-Z a-z 0-9 _ . - "
             "not starting with '.' or '-'"
         )
@@ -89,12 +91,32 @@ def _read_identity(name: str, path: str | None) -> int | None:
         os.close(fd)
 
 
-def _deadline(timeout: float | None) -> float | None:
+def _seconds(what: str, value: object) -> float:
+    """A number of seconds given by the caller: >= 0, inf allowed (meaning "never"), NaN,
+    negatives and non-numbers refused with an error that names the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise errors.UnsupportedType(
+            f"{what} must be a number of seconds (int or float) or None, "
+            f"not {type(value).__name__} ({value!r:.40})"
+        )
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too big for a float: longer than anyone waits
+        seconds = math.inf if value > 0 else -math.inf
+    if math.isnan(seconds):
+        raise errors.InvalidArgument(f"{what} must be a number of seconds >= 0 or None, not NaN")
+    if seconds < 0:
+        raise errors.InvalidArgument(f"{what} must be >= 0 seconds or None, got {value!r}")
+    return seconds
+
+
+def _deadline(timeout: object, what: str = "timeout") -> float | None:
+    """time.monotonic() at which a wait of `timeout` seconds ends; None: never (None or
+    inf). Refuses bad timeouts (see _seconds) before anything is done."""
     if timeout is None:
         return None
-    if timeout < 0:
-        raise ValueError("timeout must be >= 0 or None")
-    return time.monotonic() + timeout
+    seconds = _seconds(what, timeout)
+    return None if seconds == math.inf else time.monotonic() + seconds
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -364,6 +386,7 @@ class Channel:
 
     def __init__(self, seg: _Segment) -> None:
         self._seg: _Segment | None = seg
+        self._receivers: weakref.WeakSet[Receiver] = weakref.WeakSet()  # closed with it
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -387,25 +410,33 @@ class Channel:
         cfg = ffi.new("shm_config *")
         cfg.capacity = _positive_int("capacity", capacity, minimum=64)
         if order not in _ORDERS:
-            raise ValueError(f"order must be 'fifo' or 'eager', not {order!r}")
+            raise errors.InvalidArgument(f"order must be 'fifo' or 'eager', not {order!r}")
         cfg.order = _ORDERS[order]
         max_keys = _positive_int("max_keys", max_keys, minimum=0)
         if max_keys > lib.SHM_MAX_KEYS_LIMIT:
-            raise ValueError(f"max_keys must be <= {lib.SHM_MAX_KEYS_LIMIT}")
+            raise errors.InvalidArgument(
+                f"max_keys must be <= {lib.SHM_MAX_KEYS_LIMIT}, got {max_keys}"
+            )
         cfg.max_keys = max_keys
         if max_messages is None:
             max_messages = min(max(cfg.capacity // 256, 8192), 1 << 22)
         cfg.max_messages = _positive_int("max_messages", max_messages, minimum=16)
         if max_messages > 1 << 24:
-            raise ValueError("max_messages must be <= 16777216")
+            raise errors.InvalidArgument(f"max_messages must be <= 16777216, got {max_messages}")
         cfg.max_attempts = (
             0 if max_attempts is None else _positive_int("max_attempts", max_attempts)
         )
-        if lease is not None and not lease > 0:
-            raise ValueError("lease must be a positive number of seconds or None")
-        cfg.lease_ns = 0 if lease is None else int(lease * 1e9)
+        # lease=None or inf: no lease (a handle is held until released or its holder dies)
+        lease_s = math.inf if lease is None else _seconds("lease", lease)
+        if lease_s == 0:
+            raise errors.InvalidArgument("lease must be > 0 seconds, inf or None, got 0")
+        if lease_s != math.inf and lease_s * 1e9 >= 2**62:
+            raise errors.InvalidArgument(f"lease must be < 2**62 ns, inf or None, got {lease!r}")
+        cfg.lease_ns = 0 if lease_s == math.inf else max(1, int(lease_s * 1e9))
         if serializer not in _SERIALIZERS:
-            raise ValueError(f"serializer must be 'pickle' or 'raw', not {serializer!r}")
+            raise errors.InvalidArgument(
+                f"serializer must be 'pickle' or 'raw', not {serializer!r}"
+            )
         cfg.flags = lib.SHM_CFG_RAW_ONLY if serializer == "raw" else 0
         cfg.max_producers = _positive_int("max_producers", max_producers)
         total = ffi.new("uint64_t *")
@@ -443,7 +474,9 @@ class Channel:
                 )
             rc = lib.shm_rx_acquire(seg.ptr, current)
             if rc == lib.SHM_OK:
-                return Receiver(self, seg)
+                rx = Receiver(self, seg)
+                self._receivers.add(rx)
+                return rx
             if rc != lib.SHM_BUSY:
                 raise_for(rc, "receiver", "the previous receiver died in the middle of an update")
         raise errors.ReceiverBusy(f"channel {seg.name!r}: lost the race for the receiver")
@@ -547,6 +580,9 @@ class Channel:
     def close(self) -> None:
         """Detach this process's Channel object (idempotent). Other processes carry on."""
         seg, self._seg = self._seg, None
+        for rx in list(self._receivers):  # like its senders, its receiver is closed too
+            rx._closed_why = "the Channel it came from was closed"
+            rx.close()
         if seg is not None and seg.registered:
             lib.shm_producer_detach(seg.ptr)
             seg.registered = False
@@ -570,6 +606,12 @@ class Channel:
                 )
             )
 
+    def removed(self) -> bool:
+        """True once this channel was removed: unlinked by any process, or its name
+        removed or given to a new channel behind shmchan's back. Its sends are refused
+        (ChannelRemoved); its receiver drains. Reads the name: not for a hot loop."""
+        return self._live().removed()
+
     def _live(self) -> _Segment:
         seg = self._seg
         if seg is None:
@@ -590,9 +632,9 @@ class Channel:
 
 def _positive_int(what: str, value: object, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+        raise errors.UnsupportedType(f"{what} must be an int, not {type(value).__name__}")
     if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+        raise errors.InvalidArgument(f"{what} must be >= {minimum}, got {value}")
     return value
 
 
@@ -825,6 +867,8 @@ class Sender(_hot.SenderBase):
         rc = lib.shm_send(
             seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake
         )
+        if rc < 0:
+            _refuse(seg, rc, "send", kind, len(data), len(blob), nkeys)
         if rc:
             deadline = _deadline(timeout)
             rc = self._wait_and_retry(
@@ -909,13 +953,19 @@ class Sender(_hot.SenderBase):
                 )
             )
 
-        rc = attempt()
-        if s.wake[0]:
-            seg.post(_RX, 1)
-        if rc:
-            rc = self._wait_and_retry(seg, rc, deadline, attempt, "send_many")
+        try:
+            rc = attempt()
             if s.wake[0]:
                 seg.post(_RX, 1)
+            if rc < 0:
+                _refuse_batch(seg, rc, packed)
+            if rc:
+                rc = self._wait_and_retry(seg, rc, deadline, attempt, "send_many")
+                if s.wake[0]:
+                    seg.post(_RX, 1)
+        except (errors.Full, errors.Closed) as e:
+            e.seqs = list(ffi.unpack(seqs, done[0]))  # the prefix that went in
+            raise
         return list(ffi.unpack(seqs, n))
 
     def _wait_and_retry(
@@ -978,6 +1028,41 @@ class Sender(_hot.SenderBase):
         self.close()
 
 
+def _refuse(
+    seg: _Segment, rc: int, what: str, kind: int, size: int, keys_len: int, nkeys: int
+) -> NoReturn:
+    """Raise for a message the core refused (rc < 0), with the figures."""
+    if rc == lib.SHM_E_TOO_LARGE:
+        rec = ffi.new("uint64_t[2]")
+        lib.shm_message_size(seg.ptr, kind, size, keys_len, nkeys, rec, rec + 1)
+        raise errors.MessageTooLarge(
+            f"{what}: a message of {size} payload bytes and {keys_len} key bytes needs "
+            f"{int(rec[0])} bytes in the ring, but channel {seg.name!r} takes at most "
+            f"{int(rec[1])} per message (capacity {seg.capacity}): your message is too "
+            "large for this channel, whatever is released"
+        )
+    raise_for(rc, what)
+
+
+def _refuse_batch(
+    seg: _Segment, rc: int, packed: tuple[int, bytes, bytes, bytes, bytes, bytes, bytes]
+) -> NoReturn:
+    """Raise for a send_many batch the core refused before sending any of it: name the
+    first message that cannot go."""
+    n, kinds, _data, lens, _keys, klens, nkeys = packed
+    k_kinds = memoryview(kinds).cast("I")
+    k_lens = memoryview(lens).cast("Q")
+    k_klens = memoryview(klens).cast("I")
+    k_nkeys = memoryview(nkeys).cast("I")
+    rec = ffi.new("uint64_t[2]")
+    for i in range(n):
+        args = (k_kinds[i], k_lens[i], k_klens[i], k_nkeys[i])
+        bad = lib.shm_message_size(seg.ptr, *args, rec, rec + 1)
+        if bad:
+            _refuse(seg, bad, f"send_many: item {i} (nothing was sent)", *args)
+    raise_for(rc, "send_many (nothing was sent)")
+
+
 def _open_sender(name: str, path: str | None) -> Sender:
     return Sender.open(name, path=path)
 
@@ -1000,6 +1085,8 @@ class Receiver(_hot.ReceiverBase):
         self._next_maintenance = 0.0
         self._next_sweep = time.monotonic() + _SWEEP_SECONDS
         self._stall: tuple[int, int, float] | None = None  # (pos, owner, since)
+        self._pid = os.getpid()  # only this process took the seat
+        self._closed_why = "it was closed"
         try:
             self.maintain()  # a dead predecessor's handles come back at once
         except BaseException:
@@ -1044,7 +1131,13 @@ class Receiver(_hot.ReceiverBase):
     def _live(self) -> _Segment:
         seg = self._seg
         if seg is None:
-            raise errors.Closed("receiver is closed")
+            raise errors.Closed(f"receiver is closed: {self._closed_why}")
+        if self._pid != os.getpid():
+            raise errors.WrongProcess(
+                f"this Receiver of channel {seg.name!r} belongs to pid {self._pid}; a forked "
+                f"child (pid {os.getpid()}) cannot receive through it: in the child, open "
+                "the channel and call receiver() (after the parent closed its receiver)"
+            )
         return seg
 
     def _poll(self, seg: _Segment, n: int, deadline: float | None, block: bool) -> list[Handle]:
@@ -1104,7 +1197,9 @@ class Receiver(_hot.ReceiverBase):
 
     def _recv_many_slow(self, max_items: object, timeout: float | None) -> list[Handle]:
         if type(max_items) is not int or max_items < 1:
-            raise ValueError(f"max_items must be a positive int, not {max_items!r}")
+            raise (errors.InvalidArgument if type(max_items) is int else errors.UnsupportedType)(
+                f"max_items must be a positive int, not {max_items!r:.40}"
+            )
         return self._poll(self._live(), min(max_items, 65536), _deadline(timeout), True)
 
     def _recv_batch_slow(self, max_items: object, timeout: float | None) -> Batch:
@@ -1122,9 +1217,11 @@ class Receiver(_hot.ReceiverBase):
         todo = []
         for h in handles:
             if not isinstance(h, Handle):
-                raise TypeError(f"release_many: not a Handle: {type(h).__name__}")
+                raise errors.UnsupportedType(f"release_many: not a Handle: {type(h).__name__}")
             if (h._seg.name, h._seg.path) != (seg.name, seg.path):
-                raise ValueError("release_many: a handle of another channel")
+                raise errors.InvalidArgument(
+                    f"release_many: a handle of channel {h._seg.name!r}, not {seg.name!r}"
+                )
             todo.append(h)
         for h in todo:
             h._finish(0)
@@ -1267,14 +1364,28 @@ class Handle(_hot.HandleBase):
         self._finish(1)
 
     def extend(self, seconds: float) -> None:
-        """Push this handle's lease deadline to `seconds` from now."""
+        """Push this handle's lease deadline to `seconds` from now (inf: no deadline)."""
         seg = self._check()
-        if not seconds > 0:
-            raise ValueError("seconds must be positive")
-        deadline = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(seconds * 1e9)
+        secs = _seconds("extend: seconds", seconds)
+        if secs == 0:
+            raise errors.InvalidArgument("extend: seconds must be > 0")
+        if secs == math.inf or secs * 1e9 >= 2**62:
+            deadline = 0  # no lease deadline from now on
+        else:
+            deadline = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + max(1, int(secs * 1e9))
         rc = lib.shm_handle_extend(seg.ptr, self._slot, self._gen, deadline)
         if rc:
             self._fail(rc, "extend", " (lease expired or released)")
+
+    def __copy__(self) -> NoReturn:
+        raise errors.UnsupportedType(
+            f"a Handle cannot be copied (seq={self.seq}): it is the one holder of its "
+            "message's keys. Copy its payload (h.payload, bytes(h.data)) instead, or "
+            "pickle it to hand it over to another process"
+        )
+
+    def __deepcopy__(self, memo: object) -> NoReturn:
+        self.__copy__()
 
     def __reduce__(self) -> tuple[Any, ...]:
         seg = self._check()
@@ -1367,4 +1478,6 @@ _hot.bind(
     codec.encode_payload,
     codec.encode_keys,
     Batch,
+    errors.InvalidArgument,
+    errors.UnsupportedType,
 )

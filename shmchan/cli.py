@@ -132,7 +132,7 @@ def _cmd_stat(args: argparse.Namespace) -> int:
     previous: tuple[float, shmchan.Stats] | None = None
     try:
         while True:
-            if name not in shmchan.list_channels():
+            if ch.removed():  # works for path= channels too (they are not in /dev/shm)
                 raise _UserError(f"channel {name!r} was removed")
             now = time.monotonic()
             s = ch.stats()
@@ -151,8 +151,6 @@ def _cmd_stat(args: argparse.Namespace) -> int:
                 print(("\x1b[H\x1b[2J" if clear else "") + text, flush=True)
             previous = (now, s)
             time.sleep(interval)
-    except KeyboardInterrupt:
-        return EXIT_OK  # the normal way to stop watching
     finally:
         ch.close()
 
@@ -193,8 +191,10 @@ def _interval(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    if not 0 < value < 1e6:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(
+            f"must be positive and finite (seconds, below 1000000), got {text}"
+        )
     return value
 
 
@@ -261,23 +261,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except _UserError as e:
         return _fail(argv, str(e))
+    except (shmchan.InvalidArgument, shmchan.UnsupportedType) as e:  # e.g. a bad name
+        return _fail(argv, str(e), EXIT_USAGE)
     except shmchan.Error as e:
         return _fail(argv, f"{type(e).__name__}: {e}")
-    except (ValueError, PermissionError) as e:  # e.g. an invalid channel name
-        return _fail(argv, str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # also the way to stop `stat --watch`
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `shmchan ls | head`: the reader left; stay quiet like other Unix tools.
         _silence_stdout()
         return EXIT_OK
+    except (ValueError, OSError) as e:  # a permission, a full disk, ...: one line too
+        return _fail(argv, str(e))
 
 
-def _fail(argv: Sequence[str], message: str) -> int:
+def _fail(argv: Sequence[str], message: str, code: int = EXIT_FAILED) -> int:
     command = next((a for a in argv if not a.startswith("-")), "")
     prefix = f"shmchan {command}" if command else "shmchan"
-    print(f"{prefix}: error: {message}", file=sys.stderr)
-    return EXIT_FAILED
+    line = " ".join(message.split())  # one line, whatever the message holds
+    print(f"{prefix}: error: {line}", file=sys.stderr)
+    return code
 
 
 def _silence_stdout() -> None:

@@ -21,7 +21,7 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import ChannelCorrupted, TooManyKeys
+from .errors import ChannelCorrupted, InvalidArgument, TooManyKeys, UnsupportedType
 
 __all__ = ["Key", "encode_keys", "decode_keys", "encode_payload", "decode_payload", "RAW", "PICKLE"]
 
@@ -34,15 +34,19 @@ _MAX_KEY_BYTES = 0xFFFF - 1
 def _encode_one(key: object) -> bytes:
     if isinstance(key, str):
         enc = b"s" + key.encode("utf-8", "surrogatepass")
-    elif isinstance(key, bytes):
+    elif isinstance(key, (bytes, bytearray, memoryview)):  # bytes-like: a bytes key
         enc = b"b" + bytes(key)
     elif isinstance(key, int) and not isinstance(key, bool):
         n = int(key)
         enc = b"i" + n.to_bytes((n + (n < 0)).bit_length() // 8 + 1, "big", signed=True)
     else:
-        raise TypeError(f"keys must be str, bytes or int, not {type(key).__name__} ({key!r})")
+        raise UnsupportedType(
+            f"keys must be str, bytes or int, not {type(key).__name__} ({key!r:.80})"
+        )
     if len(enc) > _MAX_KEY_BYTES:
-        raise ValueError(f"key too long: {len(enc) - 1} bytes (limit {_MAX_KEY_BYTES - 1})")
+        raise InvalidArgument(
+            f"key too long: {len(enc) - 1} bytes encoded (limit {_MAX_KEY_BYTES - 1})"
+        )
     return enc
 
 
@@ -75,13 +79,14 @@ def encode_keys(keys: Key | Iterable[Key] | None, max_keys: int) -> tuple[bytes,
         if max_keys < 1:
             raise TooManyKeys("1 distinct key, but this channel allows at most 0")
         return _framed(keys), 1
-    if isinstance(keys, (str, bytes, int)):
+    if isinstance(keys, (str, bytes, int, bytearray, memoryview)):
+        # one key, also for bytes-like objects (never one int key per byte)
         items: Iterable[Any] = (keys,)
     else:
         try:
             items = iter(keys)
         except TypeError:
-            raise TypeError(
+            raise UnsupportedType(
                 f"keys must be a str, bytes, int or an iterable of them, not {type(keys).__name__}"
             ) from None
     seen = dict.fromkeys(map(_framed, items))
@@ -119,10 +124,15 @@ def decode_keys(blob: bytes | memoryview, n: int) -> tuple[Key, ...]:
 
 def encode_payload(obj: object, raw_only: bool) -> tuple[int, Any]:
     """(kind, buffer) for a payload: bytes-like objects as they are, others pickled."""
+    if isinstance(obj, memoryview) and not obj.c_contiguous:
+        raise InvalidArgument(
+            f"payload is a non-contiguous memoryview (shape {obj.shape}, strides "
+            f"{obj.strides}): pass view.tobytes() or a contiguous copy"
+        )
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return RAW, obj
     if raw_only:
-        raise TypeError(
+        raise UnsupportedType(
             f'this channel has serializer="raw" and accepts only bytes-like payloads, '
             f"not {type(obj).__name__}"
         )

@@ -53,7 +53,14 @@ class Empty(Error, queue.Empty):
 
 
 class Closed(Error):
-    """The channel was shut down (sends refused), or this object was closed."""
+    """The channel was shut down (sends refused), or this object was closed.
+
+    Raised part-way through `send_many`, `seqs` lists the seqs of the messages of the
+    batch that were accepted before it (the rest were not)."""
+
+    def __init__(self, *args: object, seqs: list[int] | None = None) -> None:
+        super().__init__(*args)
+        self.seqs: list[int] = [] if seqs is None else seqs
 
 
 class ChannelRemoved(Closed):

@@ -139,7 +139,7 @@ def test_stat_watch_samples_until_interrupted(channel: shmchan.Channel) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, err
+    assert proc.returncode == 130, err  # interrupted, as every command
     samples = [json.loads(line) for line in (first + rest).splitlines()]
     assert len(samples) >= 2
     assert all(s["queued"] == 3 and s["name"] == channel.name for s in samples)
@@ -167,6 +167,51 @@ def test_stat_watch_stops_when_the_channel_is_removed(channel: shmchan.Channel) 
     assert proc.returncode == 1
     assert "was removed" in err
     assert "Traceback" not in err
+
+
+def test_stat_watch_of_a_file_backed_channel_keeps_watching(tmp_path, chan_name: str) -> None:
+    path = tmp_path / "chan"
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 16, path=path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmchan", "stat", chan_name, "--path", str(path)]
+        + ["--json", "--watch", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]  # three samples, not an exit
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ch.close()
+        shmchan.unlink(chan_name, path=path)
+    assert all(json.loads(line)["name"] == chan_name for line in lines), (lines, err)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("interval", ["inf", "nan", "-1", "1e400"])
+def test_stat_watch_rejects_an_interval_that_is_not_a_finite_positive_number(
+    channel: shmchan.Channel, interval: str
+) -> None:
+    result = run_cli("stat", channel.name, "--watch", interval)
+    assert result.returncode == 2, result
+    assert "must be positive" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["stat", "rm"])
+def test_an_invalid_channel_name_is_bad_usage(command: str) -> None:
+    result = run_cli(command, "no/slashes")
+    assert result.returncode == 2, result
+    assert "invalid channel name" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_stat_watch_rejects_a_non_positive_interval(channel: shmchan.Channel) -> None:
