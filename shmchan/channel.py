@@ -102,7 +102,7 @@ def _seconds(what: str, value: object) -> float:
     try:
         seconds = float(value)
     except OverflowError:  # an int too big for a float: longer than anyone waits
-        seconds = math.inf if value > 0 else -math.inf
+        seconds = -math.inf if str(value).startswith("-") else math.inf
     if math.isnan(seconds):
         raise errors.InvalidArgument(f"{what} must be a number of seconds >= 0 or None, not NaN")
     if seconds < 0:

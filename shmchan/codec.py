@@ -21,7 +21,13 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import ChannelCorrupted, InvalidArgument, TooManyKeys, UnsupportedType
+from .errors import (
+    ChannelCorrupted,
+    InvalidArgument,
+    PayloadNotContiguous,
+    TooManyKeys,
+    UnsupportedType,
+)
 
 __all__ = ["Key", "encode_keys", "decode_keys", "encode_payload", "decode_payload", "RAW", "PICKLE"]
 
@@ -125,7 +131,7 @@ def decode_keys(blob: bytes | memoryview, n: int) -> tuple[Key, ...]:
 def encode_payload(obj: object, raw_only: bool) -> tuple[int, Any]:
     """(kind, buffer) for a payload: bytes-like objects as they are, others pickled."""
     if isinstance(obj, memoryview) and not obj.c_contiguous:
-        raise InvalidArgument(
+        raise PayloadNotContiguous(
             f"payload is a non-contiguous memoryview (shape {obj.shape}, strides "
             f"{obj.strides}): pass view.tobytes() or a contiguous copy"
         )

@@ -25,6 +25,7 @@ __all__ = [
     "ChannelCorrupted",
     "InvalidArgument",
     "UnsupportedType",
+    "PayloadNotContiguous",
     "WrongProcess",
     "WorkerDied",
     "TaskTimeout",
@@ -105,6 +106,11 @@ class InvalidArgument(Error, ValueError):
 class UnsupportedType(Error, TypeError):
     """An argument of a type shmchan does not take: a key that is not str, bytes or
     int, a timeout that is not a number, a payload a raw channel refuses."""
+
+
+class PayloadNotContiguous(InvalidArgument, BufferError):
+    """A memoryview payload that is not one contiguous run of bytes (e.g. a slice with a
+    step): pass view.tobytes() or a contiguous copy."""
 
 
 class WrongProcess(Error):
