@@ -1933,8 +1933,8 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     batch_type = (PyTypeObject *)btype;
     Py_XSETREF(encode_payload_fn, Py_NewRef(encp));
     Py_XSETREF(encode_keys_fn, Py_NewRef(enck));
-    Py_XSETREF(exc_invalid, Py_XNewRef(einv));
-    Py_XSETREF(exc_type, Py_XNewRef(etype));
+    if (einv) Py_XSETREF(exc_invalid, Py_NewRef(einv)); /* kept when a re-bind omits them */
+    if (etype) Py_XSETREF(exc_type, Py_NewRef(etype));
     Py_RETURN_NONE;
 }
 

@@ -1197,9 +1197,7 @@ class Receiver(_hot.ReceiverBase):
 
     def _recv_many_slow(self, max_items: object, timeout: float | None) -> list[Handle]:
         if type(max_items) is not int or max_items < 1:
-            raise (errors.InvalidArgument if type(max_items) is int else errors.UnsupportedType)(
-                f"max_items must be a positive int, not {max_items!r:.40}"
-            )
+            raise errors.InvalidArgument(f"max_items must be a positive int, not {max_items!r:.40}")
         return self._poll(self._live(), min(max_items, 65536), _deadline(timeout), True)
 
     def _recv_batch_slow(self, max_items: object, timeout: float | None) -> Batch:

@@ -846,7 +846,10 @@ def test_send_after_channel_close_raises_closed(ch, tx, rx):
         tx.send({"a": 1})
     with pytest.raises(shmchan.Closed):
         tx.send_many([(b"x", None)])
-    assert rx.try_recv() is None
+    with pytest.raises(shmchan.Closed):  # its receiver was closed with it (issue #9)
+        rx.try_recv()
+    with shmchan.Channel.open(tx._seg.name) as again:
+        assert again.stats().sent == 1  # the warm-up only
 
 
 def test_send_after_sender_close_raises_closed(ch, tx, rx):
