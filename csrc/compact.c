@@ -7,7 +7,7 @@
  * than half used, the receiver compacts (an idea from copying garbage collectors):
  *
  *     head                                       L
- *     | P1 | P2 | done | done | done | done | ... | (next live record or ingest_pos)
+ *     | P1 | P2 | done | done | done | done | ... | (next live record or scan_pos)
  *       pinned block B          gap G >= B
  *
  *  => | filler (G bytes, DONE)            | P1' | P2' |
@@ -16,8 +16,9 @@
  * The pinned block (records from head up to the first finished one) is copied, record
  * by record, to the end of the gap that follows it, only if the gap is at least as large
  * as the block (so the copy never overlaps the original); each slot's pos is switched to
- * the copy with a release store; then a DONE filler header covers the old block and head
- * moves past it (release store). Everything here lies before ingest_pos, in space only
+ * the copy with a release store (a record parked in key chains has no slot: its chains
+ * follow it, window_moved); then a DONE filler header covers the old block and head
+ * moves past it (release store). Everything here lies before scan_pos, in space only
  * the receiver writes, so producers are not involved.
  *
  * Readers of a moved record are never exposed to reused bytes:
@@ -37,12 +38,17 @@
 
 #define COMPACT_MAX_RECORDS 1024u /* bound on one block, to bound one call's work */
 
-/* Is the record at pos a message that may be moved now? Sets *slot. */
+/* Is the record at pos a message that may be moved now? Sets *slot (NIL for a record
+ * parked in key chains: window_moved fixes its chains up). */
 static int movable(shm_chan *c, uint64_t pos, uint64_t len, uint32_t *slot) {
     shm_record *r = rec_at(c, pos);
-    uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned: behind ingest_pos */
+    uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned: behind scan_pos */
     if (META_STATE(meta) != REC_COMMITTED || META_LEN(meta) != len || len < REC_BODY) return 0;
     uint32_t s = r->slot;
+    if (s == NIL && window_parked_movable(c, pos)) {
+        *slot = NIL;
+        return 1;
+    }
     if (s == NIL || s > c->cfg.max_messages) return 0;
     shm_slot *sl = &c->slots[s];
     if (LOAD_RELAXED(&sl->pos) != pos || sl->seq != r->seq) return 0;
@@ -100,6 +106,7 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
     /* 0. in-flight records: stop holders from taking views until we are done */
     uint32_t pinned = 0;
     for (; pinned < n; pinned++) {
+        if (slots[pinned] == NIL) continue; /* parked: no handle, no view */
         shm_slot *sl = &c->slots[slots[pinned]];
         if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue;
         uint32_t free_ = PIN_FREE;
@@ -108,6 +115,7 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
     }
     if (pinned < n) { /* someone took a view just now: undo and give up */
         for (uint32_t i = 0; i < pinned; i++) {
+            if (slots[i] == NIL) continue;
             shm_slot *sl = &c->slots[slots[i]];
             if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE);
         }
@@ -121,7 +129,12 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
     memcpy(ring_at(c, dst), ring_at(c, head), block); /* contiguous: the ring is mapped twice */
     /* 3. switch each message over */
     uint64_t at = dst;
+    window_moved(c, head, block, dst - head); /* parked records' chains follow them */
     for (uint32_t i = 0; i < n; i++) {
+        if (slots[i] == NIL) { /* parked */
+            at += lens[i];
+            continue;
+        }
         shm_slot *sl = &c->slots[slots[i]];
         /* release: pairs with readers' acquire of pos (msg_fill) and the fence in
          * shm_unmoved; the old bytes are untouched until head passes them (step 5). */
@@ -138,7 +151,7 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
 
 int compact(shm_chan *c) {
     shm_header *h = c->hdr;
-    uint64_t head = h->head, stop = h->ingest_pos;
+    uint64_t head = h->head, stop = h->scan_pos; /* everything looked at */
     if (head >= stop || finished(c, head)) return 0; /* nothing pinned: the common case */
     /* Space can only be won inside [head, stop): below a sixteenth of the ring there is
      * too little to be worth it (and this keeps a receiver that holds its latest

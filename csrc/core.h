@@ -43,6 +43,7 @@
 #define SHM_CACHELINE 64
 
 #define NIL 0u /* index 0 of the slot and node tables is never used: 0 means "none" */
+#define SHM_WAKE_KEYS 256u /* freed keys remembered between polls (window.c) */
 
 /* ---- atomics: thin names so each call site reads as its ordering ---------------- */
 #define LOAD_RELAXED(p) __atomic_load_n((p), __ATOMIC_RELAXED)
@@ -117,7 +118,7 @@ typedef struct {
     _Alignas(SHM_CACHELINE) uint64_t ingest_pos; /* first record not yet taken in (window.c) */
     uint64_t scan_pos;   /* first record not yet looked at; >= ingest_pos (window.c) */
     uint32_t newest, oldest; /* slots in order of taking in, via slot.newer / slot.older */
-    uint64_t skipped;    /* records between ingest_pos and scan_pos left out of the window */
+    uint64_t skipped;    /* records parked in key chains, out of the window (window.c) */
     uint32_t dirty;      /* 1 while a consumer operation is half done */
     uint32_t pad2;
     uint64_t version;    /* seqlock word for readers in other processes (inspect.c):
@@ -135,6 +136,11 @@ typedef struct {
     uint64_t dead_letters;
     uint64_t ingested; /* messages taken into the window, ever */
     uint64_t delivered, released, redelivered, discarded;
+    uint32_t skip_keys;   /* key table entries with a parked chain (window.c) */
+    uint32_t wake_n;      /* keys in wake_keys[] (window.c) */
+    uint32_t wake_overflow; /* 1: more keys were freed than wake_keys holds */
+    uint32_t pad3;
+    uint64_t wake_keys[SHM_WAKE_KEYS]; /* hashes of keys whose parked chain may move */
 } shm_header;
 
 /* header.shutdown bits */
@@ -206,10 +212,12 @@ typedef struct {
 
 typedef struct {
     uint64_t hash;
-    uint32_t head, tail; /* the key's line of nodes; head == NIL means the entry is empty */
+    uint32_t head, tail; /* the key's line of nodes (messages taken in), NIL = none     */
     uint32_t held;       /* eager order: slot holding the key, NIL = free               */
-    uint32_t skipped;    /* fifo: messages with this key left out of the window (window.c) */
+    uint32_t skipped;    /* parked records in this key's chain (window.c)             */
     uint32_t count;      /* nodes in the line: kept so that a line's depth is O(1) (inspect.c) */
+    uint64_t skip_head;  /* ring position of the first parked record; valid if skipped */
+    uint64_t skip_tail;  /* ring position of the last one; each links to the next      */
 } shm_key;
 
 /* ---- ring records ---------------------------------------------------------------------
@@ -222,6 +230,9 @@ typedef struct {
  *   32  data_len u64
  *   40  keys_len u32, slot u32  (slot: written by the consumer when it takes the record in)
  *   48  hashes  u64[nkeys]
+ *       links   u64[nkeys]  consumer-written: while the record is parked (window.c),
+ *               links[i] is the position of the next parked record in the chain of the
+ *               key hashes[i] (for the first i of each distinct hash only)
  *       key blob  keys_len bytes, padded to 8
  *       payload   data_len bytes, padded to 8
  */
@@ -286,10 +297,6 @@ struct shm_chan {
     /* Receiver-only work avoidance, process-local and reset by shm_rx_acquire, so a
      * receiver's first polls do the full work. Each skip is also bounded in time
      * (RECHECK_NS): whatever event it failed to foresee, the work is done again soon. */
-    uint64_t skip_epoch;  /* changes that may let a skipped record return (window.c)  */
-    uint64_t skip_quiet;  /* skip_epoch + 1 when the last return pass found nothing    */
-    uint64_t skip_quiet_ns; /* when it went quiet (coarse monotonic clock)             */
-    int skip_filling;     /* refilling a low window with records that will wait        */
     uint64_t done_count;  /* records this receiver marked done                         */
     uint64_t compact_retry_at; /* done_count a failed compaction waits for (compact.c) */
     uint64_t compact_watch_end; /* ... or for the record here to finish              */
@@ -333,8 +340,19 @@ static inline uint64_t align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
 
 /* record size for a message body (header, hashes, keys and payload, each 8-aligned) */
 static inline uint64_t rec_size(uint32_t nkeys, uint32_t keys_len, uint64_t data_len) {
-    return REC_BODY + 8u * (uint64_t)nkeys + align8(keys_len) + align8(data_len);
+    return REC_BODY + 16u * (uint64_t)nkeys + align8(keys_len) + align8(data_len);
 }
+
+/* Is r's i-th hash the first of its value? A message counts each distinct hash once, so
+ * it never waits behind itself (keys are few: a quadratic check is the cheapest). */
+static inline int rec_first_of_hash(const shm_record *r, uint32_t i) {
+    for (uint32_t j = 0; j < i; j++)
+        if (r->hashes[j] == r->hashes[i]) return 0;
+    return 1;
+}
+
+/* the record's chain links (after its hashes) */
+static inline uint64_t *rec_links(shm_record *r, uint32_t nkeys) { return r->hashes + nkeys; }
 
 /* ---- functions shared between files ---------------------------------------------------- */
 /* ring.c */
@@ -350,19 +368,23 @@ int sched_release(shm_chan *c, uint32_t s);
 int sched_requeue(shm_chan *c, uint32_t s);
 uint32_t sched_pop_ready(shm_chan *c);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
-int sched_has_spare_room(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
 void sched_init(shm_chan *c);
 /* window.c */
-int window_ingest(shm_chan *c, shm_stall *stall, int *stalled);
+int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved);
+int window_admit(shm_chan *c, shm_record *r, uint64_t pos);
+int window_taken(shm_chan *c, shm_record *r, uint64_t pos);
+int window_has_work(shm_chan *c);
+int window_check(shm_chan *c, uint32_t *what);
+int window_parked_movable(shm_chan *c, uint64_t pos);
+void window_moved(shm_chan *c, uint64_t start, uint64_t len, uint64_t delta);
+void window_wake_push(shm_chan *c, uint64_t hash);
 void window_link(shm_chan *c, uint32_t s);
 void window_unlink(shm_chan *c, uint32_t s);
 /* sched.c (for window.c) */
-int sched_evict(shm_chan *c, uint32_t s);
-int sched_skip_count(shm_chan *c, shm_record *r, int delta);
-int sched_is_skipped_key(shm_chan *c, shm_record *r);
-int sched_key_has_line(shm_chan *c, uint64_t hash);
-int sched_is_held_key(shm_chan *c, shm_record *r);
+shm_key *sched_key_find(shm_chan *c, uint64_t hash);
+shm_key *sched_key_get(shm_chan *c, uint64_t hash);
+void sched_key_tidy(shm_chan *c, uint64_t hash);
 /* compact.c */
 int compact(shm_chan *c);
 /* handles.c */

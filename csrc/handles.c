@@ -61,8 +61,6 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
     if (!CAS_SEQCST(&c->hdr->receiver, &expect, c->token)) return SHM_BUSY;
     c->is_rx = 1;
     /* Work-avoidance state of an earlier turn as receiver means nothing now (core.h). */
-    c->skip_epoch = c->skip_quiet = c->skip_quiet_ns = 0;
-    c->skip_filling = 0;
     c->done_count = c->compact_retry_at = c->compact_watch_end = c->compact_fail_ns = 0;
     c->compact_watch_hit = 0;
     if (LOAD_RELAXED(&c->hdr->dirty)) {
@@ -237,13 +235,12 @@ static int work_pending(shm_chan *c) {
     if (LOAD_SEQCST(&h->release_stack) != NIL) return 1;
     if (LOAD_SEQCST(&h->shutdown)) return 1;
     if (h->ready_count != 0) return 1;
-    shm_record *r = rec_at(c, h->scan_pos);
-    uint64_t owner = LOAD_SEQCST(&r->owner);
-    if (owner == OWNER_EMPTY(h->scan_pos)) return 0;
-    uint32_t st = META_STATE(LOAD_SEQCST(&r->meta));
-    if (st == REC_CLAIMED || st == REC_WRITING) return 0; /* its commit will wake us */
-    return sched_has_room(c, c->cfg.max_keys) ? 1 : 0;
+    return window_has_work(c); /* records to look at, parked ones to wake */
 }
+
+/* Rounds a receive makes past what had arrived when it began, before it returns
+ * SHM_AGAIN: new arrivals cannot keep one call from returning. */
+#define RECV_EXTRA_ROUNDS 3
 
 int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sleep,
              shm_stall *stall, uint32_t *wake_sender) {
@@ -256,10 +253,15 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     if (LOAD_RELAXED(&h->rx_sleeping)) STORE_RELAXED(&h->rx_sleeping, 0);
     int rc = SHM_OK, stalled = 0, moved = 0;
     uint64_t now = 0; /* hand-out time, read once per call (coarse: a few ms) */
-    for (int round = 0; round < 3; round++) {
+    /* Everything that arrived before this call is looked at in it: the receiver never
+     * returns "empty" (and sleeps) while such records wait, and its caller's timeout
+     * never cuts that work short. acquire: pairs with hint_raise (ring.c). */
+    const uint64_t arrived = LOAD_ACQUIRE(&h->tail_hint);
+    for (int extra = 0;;) {
+        int progress = 0;
         rc = handles_drain(c);
         if (rc) break;
-        rc = window_ingest(c, stall, &stalled);
+        rc = window_ingest(c, stall, &stalled, &progress);
         if (rc) break;
         while (*got < max) {
             uint32_t s = sched_pop_ready(c);
@@ -279,6 +281,11 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
             rc = SHM_STALLED;
             break;
         }
+        if (progress) { /* more to look at: go on, or let the caller call again */
+            if (h->scan_pos < arrived || ++extra <= RECV_EXTRA_ROUNDS) continue;
+            rc = SHM_AGAIN;
+            break;
+        }
         /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see send_one. */
         if (LOAD_SEQCST(&h->shutdown) && h->queued_in_window == 0 && h->ingest_pos == h->scan_pos &&
             LOAD_SEQCST(&rec_at(c, h->scan_pos)->owner) == OWNER_EMPTY(h->scan_pos)) {
@@ -289,8 +296,12 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         if (!arm_sleep) break;
         /* seq_cst: the eventcount's "prepare to wait"; pairs with wakers' fences. */
         STORE_SEQCST(&h->rx_sleeping, 1);
-        if (!work_pending(c)) break;
+        if (!work_pending(c)) break; /* asleep: the next commit or release posts us */
         STORE_RELAXED(&h->rx_sleeping, 0);
+        if (++extra > RECV_EXTRA_ROUNDS) { /* work came in meanwhile: look at it first */
+            rc = SHM_AGAIN;
+            break;
+        }
     }
     int idle = rc == SHM_EMPTY && arm_sleep; /* about to sleep: waiters must try now */
     if (moved || idle) {
@@ -419,7 +430,7 @@ int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
     if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
         r->seq != sl->seq || ring_validate_body(c, r, len) != SHM_OK)
         return SHM_E_CORRUPT;
-    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 8u * r->nkeys;
+    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * r->nkeys; /* past hashes and links */
     m->slot = s;
     m->gen = gen;
     m->seq = sl->seq;

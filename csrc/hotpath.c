@@ -1133,7 +1133,9 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
             h = poll_fast(self, seg, n, arm, &rc);
             if (h != NULL && PyList_GET_SIZE(h) == 0) Py_CLEAR(h);
         }
-        if (h != NULL || PyErr_Occurred() || rc != SHM_EMPTY) break; /* else: still empty */
+        if (h != NULL || PyErr_Occurred()) break;
+        if (rc == SHM_AGAIN) continue; /* records arrived meanwhile: look at them first */
+        if (rc != SHM_EMPTY) break;    /* else: still empty */
         if (!arm) {
             if (now < spin_until) {
                 Py_BEGIN_ALLOW_THREADS
@@ -1171,6 +1173,7 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
         int rc;
         PyObject *h = poll_one(self, self->seg, 0, &rc);
         if (h != NULL || PyErr_Occurred()) return h;
+        if (rc == SHM_AGAIN) rc = SHM_EMPTY; /* wait_for polls again before it sleeps */
         if (rc == SHM_EMPTY && timeout != Py_None) {
             double t = PyFloat_AsDouble(timeout);
             if (t == -1.0 && PyErr_Occurred()) return NULL;
@@ -1207,6 +1210,7 @@ static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
         res = poll_fast(self, self->seg, want, 0, &rc);
         if (res == NULL || PyList_GET_SIZE(res)) goto out;
         Py_CLEAR(res);
+        if (rc == SHM_AGAIN) rc = SHM_EMPTY; /* wait_for polls again before it sleeps */
         double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
         if (t == -1.0 && PyErr_Occurred()) goto out;
         if (rc == SHM_EMPTY && t > 0) {

@@ -166,7 +166,7 @@ static int blob_copy(shm_chan *c, uint64_t pos, uint64_t seq, uint64_t hash, shm
     if (b->cap - b->used < keys_len) return SHM_FULL;
     uint64_t hashes[SHM_MAX_KEYS_LIMIT];
     memcpy(hashes, r->hashes, 8u * nkeys);
-    memcpy(b->p + b->used, (uint8_t *)r + REC_BODY + 8u * nkeys, keys_len);
+    memcpy(b->p + b->used, (uint8_t *)r + REC_BODY + 16u * nkeys, keys_len); /* past hashes, links */
     v->nkeys = nkeys;
     v->blob_off = b->used;
     v->blob_len = keys_len;
@@ -257,10 +257,10 @@ static int node_handed_out(shm_chan *c, uint32_t nd) {
 }
 
 /* Messages carrying key k not yet handed out. fifo: the line holds every message taken
- * in with the key, the first possibly handed out; those left out of the window count
- * too. eager: the line holds the messages waiting on this key (the holder is k.held). */
+ * in with the key, the first possibly handed out; those parked out of the window
+ * (window.c) count too. eager: the messages parked on this key (the holder is k.held). */
 static uint64_t key_depth(shm_chan *c, const shm_key *k) {
-    if (c->cfg.order != SHM_ORDER_FIFO) return k->count;
+    if (c->cfg.order != SHM_ORDER_FIFO) return (uint64_t)k->count + k->skipped;
     uint64_t d = (uint64_t)k->count + k->skipped;
     if (k->count && node_handed_out(c, k->head) && d) d--;
     return d;
@@ -425,7 +425,7 @@ int shm_view_lines(shm_chan *c, uint32_t top, shm_view *out, uint32_t *n, uint8_
                 if (k->head == NIL && k->skipped == 0) continue;
                 uint64_t more = unseen_count(unseen, k->hash, 0);
                 uint64_t bound = (uint64_t)k->count + more +
-                                 (c->cfg.order == SHM_ORDER_FIFO ? k->skipped : 0);
+                                 k->skipped;
                 if (count == top && bound <= out[top - 1].depth) continue;
                 depths[i] = key_depth(c, k) + more;
             }

@@ -243,7 +243,6 @@ static int by_pos(const void *a, const void *b) {
 int recovery_rebuild(shm_chan *c) {
     shm_header *h = c->hdr;
     uint32_t m = c->cfg.max_messages;
-    uint64_t old_ingest = h->ingest_pos;
     kept_t *kept = malloc(sizeof(kept_t) * (m + 1));
     if (!kept) return SHM_E_NOMEM;
     uint32_t nkept = 0;
@@ -320,65 +319,61 @@ int recovery_rebuild(shm_chan *c) {
         h->held_keys += sl->nkeys;
     }
 
-    /* 4. everything else in the ring is taken in again -- or, once the window is full,
-     * counted as skipped (window.c), so that the scan still goes over every record: a
-     * kept message further on (taken in out of order before) must not look new. */
+    /* 4. everything else in the ring is looked at again in ring order, as the scan
+     * would (window.c): taken in or parked. Where the window is full the scan stops and
+     * the receiver's polls go on from there; kept messages further on are recognised
+     * by their slot (window_taken), and every other record there is made to look new. */
     qsort(kept, nkept, sizeof *kept, by_pos);
-    uint64_t pos = h->head, first_skipped = UINT64_MAX;
+    h->wake_n = 0;
+    h->wake_overflow = 0;
+    h->skip_keys = 0;
+    h->ingest_pos = h->scan_pos = h->head;
+    uint64_t pos = h->head;
     uint32_t k = 0;
+    int full = 0;
     shm_stall stall;
     for (uint64_t guard = 0; rc == SHM_OK && guard <= c->cap / REC_HDR; guard++) {
         shm_record *r;
         uint64_t len;
         int p = ring_peek(c, pos, &r, &len, &stall);
         if (p == SHM_EMPTY || p == SHM_STALLED) break;
-        if (p == SHM_CLOSED) {
-            pos += len;
-            continue;
-        }
-        if (p != SHM_OK) {
+        if (p != SHM_OK && p != SHM_CLOSED) {
             /* DONE records (released out of order) have a valid length: skip them */
             uint64_t meta = LOAD_ACQUIRE(&rec_at(c, pos)->meta);
-            if (META_STATE(meta) == REC_DONE && META_LEN(meta) >= REC_HDR &&
-                META_LEN(meta) <= c->cap - REC_HDR) {
-                pos += META_LEN(meta);
-                continue;
+            if (META_STATE(meta) != REC_DONE || META_LEN(meta) < REC_HDR ||
+                META_LEN(meta) > c->cap - REC_HDR) {
+                rc = p;
+                break;
             }
-            rc = p;
-            break;
+            len = META_LEN(meta);
+            p = SHM_CLOSED;
         }
-        while (k < nkept && kept[k].pos < pos) k++;
-        /* A stale copy left by a compaction that was cut short: its slot is kept and
-         * points at the other copy. */
-        uint32_t rs = r->slot;
-        int stale = rs >= 1 && rs <= m && c->slots[rs].seq == r->seq && c->slots[rs].pos != pos &&
-                    SLOT_STATE(c->slots[rs].state) != SLOT_FREE;
-        if (!stale && !(k < nkept && kept[k].pos == pos)) {
-            if (first_skipped == UINT64_MAX && !sched_has_room(c, r->nkeys)) {
-                /* eager never leaves records out (window.c): it stops at a full window,
-                 * which is safe there since it only ever takes records in in order */
-                if (c->cfg.order != SHM_ORDER_FIFO) break;
-                first_skipped = pos;
-            }
-            if (first_skipped != UINT64_MAX) {
-                rc = sched_skip_count(c, r, +1);
-                if (rc) break;
+        if (p == SHM_OK) {
+            while (k < nkept && kept[k].pos < pos) k++;
+            /* A stale copy left by a compaction that was cut short: its slot is kept and
+             * points at the other copy. */
+            uint32_t rs = r->slot;
+            int stale = rs >= 1 && rs <= m && c->slots[rs].seq == r->seq &&
+                        c->slots[rs].pos != pos && SLOT_STATE(c->slots[rs].state) != SLOT_FREE;
+            int is_kept = k < nkept && kept[k].pos == pos;
+            if (stale) {
+                ring_mark_done(c, pos); /* what the compaction would have covered */
+            } else if (!is_kept) {
+                if (rs != NIL && h->ingested) h->ingested--; /* counted when first taken in */
                 r->slot = NIL;
-                h->skipped++;
-            } else {
-                uint32_t s;
-                rc = sched_take_in(c, r, pos, &s);
-                if (rc) break;
-                if (pos < old_ingest) h->ingested--; /* counted when it was first taken in */
+                if (!full) {
+                    int a = window_admit(c, r, pos);
+                    if (a == SHM_FULL) full = 1;
+                    else if (a) rc = a;
+                }
             }
         }
+        if (!full) h->scan_pos = pos + len;
         pos += len;
     }
-    h->scan_pos = pos;
-    h->ingest_pos = first_skipped == UINT64_MAX ? pos : first_skipped;
     free(kept);
     if (rc) return rc;
-    /* Records from here on are looked at afresh (window.c): none is taken in. */
+    /* Records from the tail of the scan on are looked at afresh (window.c). */
     for (uint64_t guard = 0; guard <= c->cap / REC_HDR; guard++) {
         shm_record *r = rec_at(c, pos);
         uint64_t owner = LOAD_ACQUIRE(&r->owner);
@@ -387,9 +382,12 @@ int recovery_rebuild(shm_chan *c) {
         uint64_t len = META_LEN(meta);
         if (META_STATE(meta) == REC_CLAIMED || len < REC_HDR || (len & 7u) || len > c->cap - REC_HDR)
             break;
-        if (META_STATE(meta) == REC_COMMITTED && len >= REC_BODY) r->slot = NIL;
+        if (META_STATE(meta) == REC_COMMITTED && len >= REC_BODY && !window_taken(c, r, pos))
+            r->slot = NIL;
         pos += len;
     }
+    /* ingest_pos: over what is taken in or finished, up to the first parked record */
+    h->ingest_pos = h->head;
 
     /* 5. finish releases, nacks and discards that were in progress; what is on the
      * release stack is among them (acquire: pairs with the pushers' CAS) */

@@ -188,7 +188,7 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
     r->keys_len = keys_len;
     r->slot = 0;
     memcpy(r->hashes, hashes, 8u * nkeys);
-    uint8_t *p = (uint8_t *)r + REC_BODY + 8u * nkeys;
+    uint8_t *p = (uint8_t *)r + REC_BODY + 16u * nkeys; /* past hashes and links */
     memcpy(p, keys, keys_len);
     p += align8(keys_len);
     if (len) memcpy(p, data, len);
@@ -399,7 +399,6 @@ int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
 void ring_mark_done(shm_chan *c, uint64_t pos) {
     c->done_count++;
     if (pos == c->compact_watch_end) c->compact_watch_hit = 1; /* compact.c may try again */
-    if (pos >= c->hdr->ingest_pos) c->skip_epoch++; /* taken in out of order: the prefix may move */
     shm_record *r = rec_at(c, pos);
     uint64_t meta = LOAD_RELAXED(&r->meta);
     /* release: pairs with producers' acquire load in claim(), which only reads the length

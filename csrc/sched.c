@@ -18,10 +18,14 @@
  * O(keys), never O(messages waiting).
  *
  * order="eager" is key-message-channel's rule: a message may go as soon as none of its
- * keys is held. key.held names the holder; a message that meets a held key waits in
- * that key's line only (using its node for that key). When a key is freed, its waiters
- * are tried in order: one whose keys are all free takes them and becomes ready, one
- * that meets another held key moves to that key's line.
+ * keys is held. key.held names the holder.
+ *
+ * Messages that would wait are not taken in at all: the receiver parks their records in
+ * per-key chains (window.c), so the window holds only messages that are ready, in flight
+ * or dead letters, and under fifo every line has at most one node, its key's holder.
+ * When a line empties (fifo) or a key is freed (eager) and the key has a parked chain,
+ * the key goes on the wake list (window_wake_push), and the receiver's next poll looks
+ * at the chain's first record: O(keys) per release, whatever is parked.
  *
  * Hash collisions: two different keys with one hash share a line. That can only add
  * waiting, never let conflicting messages run together. A message's own hashes are
@@ -98,7 +102,26 @@ static void key_delete(shm_chan *c, uint32_t i) {
     c->keys[i].held = NIL;
     c->keys[i].skipped = 0;
     c->keys[i].count = 0;
+    c->keys[i].skip_head = c->keys[i].skip_tail = 0;
     c->keys[i].hash = 0;
+}
+
+/* For window.c: the entry of a key (NULL if none), the entry made if absent (NULL only if
+ * the table is full), and dropping an entry that no longer holds anything. A pointer is
+ * good only until the next deletion (entries shift back). */
+shm_key *sched_key_find(shm_chan *c, uint64_t hash) {
+    int64_t k = key_find(c, hash);
+    return k < 0 ? NULL : &c->keys[k];
+}
+
+shm_key *sched_key_get(shm_chan *c, uint64_t hash) {
+    int64_t k = key_insert(c, hash);
+    return k < 0 ? NULL : &c->keys[k];
+}
+
+void sched_key_tidy(shm_chan *c, uint64_t hash) {
+    int64_t k = key_find(c, hash);
+    if (k >= 0 && key_empty(&c->keys[k])) key_delete(c, (uint32_t)k);
 }
 
 /* ---- the ready queue: a binary min-heap of slots by seq ---------------------------------
@@ -182,49 +205,22 @@ int sched_has_room(shm_chan *c, uint32_t nkeys) {
     return h->free_slots != NIL && (c->max_nodes - 1 - h->nodes_used) >= nkeys;
 }
 
-/* Room to spare: taking nkeys more keeps the window and the nodes at most half used. */
-int sched_has_spare_room(shm_chan *c, uint32_t nkeys) {
-    shm_header *h = c->hdr;
-    return sched_has_room(c, nkeys) && h->window < c->cfg.max_messages / 2 &&
-           (uint64_t)h->nodes_used + nkeys <= (c->max_nodes - 1) / 2;
-}
-
 /* ---- eager helpers ------------------------------------------------------------------ */
-/* If every key of s is free, take them all and return NIL; else return the node of s
- * for the first held key (s should wait in that key's line). */
-static int eager_try_take(shm_chan *c, uint32_t s, uint32_t *blocked_node, int64_t *blocked_key) {
+/* Take every key of s (all free: window.c parks a message that meets a held key). */
+static int eager_take(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
     uint32_t n = sl->first_node;
     for (uint32_t i = 0; i < sl->nkeys; i++) {
         if (!NODE_OK(c, n)) return SHM_E_CORRUPT;
-        int64_t k = key_find(c, c->nodes[n].hash);
-        if (k >= 0 && c->keys[k].held != NIL) {
-            *blocked_node = n;
-            *blocked_key = k;
-            return SHM_OK;
-        }
-        n = c->nodes[n].sibling;
-    }
-    n = sl->first_node;
-    for (uint32_t i = 0; i < sl->nkeys; i++) {
         int64_t k = key_insert(c, c->nodes[n].hash);
-        if (k < 0) return SHM_E_CORRUPT;
+        if (k < 0 || c->keys[k].held != NIL) return SHM_E_CORRUPT;
         c->keys[k].held = s;
         n = c->nodes[n].sibling;
     }
-    *blocked_node = NIL;
     return SHM_OK;
 }
 
 /* ---- taking a message in ----------------------------------------------------------- */
-/* Is r's i-th hash the first of its value? A message counts each distinct hash once, so
- * it never waits behind itself (keys are few: a quadratic check is the cheapest). */
-static inline int first_of_hash(const shm_record *r, uint32_t i) {
-    for (uint32_t j = 0; j < i; j++)
-        if (r->hashes[j] == r->hashes[i]) return 0;
-    return 1;
-}
-
 /* Give slot s one node per distinct key hash of record r; under fifo, append each node
  * to its key's line and count in pending the lines where s is not first. */
 static int attach_keys(shm_chan *c, uint32_t s, shm_record *r) {
@@ -235,7 +231,7 @@ static int attach_keys(shm_chan *c, uint32_t s, shm_record *r) {
     uint32_t nkeys = r->nkeys;
     if (nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
     for (uint32_t i = 0; i < nkeys; i++) {
-        if (!first_of_hash(r, i)) continue;
+        if (!rec_first_of_hash(r, i)) continue;
         uint64_t hash = r->hashes[i];
         uint32_t n = node_alloc(c);
         if (n == NIL) return SHM_E_CORRUPT; /* sched_has_room said there was room */
@@ -276,31 +272,18 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     h->queued_in_window++;
     h->ingested++;
     *slot_out = s;
-    if (c->cfg.order == SHM_ORDER_FIFO) {
-        if (sl->pending == 0) return ready_push(c, s);
-        STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
-        return SHM_OK;
-    }
-    uint32_t bn;
-    int64_t bk;
-    rc = eager_try_take(c, s, &bn, &bk);
-    if (rc) return rc;
-    if (bn == NIL) return ready_push(c, s);
-    STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_WAITING)); /* see ready_push */
-    return line_append(c, &c->keys[bk], bn);
+    /* Only a message free to go is taken in (window.c): first in all its lines (fifo),
+     * or none of its keys held (eager). Anything else is a scheduler bug or corruption. */
+    if (c->cfg.order == SHM_ORDER_FIFO) return sl->pending == 0 ? ready_push(c, s) : SHM_E_CORRUPT;
+    rc = eager_take(c, s);
+    return rc ? rc : ready_push(c, s);
 }
 
 /* Recovery: a handed-out message rejoins its lines (it heads them) or retakes its keys. */
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r) {
     int rc = attach_keys(c, s, r);
     if (rc || c->cfg.order == SHM_ORDER_FIFO) return rc;
-    for (uint32_t n = c->slots[s].first_node, i = 0; i < c->slots[s].nkeys; i++) {
-        int64_t k = key_insert(c, c->nodes[n].hash);
-        if (k < 0) return SHM_E_CORRUPT;
-        c->keys[k].held = s;
-        n = c->nodes[n].sibling;
-    }
-    return SHM_OK;
+    return eager_take(c, s);
 }
 
 /* ---- letting go of a message's keys --------------------------------------------------- */
@@ -317,8 +300,8 @@ static int fifo_unlink(shm_chan *c, uint32_t s) {
         key->count--;
         if (key->head == NIL) {
             key->tail = NIL;
-            c->skip_epoch++; /* skipped records with this key may return (window.c) */
-            if (key_empty(key)) key_delete(c, (uint32_t)k);
+            if (key->skipped) window_wake_push(c, key->hash); /* its parked chain may move */
+            else if (key_empty(key)) key_delete(c, (uint32_t)k);
         } else {
             if (!NODE_OK(c, key->head)) return SHM_E_CORRUPT;
             c->nodes[key->head].prev = NIL;
@@ -337,41 +320,15 @@ static int fifo_unlink(shm_chan *c, uint32_t s) {
 static int eager_unlink(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
     uint32_t n = sl->first_node;
-    /* Free every key first, then wake waiters: a waiter may need several of them. */
     for (uint32_t i = 0; i < sl->nkeys; i++) {
         if (!NODE_OK(c, n)) return SHM_E_CORRUPT;
+        uint32_t sib = c->nodes[n].sibling;
         int64_t k = key_find(c, c->nodes[n].hash);
         if (k < 0 || c->keys[k].held != s) return SHM_E_CORRUPT;
-        c->keys[k].held = NIL;
-        n = c->nodes[n].sibling;
-    }
-    n = sl->first_node;
-    for (uint32_t i = 0; i < sl->nkeys; i++) {
-        uint64_t hash = c->nodes[n].hash;
-        for (uint32_t guard = 0; guard <= c->cfg.max_messages; guard++) {
-            int64_t k = key_find(c, hash);
-            if (k < 0) break;
-            shm_key *key = &c->keys[k];
-            if (key->held != NIL || key->head == NIL) {
-                if (key_empty(key)) key_delete(c, (uint32_t)k);
-                break;
-            }
-            uint32_t w = key->head;
-            if (!NODE_OK(c, w)) return SHM_E_CORRUPT;
-            key->head = c->nodes[w].next;
-            key->count--;
-            uint32_t ws = c->nodes[w].slot;
-            if (!SLOT_OK(c, ws)) return SHM_E_CORRUPT;
-            uint32_t bn;
-            int64_t bk;
-            int rc = eager_try_take(c, ws, &bn, &bk);
-            if (rc) return rc;
-            rc = bn == NIL ? ready_push(c, ws) : line_append(c, &c->keys[bk], bn);
-            if (rc) return rc;
-            /* key may have moved only by deletion, which we do not do inside this loop
-             * except just above before break; re-find it on the next round. */
-        }
-        uint32_t sib = c->nodes[n].sibling;
+        shm_key *key = &c->keys[k];
+        key->held = NIL;
+        if (key->skipped) window_wake_push(c, key->hash); /* its parked chain may move */
+        else if (key_empty(key)) key_delete(c, (uint32_t)k);
         node_free(c, n);
         n = sib;
     }
@@ -384,84 +341,6 @@ static int eager_unlink(shm_chan *c, uint32_t s) {
 int sched_release(shm_chan *c, uint32_t s) {
     if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
     return c->cfg.order == SHM_ORDER_FIFO ? fifo_unlink(c, s) : eager_unlink(c, s);
-}
-
-/* ---- leaving the window (window.c) ---------------------------------------------------
- * fifo only. s, waiting, is the newest message taken in, so it is last in each of its
- * lines (everything taken in after it is gone, and nothing behind it on a key can go
- * before it): unlink it from the tails and count it as a skipped message of each key. */
-int sched_evict(shm_chan *c, uint32_t s) {
-    if (c->cfg.order != SHM_ORDER_FIFO || !SLOT_OK(c, s)) return SHM_STALE;
-    shm_slot *sl = &c->slots[s];
-    if (SLOT_STATE(sl->state) != SLOT_WAITING) return SHM_STALE;
-    uint32_t n = sl->first_node;
-    for (uint32_t i = 0; i < sl->nkeys; i++) { /* check before changing anything */
-        if (!NODE_OK(c, n)) return SHM_E_CORRUPT;
-        int64_t k = key_find(c, c->nodes[n].hash);
-        if (k < 0) return SHM_E_CORRUPT;
-        if (c->keys[k].tail != n) return SHM_STALE;
-        n = c->nodes[n].sibling;
-    }
-    n = sl->first_node;
-    for (uint32_t i = 0; i < sl->nkeys; i++) {
-        uint32_t sib = c->nodes[n].sibling, prev = c->nodes[n].prev;
-        shm_key *key = &c->keys[key_find(c, c->nodes[n].hash)];
-        if (prev == NIL) {
-            key->head = key->tail = NIL;
-        } else {
-            if (!NODE_OK(c, prev)) return SHM_E_CORRUPT;
-            c->nodes[prev].next = NIL;
-            key->tail = prev;
-        }
-        key->count--;
-        key->skipped++;
-        node_free(c, n);
-        n = sib;
-    }
-    sl->first_node = NIL;
-    sl->nkeys = 0;
-    return SHM_OK;
-}
-
-/* Add delta to the skipped count of each distinct key of r. */
-int sched_skip_count(shm_chan *c, shm_record *r, int delta) {
-    uint32_t nkeys = r->nkeys;
-    if (nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
-    for (uint32_t i = 0; i < nkeys; i++) {
-        if (!first_of_hash(r, i)) continue;
-        uint64_t hash = r->hashes[i];
-        int64_t k = delta > 0 ? key_insert(c, hash) : key_find(c, hash);
-        if (k < 0) return SHM_E_CORRUPT;
-        shm_key *key = &c->keys[k];
-        if (delta < 0 && key->skipped == 0) return SHM_E_CORRUPT;
-        key->skipped += (uint32_t)delta;
-        if (key_empty(key)) key_delete(c, (uint32_t)k);
-    }
-    return SHM_OK;
-}
-
-/* Does the key with this hash have a line (a message taken in that carries it)? */
-int sched_key_has_line(shm_chan *c, uint64_t hash) {
-    int64_t k = key_find(c, hash);
-    return k >= 0 && c->keys[k].head != NIL;
-}
-
-/* eager: is any key of r held? */
-int sched_is_held_key(shm_chan *c, shm_record *r) {
-    for (uint32_t i = 0; i < r->nkeys && i < c->cfg.max_keys; i++) {
-        int64_t k = key_find(c, r->hashes[i]);
-        if (k >= 0 && c->keys[k].held != NIL) return 1;
-    }
-    return 0;
-}
-
-/* Does r carry a key that a skipped message (ahead of it) also carries? */
-int sched_is_skipped_key(shm_chan *c, shm_record *r) {
-    for (uint32_t i = 0; i < r->nkeys && i < c->cfg.max_keys; i++) {
-        int64_t k = key_find(c, r->hashes[i]);
-        if (k >= 0 && c->keys[k].skipped) return 1;
-    }
-    return 0;
 }
 
 /* s was given back: it keeps its place (first in its lines, or its eager keys) and goes
@@ -531,6 +410,7 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
         prev = s;
     }
     if (rc == SHM_OK && on_list != out) { rc = SHM_E_CORRUPT; *what = 16; }
+    if (rc == SHM_OK) rc = window_check(c, what); /* the parked records' chains */
     /* every line's nodes belong to live messages, and the line is in seq order */
     for (uint32_t k = 0; k <= c->keytab_mask && rc == SHM_OK; k++) {
         shm_key *key = &c->keys[k];

@@ -58,8 +58,9 @@ static void compute_layout(const shm_config *cfg, layout *L) {
     L->max_nodes = 2 * cfg->max_messages + cfg->max_keys + 1;
     L->nodes_off = off;
     off = page_up(off + (uint64_t)L->max_nodes * sizeof(shm_node));
-    /* At most max_nodes keys are live at once; keep the load factor <= 1/2. */
-    uint32_t ks = 16;
+    /* At most max_nodes keys have a line or a holder at once; keep that load <= 1/2. A
+     * quarter more may be keys of parked records only (window.c): at least 4096. */
+    uint32_t ks = 16384;
     while (ks < 2 * L->max_nodes) ks <<= 1;
     L->keytab_size = ks;
     L->keytab_off = off;

@@ -19,6 +19,8 @@
 #define SHM_STALE         5   /* handle no longer current: release is a no-op */
 #define SHM_BUSY          6   /* receiver owned by another live process       */
 #define SHM_REMOVED       7   /* the channel was removed (unlinked): sends refused */
+#define SHM_AGAIN         8   /* recv: nothing yet, records that arrived during the
+                                 call wait to be looked at: call again at once */
 #define SHM_E_TOO_LARGE  -1
 #define SHM_E_TOO_MANY_KEYS -2
 #define SHM_E_CORRUPT    -3

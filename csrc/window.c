@@ -1,63 +1,70 @@
-/* window.c -- taking records into the scheduler, even when its window is full.
+/* window.c -- taking records in, and parking the ones that must wait.
  *
- * The scheduler works on the messages in its window: at most max_messages of them have
- * a slot in the message table at once. A message waiting for a held key keeps its slot,
- * so a long enough backlog behind one hot key could fill the window and hide, behind
- * it, a message on a free key that the fifo rule says may go. Under order="fifo" the
- * receiver therefore takes records in *out of order* when it is safe:
+ * The scheduler (sched.c) works on the messages in its window: at most max_messages of
+ * them have a slot in the message table. A message that must wait -- under fifo, one
+ * of its keys has a line or earlier parked records; under eager, one of its keys is
+ * held -- gets no slot. Its record is *parked* where it lies in the ring, linked into
+ * per-key chains, so max_messages bounds what can run (ready, in flight, dead letters),
+ * not what can be seen, and a long backlog costs nothing to a message that can go now:
  *
- *     head     ingest_pos                          scan_pos
- *      |  ...   | skipped | taken | skipped | done |   not yet looked at ...
+ *     head     ingest_pos                                   scan_pos
+ *      |  done  | parked | taken | parked | parked | done |   not yet looked at ...
  *
- *   - scan_pos is the next record to look at; ingest_pos the first one not taken in.
- *     Between them every record is either taken in (its slot names it), finished, or
- *     *skipped*: left out of the window, with each of its keys' `skipped` count raised.
- *   - A record at scan_pos carrying a key with skipped > 0 is skipped too: a message
- *     ahead of it on that key is not in the lines, so it must not join them yet.
- *     Any other record conflicts with no skipped message and is taken in at once, which
- *     gives the lines exactly the order taking everything in would have given.
- *   - When the window is full, the newest *waiting* message is *evicted*: it is last in
- *     each of its lines (sched_evict), so unlinking it undoes its taking in exactly; it
- *     becomes a skipped record. This makes room for the record at scan_pos, and repeats
- *     while there is a waiting message to evict.
- *   - Skipped records return (return_skipped) in order when they would be free to go at
- *     once, evicting the newest waiting message if need be, so the window fills with
- *     what can run. One that would only wait stays out, since waiting needs no slot --
- *     except while refilling a window that fell below a quarter full, up to half full
- *     (it joins its lines' tails, behind older messages only), so that a long backlog
- *     drains through the window in batches. A pass that brings nothing back is not
- *     repeated until something it depends on changes (window_ingest).
- * Each record is looked at a bounded number of times per eviction, and every step is
- * O(keys of the record): no step scans the backlog.
+ *   - scan_pos is the next record to look at. The receiver looks at each record once,
+ *     as it arrives, and decides (decide): take it in (free to go), park it, or stop
+ *     there (free to go, but the window is full: nothing more can run before a release).
+ *     Parking is O(keys): an append to a chain per key, no slot needed.
+ *   - A key's chain (shm_key.skip_head / skip_tail / skipped) lists parked records, linked
+ *     through the records themselves (record links[i], core.h). Under fifo a parked
+ *     record is in the chain of each of its keys, in ring order (= seq order), and a
+ *     later record carrying any of those keys parks behind it: its place in line on all
+ *     its keys at once, as the lock manager requires. Under eager it is in the chain of
+ *     one key only, the held key it met, in the order it met it (eager promises no
+ *     order across keys).
+ *   - A record leaves its chains (wake) when the key it waits for frees up: under fifo
+ *     when the key's line empties, it returns if it is first in the chain of each of its
+ *     keys and none of them has a line; under eager the chain of the freed key is walked
+ *     until a record takes the key, each record either taken in or moved to the chain of
+ *     another held key it meets. sched.c pushes freed keys that have a chain on the wake
+ *     list (header.wake_keys); each poll works it off before looking at new records, so
+ *     a release costs O(keys of the next message), whatever is parked.
+ *   - ingest_pos: every record before it is taken in or finished; it moves over them
+ *     lazily, and head (ring.c) never passes it, so a parked record's bytes stay put.
  *
- * Limits: a skipped record still occupies ring space, and head never passes ingest_pos,
- * so a skipped backlog pins the space behind it until it drains; order="eager" has no
- * lines to keep and stops at a full window as before.
+ * A key table entry is needed for each key with a chain. To keep the table's load below
+ * three quarters whatever is parked, at most a quarter of it may be chain-only keys
+ * (header.skip_keys); a record that would need more stops the scan until some leave.
+ *
+ * Everything read from the ring is checked: a chain link must point forward into the
+ * looked-at region at a committed, parked record that carries the chain's key.
  */
+#include <stdlib.h>
+
 #include "core.h"
 
-#define INGEST_BATCH 256u /* records looked at per poll: bounds one call's work */
-#define READY_AHEAD 256u  /* take new records in while fewer than this are ready */
-#define EVICT_SEARCH 1024u /* how far back past non-waiting messages eviction looks */
+#define INGEST_BATCH 1024u /* records looked at per call: bounds one call's work */
+#define READY_AHEAD 256u   /* take new records in while fewer than this are ready */
+#define WALK_BATCH 4096u   /* records ingest_pos moves over per call at most */
 
-#define SLOT_OK(c, s) ((s) >= 1 && (s) <= (c)->cfg.max_messages)
+enum { ADMIT_TAKE, ADMIT_PARK, ADMIT_STOP };
 
 void window_link(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
     c->slots[s].newer = NIL;
     c->slots[s].older = h->newest;
-    if (SLOT_OK(c, h->newest)) c->slots[h->newest].newer = s;
+    if (h->newest >= 1 && h->newest <= c->cfg.max_messages) c->slots[h->newest].newer = s;
     else h->oldest = s;
     h->newest = s;
 }
 
 void window_unlink(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
     uint32_t newer = c->slots[s].newer, older = c->slots[s].older;
-    if (SLOT_OK(c, newer)) c->slots[newer].older = older;
-    else if (h->newest == s) h->newest = SLOT_OK(c, older) ? older : NIL;
-    if (SLOT_OK(c, older)) c->slots[older].newer = newer;
-    else if (h->oldest == s) h->oldest = SLOT_OK(c, newer) ? newer : NIL;
+    if (newer >= 1 && newer <= m) c->slots[newer].older = older;
+    else if (h->newest == s) h->newest = older >= 1 && older <= m ? older : NIL;
+    if (older >= 1 && older <= m) c->slots[older].newer = newer;
+    else if (h->oldest == s) h->oldest = newer >= 1 && newer <= m ? newer : NIL;
     c->slots[s].newer = c->slots[s].older = NIL;
 }
 
@@ -65,218 +72,396 @@ static int finished_state(uint32_t st) {
     return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED;
 }
 
-/* Take the record at pos into the window; it gets slot *s. */
-static int take(shm_chan *c, shm_record *r, uint64_t pos) {
+/* Index of the first hash of r equal to hash (its link slot), or -1. */
+static int link_index(const shm_record *r, uint64_t hash) {
+    for (uint32_t i = 0; i < r->nkeys; i++)
+        if (r->hashes[i] == hash) return (int)i;
+    return -1;
+}
+
+/* The parked record at pos, checked: inside the looked-at region, committed, whole,
+ * without a slot, carrying hash. NULL if any of that is not so (corruption). */
+static shm_record *parked_at(shm_chan *c, uint64_t pos, uint64_t hash, int *idx) {
+    shm_header *h = c->hdr;
+    if (pos < h->ingest_pos || pos >= h->scan_pos || (pos & 7u)) return NULL;
+    shm_record *r = rec_at(c, pos);
+    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
+    uint64_t len = META_LEN(meta);
+    if (META_STATE(meta) != REC_COMMITTED || len > h->scan_pos - pos || r->slot != NIL ||
+        ring_validate_body(c, r, len) != SHM_OK)
+        return NULL;
+    *idx = link_index(r, hash);
+    return *idx < 0 ? NULL : r;
+}
+
+/* ---- chains -------------------------------------------------------------------------- */
+static int chain_append(shm_chan *c, uint64_t hash, shm_record *r, uint64_t pos) {
+    shm_key *k = sched_key_get(c, hash);
+    int i = link_index(r, hash), ti;
+    if (k == NULL || i < 0) return SHM_E_CORRUPT;
+    if (k->skipped == 0) {
+        k->skip_head = pos;
+        c->hdr->skip_keys++;
+    } else {
+        shm_record *t = parked_at(c, k->skip_tail, hash, &ti);
+        if (t == NULL || k->skip_tail == pos) return SHM_E_CORRUPT;
+        rec_links(t, t->nkeys)[ti] = pos;
+    }
+    k->skip_tail = pos;
+    k->skipped++;
+    return SHM_OK;
+}
+
+/* r, at pos, leaves the chain of hash, which it heads. */
+static int chain_pop(shm_chan *c, uint64_t hash, shm_record *r, uint64_t pos) {
+    shm_key *k = sched_key_find(c, hash);
+    int i = link_index(r, hash);
+    if (k == NULL || i < 0 || k->skipped == 0 || k->skip_head != pos) return SHM_E_CORRUPT;
+    if (--k->skipped == 0) {
+        c->hdr->skip_keys--;
+        sched_key_tidy(c, hash);
+        return SHM_OK;
+    }
+    uint64_t next = rec_links(r, r->nkeys)[i];
+    /* fifo chains run forward in ring order; eager ones need not (a record moves to the
+     * chain of the next held key it meets). parked_at checks the rest when followed. */
+    if (next == pos || (c->cfg.order == SHM_ORDER_FIFO && next < pos)) return SHM_E_CORRUPT;
+    k->skip_head = next;
+    return SHM_OK;
+}
+
+/* Keys of r that have no table entry yet (parking would make one for each). */
+static uint32_t new_keys(shm_chan *c, shm_record *r) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < r->nkeys; i++)
+        if (rec_first_of_hash(r, i) && sched_key_find(c, r->hashes[i]) == NULL) n++;
+    return n;
+}
+
+/* What to do with the record r at scan_pos (read-only: work_pending asks it too).
+ * Under eager, *blocker is the held key it meets. */
+static int decide(shm_chan *c, shm_record *r, uint64_t *blocker) {
+    int fifo = c->cfg.order == SHM_ORDER_FIFO, parks = 0;
+    for (uint32_t i = 0; i < r->nkeys && !parks; i++) {
+        shm_key *k = sched_key_find(c, r->hashes[i]);
+        if (k == NULL) continue;
+        parks = fifo ? (k->head != NIL || k->skipped != 0) : k->held != NIL;
+        if (parks) *blocker = r->hashes[i];
+    }
+    if (parks) {
+        uint32_t limit = (c->keytab_mask + 1) / 4;
+        return fifo && c->hdr->skip_keys + new_keys(c, r) > limit ? ADMIT_STOP : ADMIT_PARK;
+    }
+    return sched_has_room(c, r->nkeys) ? ADMIT_TAKE : ADMIT_STOP;
+}
+
+static int park(shm_chan *c, shm_record *r, uint64_t pos, uint64_t blocker) {
+    int rc = SHM_OK;
+    r->slot = NIL;
+    if (c->cfg.order == SHM_ORDER_FIFO) {
+        for (uint32_t i = 0; i < r->nkeys && rc == SHM_OK; i++)
+            if (rec_first_of_hash(r, i)) rc = chain_append(c, r->hashes[i], r, pos);
+    } else {
+        rc = chain_append(c, blocker, r, pos);
+    }
+    if (rc == SHM_OK) c->hdr->skipped++;
+    return rc;
+}
+
+/* A parked record r at pos leaves all its chains (it heads each) and is taken in. */
+static int unpark_fifo(shm_chan *c, shm_record *r, uint64_t pos) {
+    for (uint32_t i = 0; i < r->nkeys; i++) {
+        if (!rec_first_of_hash(r, i)) continue;
+        int rc = chain_pop(c, r->hashes[i], r, pos);
+        if (rc) return rc;
+    }
     uint32_t s;
+    c->hdr->skipped--;
     return sched_take_in(c, r, pos, &s);
 }
 
-/* Evict the newest waiting message. Those newer than it are ready, in flight or dead:
- * none shares a key with it (it would be behind it in that line, so waiting), so it is
- * last in each of its lines. Returns 1 if it evicted one. */
-static int evict_newest(shm_chan *c, int *rc, uint64_t *evicted_pos) {
+/* ---- waking parked records ------------------------------------------------------------- */
+void window_wake_push(shm_chan *c, uint64_t hash) {
     shm_header *h = c->hdr;
-    uint32_t s = h->newest;
-    for (uint32_t steps = 0; SLOT_OK(c, s) && steps < EVICT_SEARCH; steps++) {
-        if (SLOT_STATE(c->slots[s].state) == SLOT_WAITING) break;
-        s = c->slots[s].older;
-    }
-    if (!SLOT_OK(c, s) || SLOT_STATE(c->slots[s].state) != SLOT_WAITING) return 0;
-    shm_slot *sl = &c->slots[s];
-    uint64_t pos = sl->pos;
-    int e = sched_evict(c, s);
-    if (e == SHM_STALE) return 0;
-    if (e) {
-        *rc = e;
-        return 0;
-    }
-    rec_at(c, pos)->slot = NIL; /* a skipped record again */
-    *evicted_pos = pos;
-    h->queued_in_window--;
-    h->ingested--;
-    h->skipped++;
-    slot_free(c, s);
-    if (pos < h->ingest_pos) h->ingest_pos = pos;
-    return 1;
+    if (h->wake_n < SHM_WAKE_KEYS) h->wake_keys[h->wake_n++] = hash;
+    else h->wake_overflow = 1; /* window_wake finds it by a scan of the key table */
 }
 
-/* A small set of key hashes, local to one pass of return_skipped: the keys of skipped
- * records the pass has gone by (records after them that share a key must wait). */
-#define PASSED_SLOTS 2048u
-typedef struct {
-    uint64_t h[PASSED_SLOTS]; /* 0 = empty (a real hash of 0 is stored as 1: it only errs
-                                 toward treating a key as passed, i.e. waiting longer) */
-    uint32_t n;
-} passed_set;
-
-static int passed_add(passed_set *p, uint64_t hash) {
-    hash = hash ? hash : 1;
-    if (p->n >= PASSED_SLOTS / 2) return 0; /* full: the caller stops its pass */
-    uint32_t i = (uint32_t)hash & (PASSED_SLOTS - 1);
-    while (p->h[i] && p->h[i] != hash) i = (i + 1) & (PASSED_SLOTS - 1);
-    if (!p->h[i]) {
-        p->h[i] = hash;
-        p->n++;
-    }
-    return 1;
-}
-
-static int passed_has(const passed_set *p, uint64_t hash) {
-    hash = hash ? hash : 1;
-    uint32_t i = (uint32_t)hash & (PASSED_SLOTS - 1);
-    while (p->h[i]) {
-        if (p->h[i] == hash) return 1;
-        i = (i + 1) & (PASSED_SLOTS - 1);
-    }
-    return 0;
-}
-
-static int passed_add_record(passed_set *p, shm_record *r, uint32_t max_keys) {
-    for (uint32_t k = 0; k < r->nkeys && k < max_keys; k++)
-        if (!passed_add(p, r->hashes[k])) return 0;
-    return 1;
-}
-
-/* Phase 1: bring skipped records back. The pass walks the skipped region in order and
- * takes in each record that would be free to go at once -- none of its keys has a line,
- * and no skipped record before it (in the passed set) shares a key -- evicting the newest
- * waiting message if that is what it takes to make room. A record that would only wait
- * stays skipped (a waiting message needs no slot to keep its place), and its keys join
- * the passed set. So the window holds what can run, and a ready message is never left
- * behind a window full of waiting ones. ingest_pos moves over the taken-in prefix. */
-static int return_skipped(shm_chan *c, uint32_t *took) {
-    shm_header *h = c->hdr;
+/* The key with this hash may have freed up: let its chain move. Returns SHM_OK,
+ * SHM_FULL (a record could go but the window is full: try again later) or an error.
+ * *moved is set when a record was taken in. */
+static int wake_key(shm_chan *c, uint64_t hash, int *moved) {
     int fifo = c->cfg.order == SHM_ORDER_FIFO;
-    passed_set passed;
-    passed.n = 0;
-    memset(passed.h, 0, sizeof passed.h);
-    int prefix = 1; /* still in the run that ingest_pos may move over */
+    const uint64_t parked = c->hdr->skipped; /* each round takes one off the chain */
+    for (uint64_t guard = 0; guard <= parked; guard++) {
+        shm_key *k = sched_key_find(c, hash);
+        if (k == NULL || k->skipped == 0) return SHM_OK;
+        if (fifo ? k->head != NIL : k->held != NIL) return SHM_OK; /* still taken */
+        int idx;
+        uint64_t pos = k->skip_head;
+        shm_record *r = parked_at(c, pos, hash, &idx);
+        if (r == NULL) return SHM_E_CORRUPT;
+        if (fifo) {
+            /* It goes if it heads the chain of each of its keys, none of which has a line;
+             * otherwise the key it still waits for will wake it. */
+            for (uint32_t i = 0; i < r->nkeys; i++) {
+                shm_key *o = sched_key_find(c, r->hashes[i]);
+                if (o == NULL || o->skipped == 0) return SHM_E_CORRUPT; /* it is in that chain */
+                if (o->skip_head != pos || o->head != NIL) return SHM_OK;
+            }
+            if (!sched_has_room(c, r->nkeys)) return SHM_FULL;
+            *moved = 1;
+            return unpark_fifo(c, r, pos);
+        }
+        /* eager: the first record of the chain takes the key, or moves on to the chain of
+         * another held key it meets; then the next one is looked at. */
+        uint64_t blocker = 0;
+        int parks = 0;
+        for (uint32_t i = 0; i < r->nkeys && !parks; i++) {
+            shm_key *o = sched_key_find(c, r->hashes[i]);
+            parks = o != NULL && o->held != NIL;
+            if (parks) blocker = r->hashes[i];
+        }
+        if (!parks && !sched_has_room(c, r->nkeys)) return SHM_FULL;
+        int rc = chain_pop(c, hash, r, pos);
+        if (rc) return rc;
+        if (parks) {
+            rc = chain_append(c, blocker, r, pos);
+        } else {
+            uint32_t s;
+            c->hdr->skipped--;
+            *moved = 1;
+            rc = sched_take_in(c, r, pos, &s);
+        }
+        if (rc) return rc;
+    }
+    return SHM_E_CORRUPT; /* more records than are parked: a cycle */
+}
+
+/* Work off the wake list. After an overflow, every key with a chain is looked at. */
+static int window_wake(shm_chan *c, int *moved) {
+    shm_header *h = c->hdr;
+    if (h->wake_overflow) {
+        /* Collect first, then wake: waking may move entries of the table. */
+        uint32_t size = c->keytab_mask + 1, n = 0;
+        uint64_t *all = malloc(sizeof(uint64_t) * h->skip_keys + 8);
+        if (all == NULL) return SHM_E_NOMEM;
+        for (uint32_t i = 0; i < size && n < h->skip_keys; i++)
+            if (c->keys[i].skipped) all[n++] = c->keys[i].hash;
+        h->wake_overflow = 0;
+        int rc = SHM_OK;
+        for (uint32_t i = 0; i < n && rc == SHM_OK; i++) {
+            rc = wake_key(c, all[i], moved);
+            if (rc == SHM_FULL) { /* keep the rest for later */
+                for (; i < n; i++) window_wake_push(c, all[i]);
+                rc = SHM_OK;
+            }
+        }
+        free(all);
+        if (rc) return rc;
+    }
+    while (h->wake_n > 0) {
+        if (h->wake_n > SHM_WAKE_KEYS) return SHM_E_CORRUPT;
+        uint64_t hash = h->wake_keys[h->wake_n - 1];
+        int rc = wake_key(c, hash, moved);
+        if (rc == SHM_FULL) return SHM_OK; /* the window is full: the next release retries */
+        if (rc) return rc;
+        h->wake_n--;
+    }
+    return SHM_OK;
+}
+
+/* ---- ingest_pos ---------------------------------------------------------------------------- */
+/* Move ingest_pos over records taken in or finished, up to the first parked one. */
+static int walk_ingest(shm_chan *c) {
+    shm_header *h = c->hdr;
     uint64_t pos = h->ingest_pos;
-    for (uint32_t i = 0; i < INGEST_BATCH && pos < h->scan_pos; i++) {
+    for (uint32_t i = 0; i < WALK_BATCH && pos < h->scan_pos; i++) {
         shm_record *r = rec_at(c, pos);
         uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
         uint64_t len = META_LEN(meta);
         if (len < REC_HDR || (len & 7u) || len > h->scan_pos - pos) return SHM_E_CORRUPT;
         uint32_t st = META_STATE(meta);
-        if (finished_state(st) || (st == REC_COMMITTED && r->slot != NIL)) {
-            pos += len; /* finished, or taken in out of order */
-            if (prefix) h->ingest_pos = pos;
-            continue;
-        }
-        if (st != REC_COMMITTED || ring_validate_body(c, r, len)) return SHM_E_CORRUPT;
-        int go = 1, waits = 0;
-        for (uint32_t k = 0; k < r->nkeys && go; k++) {
-            if (passed_has(&passed, r->hashes[k])) go = 0;
-            else if (fifo && sched_key_has_line(c, r->hashes[k])) waits = 1;
-        }
-        /* It would wait behind messages taken in (appended to its lines' tails, so in
-         * seq order): worth a slot only while refilling a low window. */
-        if (go && waits && !(c->skip_filling && sched_has_spare_room(c, r->nkeys))) go = 0;
-        if (!fifo && sched_is_held_key(c, r)) go = 0;
-        int rc = SHM_OK;
-        while (go && !sched_has_room(c, r->nkeys)) {
-            uint64_t ev;
-            if (!fifo || !evict_newest(c, &rc, &ev)) {
-                go = 0;
-                break;
-            }
-            if (ev < pos) { /* now a skipped record before r: it blocks those after it */
-                prefix = 0;
-                if (!passed_add_record(&passed, rec_at(c, ev), c->cfg.max_keys)) return rc;
-            } /* else it lies ahead and this pass will look at it in turn */
-        }
-        if (rc) return rc;
-        if (!go) {
-            if (!passed_add_record(&passed, r, c->cfg.max_keys)) return SHM_OK;
-            prefix = 0;
-            pos += len;
-            continue;
-        }
-        rc = sched_skip_count(c, r, -1);
-        if (rc == SHM_OK) rc = take(c, r, pos);
-        if (rc) return rc;
-        (*took)++;
-        h->skipped--;
+        if (!finished_state(st) && !(st == REC_COMMITTED && len >= REC_BODY && r->slot != NIL))
+            break; /* parked */
         pos += len;
-        if (prefix) h->ingest_pos = pos;
     }
+    h->ingest_pos = pos;
     return SHM_OK;
 }
 
-int window_ingest(shm_chan *c, shm_stall *stall, int *stalled) {
+/* Recovery (recovery.c) hands records over in ring order, as the scan would. */
+int window_admit(shm_chan *c, shm_record *r, uint64_t pos) {
+    uint64_t blocker = 0;
+    int d = decide(c, r, &blocker);
+    if (d == ADMIT_STOP) return SHM_FULL;
+    if (d == ADMIT_PARK) return park(c, r, pos, blocker);
+    uint32_t s;
+    return sched_take_in(c, r, pos, &s);
+}
+
+/* Would a poll make progress right now? (the receiver's re-check before it sleeps) */
+int window_has_work(shm_chan *c) {
     shm_header *h = c->hdr;
-    int fifo = c->cfg.order == SHM_ORDER_FIFO;
-    int rc = SHM_OK;
-    /* A pass that brought nothing back gives the same answer until a line empties, a
-     * record taken in out of order finishes, or the window runs low (c->skip_epoch):
-     * until then, or RECHECK_NS, skip it. Refilling runs from a quarter of the window
-     * to a half, so each pass of it takes in a whole batch. */
-    if (h->ingest_pos < h->scan_pos) {
-        if (!c->skip_filling && h->window < c->cfg.max_messages / 4) {
-            c->skip_filling = 1;
-            c->skip_epoch++;
-        }
-        if (c->skip_quiet == c->skip_epoch + 1 && coarse_ns() - c->skip_quiet_ns >= RECHECK_NS)
-            c->skip_quiet = 0; /* quiet for long: look again anyway */
-        if (c->skip_quiet != c->skip_epoch + 1) {
-            uint64_t ingest_before = h->ingest_pos;
-            uint32_t took = 0;
-            rc = return_skipped(c, &took);
-            if (rc) return rc;
-            if (h->window >= c->cfg.max_messages / 2) c->skip_filling = 0;
-            if (took == 0 && h->ingest_pos == ingest_before) {
-                c->skip_quiet = c->skip_epoch + 1;
-                c->skip_quiet_ns = coarse_ns();
-            }
-        }
-    }
-    /* New records are taken in only while few messages are ready to go: the receiver
-     * needs lookahead to find messages on free keys, not a copy of the whole backlog in
-     * its tables. With a long backlog on many keys, taking everything in would spread
-     * each release's work (the next message in each line) over megabytes of nodes and
-     * slots; this keeps it in cache. What is not taken in yet is newer than everything
-     * ready, so lowest-seq-first is unchanged. */
+    if ((h->wake_n || h->wake_overflow) && sched_has_room(c, c->cfg.max_keys)) return 1;
+    shm_record *r = rec_at(c, h->scan_pos);
+    /* seq_cst: after the receiver's seq_cst store of rx_sleeping; pairs with the fence in
+     * wake_receiver (ring.c): either we see the commit or its producer sees us asleep. */
+    uint64_t owner = LOAD_SEQCST(&r->owner);
+    if (owner == OWNER_EMPTY(h->scan_pos)) return 0;
+    uint64_t meta = LOAD_SEQCST(&r->meta);
+    uint32_t st = META_STATE(meta);
+    if (st == REC_CLAIMED || st == REC_WRITING) return 0; /* its commit will wake us */
+    if (st != REC_COMMITTED || h->ready_count >= READY_AHEAD) return 1; /* let the poll say */
+    uint64_t len = META_LEN(meta), blocker;
+    if (len < REC_BODY || len > c->cap - REC_HDR || ring_validate_body(c, r, len)) return 1;
+    return decide(c, r, &blocker) != ADMIT_STOP;
+}
+
+/* One intake step of the receiver's poll: wake parked records whose key freed up, look
+ * at up to INGEST_BATCH new records, move ingest_pos. *moved: something changed. */
+int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
+    shm_header *h = c->hdr;
+    int rc = window_wake(c, moved);
+    if (rc) return rc;
     for (uint32_t i = 0; i < INGEST_BATCH && h->ready_count < READY_AHEAD; i++) {
         uint64_t pos = h->scan_pos, len;
         shm_record *r;
         rc = ring_peek(c, pos, &r, &len, stall);
-        if (rc == SHM_EMPTY) return SHM_OK;
+        if (rc == SHM_EMPTY) break;
         if (rc == SHM_STALLED) {
             *stalled = 1;
-            return SHM_OK;
+            break;
         }
-        int caught_up = h->ingest_pos == pos;
-        if (rc == SHM_CLOSED) { /* discarded or cancelled: skip */
+        if (rc == SHM_CLOSED) { /* discarded or cancelled: nothing to take in */
             if (META_STATE(LOAD_RELAXED(&r->meta)) == REC_DISCARDED) h->discarded++;
         } else if (rc) {
             return rc;
-        } else if (!caught_up && sched_is_skipped_key(c, r)) {
-            rc = sched_skip_count(c, r, +1); /* behind a skipped message on some key */
+        } else if (!window_taken(c, r, pos)) {
+            uint64_t blocker = 0;
+            int d = decide(c, r, &blocker);
+            if (d == ADMIT_STOP) break; /* the window is full: a release brings us back */
+            uint32_t s;
+            rc = d == ADMIT_PARK ? park(c, r, pos, blocker) : sched_take_in(c, r, pos, &s);
             if (rc) return rc;
-            r->slot = NIL;
-            h->skipped++;
-        } else {
-            uint64_t ev;
-            while (!sched_has_room(c, r->nkeys)) {
-                if (!fifo || !evict_newest(c, &rc, &ev)) {
-                    /* Nothing to evict. rc is set only if the segment is corrupt */
-                    return rc;
-                }
-                caught_up = h->ingest_pos == pos;
-                if (!caught_up && sched_is_skipped_key(c, r)) break; /* evicted its elder */
-            }
-            if (!caught_up && sched_is_skipped_key(c, r)) {
-                rc = sched_skip_count(c, r, +1);
-                if (rc) return rc;
-                r->slot = NIL;
-                h->skipped++;
-            } else {
-                rc = take(c, r, pos);
-                if (rc) return rc;
-            }
         }
         h->scan_pos = pos + len;
-        if (caught_up) h->ingest_pos = h->scan_pos;
+        *moved = 1;
+    }
+    if (h->ingest_pos != h->scan_pos) return walk_ingest(c);
+    return SHM_OK;
+}
+
+/* Is the committed record r at pos already in the window? Only after a receiver's
+ * rebuild (recovery.c) can the scan meet one: a message handed out before the crash. */
+int window_taken(shm_chan *c, shm_record *r, uint64_t pos) {
+    uint32_t s = r->slot;
+    if (s == NIL || s > c->cfg.max_messages) return 0;
+    shm_slot *sl = &c->slots[s];
+    return sl->pos == pos && sl->seq == r->seq && SLOT_STATE(sl->state) != SLOT_FREE;
+}
+
+/* ---- self-check (shm_check_scheduler, tests) ---------------------------------------------
+ * Every chain is as long as its count says, ends at its tail and holds parked records
+ * carrying its key (fifo: in ring order); the parked records between ingest_pos and
+ * scan_pos are exactly the ones the chains count; and no chain that could move is
+ * forgotten: its key is on the wake list. O(parked records), never on a hot path. */
+static int waking(shm_chan *c, uint64_t hash) {
+    shm_header *h = c->hdr;
+    if (h->wake_overflow) return 1;
+    for (uint32_t i = 0; i < h->wake_n && i < SHM_WAKE_KEYS; i++)
+        if (h->wake_keys[i] == hash) return 1;
+    return 0;
+}
+
+int window_check(shm_chan *c, uint32_t *what) {
+    shm_header *h = c->hdr;
+    int fifo = c->cfg.order == SHM_ORDER_FIFO;
+    uint64_t links = 0, chain_keys = 0, parked = 0, parked_links = 0;
+    for (uint32_t i = 0; i <= c->keytab_mask; i++) {
+        shm_key *k = &c->keys[i];
+        if (k->skipped == 0) continue;
+        chain_keys++;
+        uint64_t pos = k->skip_head, prev = 0;
+        int idx;
+        for (uint32_t n = 0; n < k->skipped; n++) {
+            shm_record *r = parked_at(c, pos, k->hash, &idx);
+            if (r == NULL) { *what = 20; return SHM_E_CORRUPT; }
+            if (fifo && n > 0 && pos <= prev) { *what = 21; return SHM_E_CORRUPT; }
+            prev = pos;
+            if (n + 1 < k->skipped) pos = rec_links(r, r->nkeys)[idx];
+        }
+        if (pos != k->skip_tail) { *what = 22; return SHM_E_CORRUPT; }
+        links += k->skipped;
+        /* a chain whose key is free must be on the wake list, unless (fifo) its first
+         * record still waits for another of its keys */
+        int free_ = fifo ? k->head == NIL : k->held == NIL;
+        if (free_ && !waking(c, k->hash)) {
+            shm_record *r = parked_at(c, k->skip_head, k->hash, &idx);
+            int could_go = 1, woken = 0;
+            for (uint32_t j = 0; fifo && j < r->nkeys; j++) {
+                shm_key *o = sched_key_find(c, r->hashes[j]);
+                if (o == NULL || o->skip_head != k->skip_head || o->head != NIL) could_go = 0;
+                woken |= waking(c, r->hashes[j]); /* waking any of its keys moves it */
+            }
+            if (woken) could_go = 0;
+            if (could_go) { *what = 23; return SHM_E_CORRUPT; }
+        }
+    }
+    if (chain_keys != h->skip_keys) { *what = 24; return SHM_E_CORRUPT; }
+    for (uint64_t pos = h->ingest_pos, guard = 0; pos < h->scan_pos; guard++) {
+        shm_record *r = rec_at(c, pos);
+        uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
+        uint64_t len = META_LEN(meta);
+        if (len < REC_HDR || (len & 7u) || len > h->scan_pos - pos || guard > c->cap) {
+            *what = 25;
+            return SHM_E_CORRUPT;
+        }
+        if (META_STATE(meta) == REC_COMMITTED && len >= REC_BODY && r->slot == NIL) {
+            parked++;
+            for (uint32_t j = 0; j < r->nkeys && j < c->cfg.max_keys; j++)
+                parked_links += rec_first_of_hash(r, j);
+        }
+        pos += len;
+    }
+    if (parked != h->skipped || links != (fifo ? parked_links : parked)) {
+        *what = 26;
+        return SHM_E_CORRUPT;
     }
     return SHM_OK;
+}
+
+/* ---- compaction (compact.c) -------------------------------------------------------------
+ * A parked record may be moved with the block at head if every link into it moves too:
+ * under fifo a chain runs in ring order, so the records before it in its chains lie
+ * between head and it, inside the block. Eager chains do not, so there it stays. */
+int window_parked_movable(shm_chan *c, uint64_t pos) {
+    return c->cfg.order == SHM_ORDER_FIFO && pos >= c->hdr->ingest_pos && pos < c->hdr->scan_pos;
+}
+
+/* The records in [start, start + len) were copied delta bytes further on: point the
+ * parked ones' chains (their keys' heads and tails, and the links between them, all
+ * inside the block) and ingest_pos at the copies. */
+void window_moved(shm_chan *c, uint64_t start, uint64_t len, uint64_t delta) {
+    shm_header *h = c->hdr;
+    uint64_t end = start + len;
+    for (uint64_t pos = start; pos < end;) {
+        shm_record *r = rec_at(c, pos + delta); /* the copy */
+        uint64_t rlen = META_LEN(LOAD_RELAXED(&r->meta)); /* checked by compact's walk */
+        if (META_STATE(LOAD_RELAXED(&r->meta)) == REC_COMMITTED && r->slot == NIL &&
+            r->nkeys <= c->cfg.max_keys) {
+            uint64_t *links = rec_links(r, r->nkeys);
+            for (uint32_t i = 0; i < r->nkeys; i++) {
+                if (!rec_first_of_hash(r, i)) continue;
+                if (links[i] >= start && links[i] < end) links[i] += delta;
+                shm_key *k = sched_key_find(c, r->hashes[i]);
+                if (k == NULL || k->skipped == 0) continue;
+                if (k->skip_head == pos) k->skip_head = pos + delta;
+                if (k->skip_tail == pos) k->skip_tail = pos + delta;
+            }
+        }
+        if (rlen < REC_HDR) break;
+        pos += rlen;
+    }
+    if (h->ingest_pos >= start && h->ingest_pos < end) h->ingest_pos += delta;
 }

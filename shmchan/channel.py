@@ -1158,6 +1158,12 @@ class Receiver(_hot.ReceiverBase):
             if rc == lib.SHM_CLOSED:
                 how = "removed" if lib.shm_removed(seg.ptr) else "shut down"
                 raise errors.Closed(f"channel {seg.name!r} is {how} and drained")
+            if rc == lib.SHM_AGAIN:
+                # Records arrived while the core looked at those that came before the
+                # call: a blocking receive looks at them before it may sleep.
+                if block:
+                    continue
+                rc = lib.SHM_EMPTY
             if rc == lib.SHM_STALLED:
                 # Remembered across calls, so that try_recv() polling also gets a dead
                 # producer's claim repaired.

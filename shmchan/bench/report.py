@@ -293,12 +293,17 @@ def format_table(report: dict[str, Any]) -> str:
         elif t["name"].endswith("msg/s"):
             value = _num(t["measured"], "msg/s") + " msg/s"
             verdict = "met" if t["met"] else "NOT met"
+        elif t["name"].endswith(" us"):  # an absolute latency
+            value = _num(t["measured"], "us") + " us"
+            verdict = "met" if t["met"] else "NOT met"
         else:
             value = f"{t['measured']:.2f}x"
             verdict = "met" if t["met"] else "NOT met"
         goal = (
             _num(t["target"], "msg/s") + " msg/s"
             if t["name"].endswith("msg/s")
+            else _num(t["target"], "us") + " us"
+            if t["name"].endswith(" us")
             else f"{t['target']:g}x"
         )
         lines.append(

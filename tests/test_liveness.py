@@ -1,0 +1,184 @@
+"""Liveness: nothing parked, waiting or in flight wedges the channel (issue #8).
+
+A message that can go now must not wait for a backlog it does not share a key with, the
+receiver must not sleep while records it has not looked at are waiting, and the loop
+`for h in rx` must not end while a handle can still come back.
+
+The bounds below are hang detectors, not speed targets: each is many times what the
+work takes on a loaded machine, and many times smaller than what the bugs they catch
+cost (a backlog of 100 000 took 13 s before; the eager window, forever).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from procs import CTX, WAIT, running
+
+import shmchan
+
+# --- child entry points -----------------------------------------------------------------
+
+
+def send_backlog_then_free(name: str, n: int, ready, done) -> None:
+    """n messages on "hot", then one on "free"; `done` is set once all are sent."""
+    with shmchan.Sender.open(name) as tx:
+        ready.set()
+        tx.send_many([(b"h", ("hot",))] * n, timeout=WAIT)
+        tx.send(b"free", keys="free", timeout=WAIT)
+    done.set()
+
+
+def hold_until_killed(handle, results) -> None:
+    results.put(handle.seq)
+    time.sleep(WAIT * 4)
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def hold_hot(ch, rx):
+    """Send one message on "hot" and hold its handle: everything else on "hot" parks."""
+    with ch.sender() as tx:
+        tx.send(b"held", keys="hot")
+    h = rx.recv(timeout=WAIT)
+    assert h.keys == ("hot",)
+    return h
+
+
+def recv_in_thread(rx, timeout: float):
+    """Start a thread blocked in rx.recv(timeout); returns (thread, outcome dict)."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            h = rx.recv(timeout=timeout)
+            outcome["at"] = time.monotonic()
+            outcome["handle"] = h
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            outcome["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, outcome
+
+
+# --- item 1: a free-key message is never held up by a parked backlog -------------------------
+
+BACKLOGS = [
+    pytest.param(100_000, 64 << 20, None, 5.0, id="100k"),
+    pytest.param(100_000, 16 << 20, 16384, 5.0, id="100k-window16k"),
+    pytest.param(300_000, 64 << 20, 16384, 10.0, id="300k-window16k"),
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+@pytest.mark.parametrize(("n", "capacity", "window", "bound"), BACKLOGS)
+def test_free_key_message_after_a_backlog_sent_while_the_receiver_sleeps(
+    make_channel, order, n, capacity, window, bound
+):
+    """One handle held on "hot"; another process sends n messages on "hot" while the
+    receiver is blocked in recv, then one on a free key: it arrives at once."""
+    ch = make_channel(capacity=capacity, order=order, max_messages=window)
+    rx = ch.receiver()
+    held = hold_hot(ch, rx)
+    ready, done = CTX.Event(), CTX.Event()
+    child = CTX.Process(target=send_backlog_then_free, args=(ch.name, n, ready, done))
+    with running(child):
+        assert ready.wait(WAIT)
+        thread, outcome = recv_in_thread(rx, timeout=WAIT * 4)
+        assert done.wait(WAIT * 4), "the producer did not finish sending"
+        sent_at = time.monotonic()
+        thread.join(bound + 2 * WAIT)
+        assert "error" not in outcome, outcome.get("error")
+        assert "handle" in outcome, "recv never returned"
+        late = outcome["at"] - sent_at
+        h = outcome["handle"]
+        assert h.payload == b"free"
+        assert late < bound, f"the free-key message came {late:.1f} s after it was sent"
+        h.release()
+    assert ch.stats().queued == n
+    held.release()
+    rx.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_free_key_message_after_a_backlog_sent_while_nobody_looked(make_channel, order):
+    """The backlog arrives while the receiver is not in recv at all; the first recv
+    finds the free-key message behind it without sleeping in between."""
+    n = 100_000
+    ch = make_channel(capacity=16 << 20, order=order, max_messages=16384)
+    rx = ch.receiver()
+    held = hold_hot(ch, rx)
+    with ch.sender() as tx:
+        tx.send_many([(b"h", ("hot",))] * n)
+        tx.send(b"free", keys="free")
+    start = time.monotonic()
+    h = rx.recv(timeout=WAIT)
+    took = time.monotonic() - start
+    assert h.payload == b"free"
+    assert took < 5.0, f"recv took {took:.1f} s to find the free-key message"
+    h.release()
+    held.release()
+    rx.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_free_key_keeps_flowing_behind_a_backlog_larger_than_the_window(make_channel, order):
+    """A sequence on one free key, sent after a parked backlog larger than the window:
+    each message goes as soon as the one before it is released, and try_recv (which
+    never waits) finds it at once."""
+    ch = make_channel(capacity=4 << 20, order=order, max_messages=16)
+    rx = ch.receiver()
+    held = hold_hot(ch, rx)
+    with ch.sender() as tx:
+        tx.send_many([(b"h", ("hot",))] * 5000)
+        seqs = [tx.send(i, keys="cold") for i in range(20)]
+        tx.send_many([(b"h", ("hot",))] * 5000)
+    for seq in seqs:
+        h = rx.try_recv()
+        assert h is not None, f"seq {seq} on a free key was not handed out"
+        assert h.seq == seq
+        assert rx.try_recv() is None  # the next one on "cold" waits for this one
+        h.release()
+    assert rx.try_recv() is None
+    held.release()
+    got = 0
+    while (h := rx.try_recv()) is not None:
+        assert h.keys == ("hot",)
+        got += 1
+        h.release()
+    assert got == 10_000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_many_distinct_keys_parked_behind_a_hot_key_do_not_break_the_receiver(
+    make_channel, order
+):
+    """Messages on (hot, k_i) for thousands of distinct k_i park behind "hot"; the
+    receiver keeps going (no ChannelCorrupted), a free key still flows, and they all
+    come out in order once "hot" is released."""
+    ch = make_channel(capacity=4 << 20, order=order, max_messages=16)
+    rx = ch.receiver()
+    held = hold_hot(ch, rx)
+    n = 3000
+    with ch.sender() as tx:
+        sent = tx.send_many([(i, ("hot", f"k{i}")) for i in range(n)])
+        free = tx.send(b"free", keys="free")
+    h = rx.recv(timeout=WAIT)
+    assert h.seq == free
+    h.release()
+    held.release()
+    got = []
+    for _ in range(n):
+        with rx.recv(timeout=WAIT) as h:
+            got.append(h.seq)
+    assert got == sent
