@@ -11,8 +11,6 @@ cost (a backlog of 100 000 took 13 s before; the eager window, forever).
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
@@ -31,11 +29,6 @@ def send_backlog_then_free(name: str, n: int, ready, done) -> None:
         tx.send_many([(b"h", ("hot",))] * n, timeout=WAIT)
         tx.send(b"free", keys="free", timeout=WAIT)
     done.set()
-
-
-def hold_until_killed(handle, results) -> None:
-    results.put(handle.seq)
-    time.sleep(WAIT * 4)
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -160,9 +153,7 @@ def test_a_free_key_keeps_flowing_behind_a_backlog_larger_than_the_window(make_c
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("order", ["fifo", "eager"])
-def test_many_distinct_keys_parked_behind_a_hot_key_do_not_break_the_receiver(
-    make_channel, order
-):
+def test_many_distinct_keys_parked_behind_a_hot_key_do_not_break_the_receiver(make_channel, order):
     """Messages on (hot, k_i) for thousands of distinct k_i park behind "hot"; the
     receiver keeps going (no ChannelCorrupted), a free key still flows, and they all
     come out in order once "hot" is released."""

@@ -77,12 +77,12 @@ def _one(run: Run, order: str, n: int) -> float:
         with h:
             if h.keys != ("free",) or len(h.payload) != STAMP.size:
                 raise BenchError(f"shmchan ({order}): expected the free-key message, got {h!r}")
-            sent = STAMP.unpack(h.payload)[0]
+            sent: int = STAMP.unpack(h.payload)[0]
         if not done.wait(TIMEOUT):
             raise BenchError(f"shmchan ({order}): the producer did not finish")
         if ch.stats().queued != n:
             raise BenchError(f"shmchan ({order}): the parked backlog did not stay parked")
-        return (got - sent) / 1e3
+        return float(got - sent) / 1e3
 
 
 def _run(run: Run) -> None:
@@ -117,7 +117,7 @@ def _targets(results: list[Result]) -> list[Target]:
                     r.median,
                     1000.0,
                     "<=",
-                    "the first free-key message after a parked backlog, sent while the receiver sleeps",
+                    "first free-key message after a backlog sent while the receiver sleeps",
                     source="issue #8",
                 )
             )
