@@ -227,15 +227,32 @@ static void hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     msg_fill(c, s, gen, m); /* validated when taken in */
 }
 
-/* Is there anything a poll could act on right now? (the re-check before sleeping) */
-static int work_pending(shm_chan *c) {
+/* Is there anything a poll could act on right now? (the re-check before sleeping)
+ * `shut_seen`: this poll already saw the shutdown, which wakes no one again. */
+static int work_pending(shm_chan *c, int shut_seen) {
     shm_header *h = c->hdr;
     /* seq_cst loads after the seq_cst store of rx_sleeping: pair with the fences in
      * wake_receiver (ring.c) and shm_release. */
     if (LOAD_SEQCST(&h->release_stack) != NIL) return 1;
-    if (LOAD_SEQCST(&h->shutdown)) return 1;
+    if (!shut_seen && LOAD_SEQCST(&h->shutdown)) return 1;
     if (h->ready_count != 0) return 1;
     return window_has_work(c); /* records to look at, parked ones to wake */
+}
+
+/* Can a handed-out message still come back to the receiver? Any handle out in another
+ * process can: its holder may die, or nack it (a handle in this process comes back only
+ * if this process gives it back, and iterating keeps the last one alive meanwhile).
+ * O(max_messages), and only asked once the channel is shut down and drained. */
+static int others_inflight(shm_chan *c) {
+    if (c->hdr->inflight == 0) return 0;
+    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+        shm_slot *sl = &c->slots[s];
+        uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&sl->state)); /* pairs with holders' CAS */
+        if (st == SLOT_RELEASED || st == SLOT_NACKED) return 1; /* on its way back */
+        /* acquire: pairs with shm_handle_adopt's CAS (a hand-over to another process) */
+        if (st == SLOT_INFLIGHT && LOAD_ACQUIRE(&sl->holder) != c->token) return 1;
+    }
+    return 0;
 }
 
 /* Rounds a receive makes past what had arrived when it began, before it returns
@@ -251,7 +268,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     pthread_mutex_lock(&c->rx_mu);
     rx_begin(c);
     if (LOAD_RELAXED(&h->rx_sleeping)) STORE_RELAXED(&h->rx_sleeping, 0);
-    int rc = SHM_OK, stalled = 0, moved = 0;
+    int rc = SHM_OK, stalled = 0, moved = 0, shut_seen = 0;
     uint64_t now = 0; /* hand-out time, read once per call (coarse: a few ms) */
     /* Everything that arrived before this call is looked at in it: the receiver never
      * returns "empty" (and sleeps) while such records wait, and its caller's timeout
@@ -287,16 +304,21 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
             break;
         }
         /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see send_one. */
+        /* Closed once nothing is queued and no handle can come back (others_inflight):
+         * until then the receiver waits, and a dead holder's message is redelivered. */
         if (LOAD_SEQCST(&h->shutdown) && h->queued_in_window == 0 && h->ingest_pos == h->scan_pos &&
             LOAD_SEQCST(&rec_at(c, h->scan_pos)->owner) == OWNER_EMPTY(h->scan_pos)) {
-            rc = SHM_CLOSED;
-            break;
+            shut_seen = 1;
+            if (!others_inflight(c)) {
+                rc = SHM_CLOSED;
+                break;
+            }
         }
         rc = SHM_EMPTY;
         if (!arm_sleep) break;
         /* seq_cst: the eventcount's "prepare to wait"; pairs with wakers' fences. */
         STORE_SEQCST(&h->rx_sleeping, 1);
-        if (!work_pending(c)) break; /* asleep: the next commit or release posts us */
+        if (!work_pending(c, shut_seen)) break; /* asleep: a commit or release posts us */
         STORE_RELAXED(&h->rx_sleeping, 0);
         if (++extra > RECV_EXTRA_ROUNDS) { /* work came in meanwhile: look at it first */
             rc = SHM_AGAIN;

@@ -1235,6 +1235,8 @@ class Receiver(_hot.ReceiverBase):
         raise_for(rc, "release_many")
 
     def __iter__(self) -> Iterator[Handle]:
+        """Handles, blocking, until the channel is shut down, drained, and no handle out
+        in another process can come back (recv raises Closed then; csrc/handles.c)."""
         while True:
             try:
                 yield self.recv()

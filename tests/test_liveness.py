@@ -31,6 +31,12 @@ def send_backlog_then_free(name: str, n: int, ready, done) -> None:
     done.set()
 
 
+def hold_forever(handle, results) -> None:
+    """A worker that takes a handle over and never releases it."""
+    results.put((handle.seq, handle.payload))
+    time.sleep(WAIT * 4)
+
+
 # --- helpers ------------------------------------------------------------------------------
 
 
@@ -173,3 +179,71 @@ def test_many_distinct_keys_parked_behind_a_hot_key_do_not_break_the_receiver(ma
         with rx.recv(timeout=WAIT) as h:
             got.append(h.seq)
     assert got == sent
+
+
+# --- item 6: `for h in rx` does not end while a handle can still come back ---------------------
+
+
+def give_to_worker(ch, rx):
+    """Receive one message and hand its handle to a spawned worker that holds it."""
+    with ch.sender() as tx:
+        seq = tx.send(b"job", keys="k")
+    h = rx.recv(timeout=WAIT)
+    results = CTX.Queue()
+    worker = CTX.Process(target=hold_forever, args=(h, results))
+    return seq, h, results, worker
+
+
+@pytest.mark.timeout(120)
+def test_iteration_after_shutdown_gets_the_redelivery_of_a_dead_workers_handle(ch, rx, bounded):
+    """Shut down while a worker holds a handle: the loop does not end; the worker is
+    killed; the loop gets the message again (attempt 2), then ends."""
+    seq, h, results, worker = give_to_worker(ch, rx)
+    with running(worker):
+        assert results.get(timeout=WAIT) == (seq, b"job")  # the worker holds it now
+        del h
+        ch.shutdown()
+        got = []
+
+        def loop() -> list:
+            for h2 in rx:
+                with h2:
+                    got.append((h2.seq, h2.attempt, h2.payload))
+            return got
+
+        killer = threading.Timer(0.5, worker.kill)
+        killer.start()
+        try:
+            assert bounded(loop, limit=WAIT) == [(seq, 2, b"job")]
+        finally:
+            killer.cancel()
+    st = ch.stats()
+    assert (st.queued, st.inflight, st.redelivered) == (0, 0, 1)
+
+
+@pytest.mark.timeout(120)
+def test_recv_after_shutdown_raises_closed_only_once_no_handle_can_come_back(ch, rx):
+    seq, h, results, worker = give_to_worker(ch, rx)
+    with running(worker):
+        assert results.get(timeout=WAIT) == (seq, b"job")
+        del h
+        ch.shutdown()
+        with pytest.raises(shmchan.Empty):  # not Closed: the worker may still give it back
+            rx.recv(timeout=0.5)
+        worker.kill()
+        again = rx.recv(timeout=WAIT)
+        assert (again.seq, again.attempt) == (seq, 2)
+        again.release()
+        with pytest.raises(shmchan.Closed):
+            rx.recv(timeout=WAIT)
+
+
+@pytest.mark.timeout(60)
+def test_iteration_after_shutdown_ends_while_this_process_holds_the_last_handle(ch, tx, rx):
+    """Handles this process still holds (list() keeps them all) do not keep the loop from
+    ending: only this process could give them back."""
+    for i in range(3):
+        tx.send(i, keys=f"k{i}")
+    ch.shutdown()
+    kept = list(rx)
+    assert sorted(h.payload for h in kept) == [0, 1, 2]
