@@ -242,10 +242,13 @@ static int work_pending(shm_chan *c, int shut_seen) {
 /* Can a handed-out message still come back to the receiver? Any handle out in another
  * process can: its holder may die, or nack it (a handle in this process comes back only
  * if this process gives it back, and iterating keeps the last one alive meanwhile).
- * O(max_messages), and only asked once the channel is shut down and drained. */
+ * O(handles out), and only asked once the channel is shut down and drained. */
 static int others_inflight(shm_chan *c) {
     if (c->hdr->inflight == 0) return 0;
-    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+    uint32_t s = NIL;
+    for (uint32_t guard = 0; guard < c->cfg.max_messages; guard++) {
+        if (handed_out_next(c, s, &s) != SHM_OK) return 1; /* corrupt: keep waiting */
+        if (s == NIL) break;
         shm_slot *sl = &c->slots[s];
         uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&sl->state)); /* pairs with holders' CAS */
         if (st == SLOT_RELEASED || st == SLOT_NACKED) return 1; /* on its way back */

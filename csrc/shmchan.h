@@ -39,7 +39,7 @@
 #define SHM_CFG_RAW_ONLY    1   /* serializer="raw": refuse pickled payloads */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  4
+#define SHM_LAYOUT_VERSION  5
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
