@@ -1753,7 +1753,7 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         const char *f = lv.format ? lv.format : "B";
         if (*f == '@' || *f == '=' || *f == '<') f++;
         if (lv.itemsize != 8 || (strcmp(f, "Q") != 0 && strcmp(f, "L") != 0)) {
-            PyErr_SetString(PyExc_TypeError,
+            PyErr_SetString(EXC_TYPE,
                             "send_batch: lengths must be ints or a buffer of uint64 ('Q')");
             goto out;
         }
@@ -1769,7 +1769,7 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
             unsigned long long v = PyLong_Check(o) ? PyLong_AsUnsignedLongLong(o) : (unsigned long long)-1;
             if (v == (unsigned long long)-1 && (PyErr_Occurred() || !PyLong_Check(o))) {
                 PyErr_Clear();
-                PyErr_Format(PyExc_ValueError, "send_batch: lengths[%zd] is not a length", i);
+                PyErr_Format(EXC_INVALID, "send_batch: lengths[%zd] is not a length", i);
                 Py_DECREF(ls);
                 goto out;
             }
@@ -1782,20 +1782,20 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         Py_DECREF(ls);
     }
     if ((size_t)p.n > UINT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "send_batch: too many messages in one batch");
+        PyErr_SetString(EXC_INVALID, "send_batch: too many messages in one batch");
         goto out;
     }
     uint64_t total = 0;
     const uint64_t *lens = (const uint64_t *)p.lens.p;
     for (Py_ssize_t i = 0; i < p.n; i++) {
         if (lens[i] > (uint64_t)data.len - total) {
-            PyErr_SetString(PyExc_ValueError, "send_batch: the lengths add up to more than data");
+            PyErr_SetString(EXC_INVALID, "send_batch: the lengths add up to more than data");
             goto out;
         }
         total += lens[i];
     }
     if (total != (uint64_t)data.len) {
-        PyErr_SetString(PyExc_ValueError, "send_batch: the lengths add up to less than data");
+        PyErr_SetString(EXC_INVALID, "send_batch: the lengths add up to less than data");
         goto out;
     }
     uint32_t raw = SHM_PAYLOAD_RAW, none = 0;
@@ -1803,7 +1803,7 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         keyseq = PySequence_Fast(a[2], "send_batch: keys must be None or a sequence");
         if (keyseq == NULL) goto out;
         if (PySequence_Fast_GET_SIZE(keyseq) != p.n) {
-            PyErr_Format(PyExc_ValueError, "send_batch: %zd lengths but %zd keys", p.n,
+            PyErr_Format(EXC_INVALID, "send_batch: %zd lengths but %zd keys", p.n,
                          PySequence_Fast_GET_SIZE(keyseq));
             goto out;
         }
