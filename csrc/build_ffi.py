@@ -18,6 +18,7 @@ SOURCES = [
     "compact.c",
     "segment.c",
     "hash.c",
+    "crc32c.c",
     "inspect.c",
 ]
 

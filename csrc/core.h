@@ -229,7 +229,8 @@ typedef struct {
  *   28  nkeys   u32                          } between WRITING and COMMITTED
  *   32  data_len u64
  *   40  keys_len u32, slot u32  (slot: written by the consumer when it takes the record in)
- *   48  hashes  u64[nkeys]
+ *   48  crc     u32, pad u32   durable channels: CRC-32C of the record (rec_checksum), else 0
+ *   56  hashes  u64[nkeys]
  *       links   u64[nkeys]  consumer-written: while the record is parked (window.c),
  *               links[i] is the position of the next parked record in the chain of the
  *               key hashes[i] (for the first i of each distinct hash only)
@@ -245,7 +246,7 @@ enum {
     REC_CANCELLED = 5, /* claimed by a send that then saw shutdown          */
 };
 #define REC_HDR 24u   /* owner + meta + seq: the part a successor pre-writes */
-#define REC_BODY 48u  /* fixed part of a committed record                   */
+#define REC_BODY 56u  /* fixed part of a committed record                   */
 #define META(len, st) (((uint64_t)(len) << 8) | (uint64_t)(st))
 #define META_LEN(m) ((m) >> 8)
 #define META_STATE(m) ((uint32_t)((m)&0xffu))
@@ -263,6 +264,8 @@ typedef struct {
     uint64_t data_len;
     uint32_t keys_len;
     uint32_t slot; /* the message table slot holding this message (consumer-written) */
+    uint32_t crc;  /* durable channels: rec_checksum() at commit (crc32c.c); else 0 */
+    uint32_t pad;
     uint64_t hashes[];
 } shm_record;
 
@@ -302,6 +305,9 @@ struct shm_chan {
     uint64_t compact_watch_end; /* ... or for the record here to finish              */
     uint64_t compact_fail_ns;   /* ... or for RECHECK_NS after this failure            */
     int compact_watch_hit;
+    uint64_t verify_below; /* durable: records before this ring position were there when
+                            * this receiver took its seat (recovered): their checksums are
+                            * checked when taken in and when handed out (crc32c.c) */
     pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
 };
 
@@ -367,6 +373,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out);
 int sched_release(shm_chan *c, uint32_t s);
 int sched_requeue(shm_chan *c, uint32_t s);
 uint32_t sched_pop_ready(shm_chan *c);
+int sched_unpop(shm_chan *c, uint32_t s);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
 void sched_init(shm_chan *c);
@@ -398,5 +405,10 @@ int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
 int recovery_rebuild(shm_chan *c);
 /* hash.c */
 uint64_t hash_bytes(const uint8_t *p, uint64_t n);
+/* crc32c.c */
+uint32_t crc32c(uint32_t crc, const void *data, uint64_t n);
+/* ring.c: a durable record's checksum, and whether it matches (1) */
+uint32_t rec_checksum(const shm_record *r, uint64_t len);
+int rec_checksum_ok(shm_chan *c, const shm_record *r, uint64_t len);
 
 #endif

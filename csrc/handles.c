@@ -60,6 +60,9 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
      * release in shm_rx_release_ownership. */
     if (!CAS_SEQCST(&c->hdr->receiver, &expect, c->token)) return SHM_BUSY;
     c->is_rx = 1;
+    /* Every record in the ring now was written before we took the seat: on a durable
+     * channel, check their checksums as we meet them (crc32c.c). The head only grows. */
+    c->verify_below = (c->cfg.flags & SHM_CFG_DURABLE) ? LOAD_ACQUIRE(&c->hdr->head) + c->cap : 0;
     /* Work-avoidance state of an earlier turn as receiver means nothing now (core.h). */
     c->done_count = c->compact_retry_at = c->compact_watch_end = c->compact_fail_ns = 0;
     c->compact_watch_hit = 0;
@@ -205,10 +208,21 @@ void handles_push(shm_chan *c, uint32_t s) {
 }
 
 /* ---- the receiver's poll ------------------------------------------------------------------ */
-static void hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
+/* Hand out slot s (just popped from the ready heap), described in *m. A record that no
+ * longer validates -- or, recovered from a durable channel's file, fails its checksum --
+ * is not handed out: it goes back on the heap and every poll reports SHM_E_CORRUPT. */
+static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
     uint32_t gen = SLOT_GEN(sl->state);
+    int rc = msg_fill(c, s, gen, m);
+    if (rc == SHM_OK && sl->pos < c->verify_below &&
+        !rec_checksum_ok(c, rec_at(c, sl->pos), META_LEN(rec_at(c, sl->pos)->meta)))
+        rc = SHM_E_CORRUPT;
+    if (rc != SHM_OK) {
+        sched_unpop(c, s);
+        return rc;
+    }
     sl->attempt++;
     sl->holder = c->token;
     sl->handed_ns = now;
@@ -223,8 +237,9 @@ static void hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     h->delivered++;
     if (sl->attempt > 1) h->redelivered++;
     out_link(c, s);
-
-    msg_fill(c, s, gen, m); /* validated when taken in */
+    m->attempt = sl->attempt;
+    m->word = SLOT_WORD(gen, SLOT_INFLIGHT); /* nobody holds it yet: nobody changed it */
+    return SHM_OK;
 }
 
 /* Is there anything a poll could act on right now? (the re-check before sleeping)
@@ -291,7 +306,9 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
                 break;
             }
             if (!now) now = coarse_ns();
-            hand_out(c, s, &out[(*got)++], now);
+            rc = hand_out(c, s, &out[*got], now);
+            if (rc) break;
+            (*got)++;
         }
         if (rc) break;
         moved |= ring_advance_head(c);

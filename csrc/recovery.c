@@ -148,6 +148,8 @@ int shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint3
         uint64_t w = LOAD_ACQUIRE(&c->slots[s].state); /* pairs with handles_finish */
         if (SLOT_STATE(w) != SLOT_DEAD) continue;
         if (msg_fill(c, s, SLOT_GEN(w), &out[count]) != SHM_OK) continue;
+        shm_record *r = rec_at(c, out[count].pos);
+        if (!rec_checksum_ok(c, r, META_LEN(LOAD_ACQUIRE(&r->meta)))) continue; /* torn */
         if (LOAD_ACQUIRE(&c->slots[s].state) != w) continue; /* moved on while we read */
         count++;
     }

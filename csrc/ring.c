@@ -192,9 +192,29 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
     memcpy(p, keys, keys_len);
     p += align8(keys_len);
     if (len) memcpy(p, data, len);
+    r->pad = 0;
+    r->crc = (c->cfg.flags & SHM_CFG_DURABLE) ? rec_checksum(r, n) : 0;
     /* release: pairs with the consumer's acquire load in ring_peek: a COMMITTED record's
      * body is complete when seen. */
     STORE_RELEASE(&r->meta, META(n, REC_COMMITTED));
+}
+
+/* A durable record's checksum (crc32c.c): its length, and everything the producer wrote
+ * after the header words except what the consumer writes (`slot`, the parking `links`) --
+ * seq, kind, counts, hashes, key blob, payload and padding. Position-free, so a record
+ * moved by compact.c keeps it. The caller has checked len against the record's counts. */
+uint32_t rec_checksum(const shm_record *r, uint64_t len) {
+    uint64_t hashes = 8u * (uint64_t)r->nkeys, skip = REC_BODY + 2u * hashes;
+    uint32_t crc = crc32c(0, &len, sizeof len);
+    crc = crc32c(crc, &r->seq, offsetof(shm_record, slot) - offsetof(shm_record, seq));
+    crc = crc32c(crc, r->hashes, hashes);
+    return len < skip ? crc : crc32c(crc, (const uint8_t *)r + skip, len - skip);
+}
+
+/* 1 if r (of validated length len) is intact: always, unless the channel is durable. */
+int rec_checksum_ok(shm_chan *c, const shm_record *r, uint64_t len) {
+    if (!(c->cfg.flags & SHM_CFG_DURABLE)) return 1;
+    return len >= REC_BODY && r->crc == rec_checksum(r, len);
 }
 
 /* Compute the hashes of an encoded key blob: a sequence of (u16 little-endian length,
@@ -379,7 +399,10 @@ int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_st
     *rec = r;
     if (st == REC_DISCARDED || st == REC_CANCELLED) return SHM_CLOSED;
     if (st != REC_COMMITTED) return SHM_E_CORRUPT;
-    return ring_validate_body(c, r, l);
+    int rc = ring_validate_body(c, r, l);
+    /* A record recovered from a durable channel's file may be torn (crc32c.c). */
+    if (rc == SHM_OK && pos < c->verify_below && !rec_checksum_ok(c, r, l)) rc = SHM_E_CORRUPT;
+    return rc;
 }
 
 /* A committed record's body must describe exactly the bytes its length covers. */

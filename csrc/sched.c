@@ -150,6 +150,9 @@ static int ready_push(shm_chan *c, uint32_t s) {
     return SHM_OK;
 }
 
+/* Put back a slot just popped (hand_out could not hand it out). */
+int sched_unpop(shm_chan *c, uint32_t s) { return ready_push(c, s); }
+
 uint32_t sched_pop_ready(shm_chan *c) {
     shm_header *h = c->hdr;
     uint32_t n = h->ready_count;

@@ -42,7 +42,7 @@ static int config_ok(const shm_config *cfg) {
     if (cfg->max_keys > SHM_MAX_KEYS_LIMIT) return 0;
     if (cfg->max_messages < 16 || cfg->max_messages > (1u << 24)) return 0;
     if (cfg->order > SHM_ORDER_EAGER) return 0;
-    if (cfg->flags & ~(uint32_t)SHM_CFG_RAW_ONLY) return 0;
+    if (cfg->flags & ~(uint32_t)(SHM_CFG_RAW_ONLY | SHM_CFG_DURABLE)) return 0;
     if (cfg->max_producers < 1 || cfg->max_producers > 65536) return 0;
     return 1;
 }

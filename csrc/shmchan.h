@@ -37,9 +37,10 @@
 #define SHM_PAYLOAD_PICKLE  1   /* pickle protocol 5                       */
 
 #define SHM_CFG_RAW_ONLY    1   /* serializer="raw": refuse pickled payloads */
+#define SHM_CFG_DURABLE     2   /* file-backed: records carry a CRC-32C (crc32c.c) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  5
+#define SHM_LAYOUT_VERSION  6
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
@@ -121,6 +122,9 @@ int  shm_read_identity(int fd, uint64_t *chan_id);
 int  shm_mark_removed(shm_chan *c);
 int  shm_mark_removed_fd(int fd, uint64_t expect_id);
 int  shm_removed(shm_chan *c);
+
+/* --- checksums (crc32c.c) ------------------------------------------------ */
+int  shm_crc32c(const char *data, uint64_t n, int hw, uint32_t *out);
 
 /* --- keys --------------------------------------------------------------- */
 uint64_t shm_hash_key(const uint8_t *enc, uint32_t len);

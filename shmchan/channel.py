@@ -438,6 +438,8 @@ class Channel:
                 f"serializer must be 'pickle' or 'raw', not {serializer!r}"
             )
         cfg.flags = lib.SHM_CFG_RAW_ONLY if serializer == "raw" else 0
+        if path is not None:  # records carry a checksum, checked when recovered
+            cfg.flags |= lib.SHM_CFG_DURABLE
         cfg.max_producers = _positive_int("max_producers", max_producers)
         total = ffi.new("uint64_t *")
         rc = lib.shm_layout_size(cfg, total)
@@ -1175,7 +1177,8 @@ class Receiver(_hot.ReceiverBase):
                     _resolve_stall(seg, s.stall, consumer=True)
                     self._stall = (*key, now)
             elif rc != lib.SHM_EMPTY:
-                raise_for(rc, "recv")
+                torn = " (a record failed its checksum or validation: torn by a power loss?)"
+                raise_for(rc, "recv", torn if rc == lib.SHM_E_CORRUPT and seg.path else "")
             else:
                 self._stall = None
             if not block:
