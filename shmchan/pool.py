@@ -48,6 +48,8 @@ import re
 import signal
 import threading
 import time
+import traceback
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Executor, Future, InvalidStateError
@@ -522,11 +524,11 @@ class _Task:
         keys: tuple[Any, ...],
         future: Future[Any] | None,
         batch: _MapBatch | None = None,
-        index: int = 0,
+        index: int | list[int] = 0,
     ) -> None:
         self.future = future
         self.batch = batch
-        self.index = index
+        self.index = index  # the batch slot, or for a map chunk the slots of its items
         self.fn = fn
         self.keys = keys
         self.started = False  # handed to a worker at least once
@@ -547,7 +549,7 @@ class _Task:
             self.future.cancel()
         elif not self.started and self.batch is not None:
             self.cancelled = True
-            self.batch.resolve(self.index, _Raised(CancelledError()))
+            self._resolve_all(_Raised(CancelledError()))
 
     def is_cancelled(self) -> bool:
         if self.future is not None:
@@ -557,14 +559,26 @@ class _Task:
     def set_result(self, value: Any) -> None:
         if self.future is not None:
             self.future.set_result(value)
-        elif self.batch is not None:
+        elif self.batch is None:
+            pass
+        elif isinstance(self.index, list):  # a chunk: _run_chunk's (ok, value, tb) per item
+            for index, (ok, item, tb) in zip(self.index, value, strict=True):
+                if not ok and tb:
+                    item.__cause__ = RemoteTraceback(tb)
+                self.batch.resolve(index, item if ok else _Raised(item))
+        else:
             self.batch.resolve(self.index, value)
 
     def set_exception(self, exc: BaseException) -> None:
         if self.future is not None:
             self.future.set_exception(exc)
-        elif self.batch is not None:
-            self.batch.resolve(self.index, _Raised(exc))
+        else:
+            self._resolve_all(_Raised(exc))
+
+    def _resolve_all(self, value: _Raised) -> None:
+        if self.batch is not None:
+            for index in self.index if isinstance(self.index, list) else [self.index]:
+                self.batch.resolve(index, value)
 
 
 class _Core:
@@ -592,6 +606,7 @@ class _Core:
         self.done = self.retried = self.failed = self.cancelled = 0
         self.sleeping = False  # the manager waits on the result channel (see wake())
         self.spare: list[tuple[Handle, int]] = []  # taken, but no worker had room yet
+        self.functions: dict[object, bytes] = {}  # see pickled()
         _reap_dead_executors()
         stem = f"kx-{liveness.current_token():x}-{next(_names)}"
         self.task_ch = Channel.create(f"{stem}-tasks", capacity, max_keys=64, max_messages=16384)
@@ -628,9 +643,49 @@ class _Core:
         if self.shutdown_requested:
             raise RuntimeError("cannot schedule new futures after shutdown")
 
-    def submit_many(self, calls: list[_Call], batch: _MapBatch | None = None) -> list[_Task]:
+    def pickled(self, fn: object) -> bytes:
+        """pickle(fn); remembered for plain functions, which pickle by reference (so
+        their pickle never changes), not for objects, which pickle their state."""
+        blob = self.functions.get(fn)
+        if blob is None:
+            blob = _dumps(fn, "the function", fn)
+            if type(fn) in (types.FunctionType, types.BuiltinFunctionType):
+                if len(self.functions) >= 256:
+                    self.functions.clear()
+                self.functions[fn] = blob
+        return blob
+
+    def submit(
+        self, fn: object, args: tuple[Any, ...], kwargs: dict[str, Any], keys: object
+    ) -> Future[Any]:
+        """One call: the lean path of KeyedExecutor.submit."""
+        blob = self.pickled(fn)
+        body = _dumps((args, kwargs), "the arguments", fn)
+        keys = _as_keys(keys)
+        future: Future[Any] = Future()
+        with self.lock:
+            self.check_open()
+            tid = self.next_tid
+            self.next_tid = tid + 1
+            self.tasks[tid] = _Task(fn, keys, future)
+        try:
+            self.tx.send(TASK_HEADER.pack(tid, len(blob)) + blob + body, keys=keys)
+        except BaseException:
+            del self.tasks[tid]
+            raise
+        if self.sleeping:
+            self.wake()
+        return future
+
+    def submit_many(
+        self,
+        calls: list[_Call],
+        batch: _MapBatch | None = None,
+        owners: list[list[int]] | None = None,
+    ) -> list[_Task]:
         """Submit (fn, args, kwargs, keys) calls, one send_many per _BATCH of them:
-        futures for them, or slots of `batch` (in order)."""
+        futures for them, or slots of `batch` (call i fills slot i, or the slots
+        owners[i] for a chunk)."""
         out: list[_Task] = []
         blobs: dict[int, bytes] = {}  # id(fn) -> pickle(fn): each function pickled once
         for start in range(0, len(calls), _BATCH):
@@ -640,10 +695,11 @@ class _Core:
             for i, (fn, args, kwargs, keys) in enumerate(part, start):
                 blob = blobs.get(id(fn))
                 if blob is None:
-                    blob = blobs[id(fn)] = _dumps(fn, "the function", fn)
+                    blob = blobs[id(fn)] = self.pickled(fn)
                 body = _dumps((args, kwargs), "the arguments", fn)
                 keys = _as_keys(keys)
-                task = _Task(fn, keys, None if batch is not None else Future(), batch, i)
+                where = owners[i] if owners is not None else i
+                task = _Task(fn, keys, None if batch is not None else Future(), batch, where)
                 tasks.append(task)
                 items.append((blob, body, keys))
             with self.lock:
@@ -939,8 +995,51 @@ def _at_exit() -> None:
 getattr(threading, "_register_atexit")(_at_exit)  # noqa: B009 - private, as concurrent.futures
 
 
-def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[Any]:
-    return [fn(*args) for args in chunk]
+def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[tuple[bool, Any, str]]:
+    """A map chunk, in a worker: (True, result, "") or (False, exception, traceback text)
+    per item, so that each item's outcome reaches its own place in the results."""
+    out: list[tuple[bool, Any, str]] = []
+    for args in chunk:
+        try:
+            out.append((True, fn(*args), ""))
+        except Exception as e:
+            out.append((False, e, traceback.format_exc()))
+    return out
+
+
+def _chunks(key_lists: list[tuple[Any, ...]], size: int) -> list[list[int]]:
+    """Group item indices into chunks of at most `size` items with the same keys, listed
+    in an order that keeps every key's items in input order.
+
+    A chunk stays open while items with its keys arrive; an item whose keys meet an open
+    chunk of other keys closes that chunk first (so open chunks never share a key, and a
+    chunk is listed before any later item on its keys)."""
+    out: list[list[int]] = []
+    open_: dict[frozenset[Any], list[int]] = {}
+    holder: dict[Any, frozenset[Any]] = {}  # key -> the open chunk that has it
+
+    def close(keys: frozenset[Any]) -> None:
+        out.append(open_.pop(keys))
+        for k in keys:
+            del holder[k]
+
+    for i, keys in enumerate(key_lists):
+        mine = frozenset(keys)
+        for k in mine:
+            other = holder.get(k)
+            if other is not None and other != mine:
+                close(other)
+        chunk = open_.get(mine)
+        if chunk is None:
+            chunk = open_[mine] = []
+            for k in mine:
+                holder[k] = mine
+        chunk.append(i)
+        if len(chunk) >= size:
+            close(mine)
+    for leftover in list(open_):
+        close(leftover)
+    return out
 
 
 class KeyedExecutor(Executor):
@@ -1000,10 +1099,7 @@ class KeyedExecutor(Executor):
         is unfinished; a Future of its result."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-        self._core.check_open()
-        future = self._core.submit_many([(fn, args, kwargs, keys)])[0].future
-        assert future is not None
-        return future
+        return self._core.submit(fn, args, kwargs, keys)
 
     def map(
         self,
@@ -1034,26 +1130,25 @@ class KeyedExecutor(Executor):
             key_lists = [_as_keys(keys(args[0])) for args in items]
         else:
             key_lists = [_as_keys(keys(args)) for args in items]
+        owners: list[list[int]] | None = None
         if chunksize == 1:
             calls: list[_Call] = [
                 (fn, args, {}, k) for args, k in zip(items, key_lists, strict=True)
             ]
         else:
-            calls = []
-            for i in range(0, len(items), chunksize):
-                union = tuple(dict.fromkeys(k for ks in key_lists[i : i + chunksize] for k in ks))
-                calls.append((_run_chunk, (fn, items[i : i + chunksize]), {}, union))
-        batch = _MapBatch(len(calls))
-        tasks = self._core.submit_many(calls, batch)
-        return self._results(batch, tasks, end, chunksize > 1, len(items) if progress else None)
+            # Items with the same keys share a chunk, so that chunks of different keys
+            # still run in parallel (a chunk holds all its items' keys while it runs).
+            owners = _chunks(key_lists, chunksize)
+            calls = [
+                (_run_chunk, (fn, [items[i] for i in idxs]), {}, key_lists[idxs[0]])
+                for idxs in owners
+            ]
+        batch = _MapBatch(len(items))
+        tasks = self._core.submit_many(calls, batch, owners)
+        return self._results(batch, tasks, end, len(items) if progress else None)
 
     def _results(
-        self,
-        batch: _MapBatch,
-        tasks: list[_Task],
-        end: float | None,
-        chunked: bool,
-        total: int | None,
+        self, batch: _MapBatch, tasks: list[_Task], end: float | None, total: int | None
     ) -> Iterator[Any]:
         bar = None
         if total is not None:
@@ -1061,19 +1156,13 @@ class KeyedExecutor(Executor):
 
             bar = tqdm(total=total, unit="task")
         try:
-            for index in range(len(tasks)):
+            for index in range(len(batch.results)):
                 value = batch.get(index, end)
                 if bar is not None:
                     bar.set_postfix(retries=self._core.retried, refresh=False)
-                if chunked:
-                    for v in value:
-                        yield v
-                        if bar is not None:
-                            bar.update(1)
-                else:
-                    yield value
-                    if bar is not None:
-                        bar.update(1)
+                yield value
+                if bar is not None:
+                    bar.update(1)
         finally:
             batch.closed = True  # what has not started will not run
             for task in tasks:

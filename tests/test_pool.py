@@ -529,3 +529,98 @@ def test_pool_close_finishes_what_it_holds(make_channel: Callable[..., shmchan.C
     pool.join(WAIT)
     assert pool.stats().handled == 1
     assert ch.stats().inflight == 0
+
+
+_STATE: dict[str, Any] = {}
+
+
+def remember(value: str) -> None:
+    _STATE["value"] = value
+
+
+def recall() -> Any:
+    return _STATE.get("value")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_initializer_runs_in_every_worker(method: str) -> None:
+    with shmchan.KeyedExecutor(2, mp_context=method, initializer=remember, initargs=("hi",)) as ex:
+        assert [ex.submit(recall).result(timeout=WAIT) for _ in range(4)] == ["hi"] * 4
+
+
+def test_closing_a_map_cancels_what_has_not_started(tmp_path: Path) -> None:
+    log = str(tmp_path / "log")
+    with shmchan.KeyedExecutor(1) as ex:
+        results = ex.map(append_line, [log] * 50, [str(i) for i in range(50)], keys=lambda t: "k")
+        next(results)
+        results.close()
+        ex.submit(square, 1, keys="k").result(timeout=WAIT)  # behind every item on "k"
+    assert len(Path(log).read_text().split()) < 50
+
+
+def test_pool_logs_the_handlers_exception(
+    make_channel: Callable[..., shmchan.Channel], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    ch = make_channel(max_attempts=5)
+    _send_keyed(ch, keys=1, per_key=1)
+    # spawn: a fresh interpreter whose logging is not pytest's (a forked worker would
+    # log through the parent's handlers, which is right for an application)
+    handler = _Handler(fail_once_then_log, str(tmp_path))
+    with shmchan.KeyedPool(ch.name, handler, processes=1, mp_context="spawn") as pool:
+        ch.shutdown()
+        assert pool.join(WAIT)
+    err = capfd.readouterr().err
+    assert "ValueError: first attempt of ('k0', 0)" in err and "Traceback" in err
+
+
+def test_chunks_keep_every_keys_items_in_input_order() -> None:
+    from shmchan.pool import _chunks
+
+    rng = random.Random(5)
+    for _ in range(200):
+        key_lists = [
+            tuple(rng.sample(range(6), rng.randint(0, 2))) for _ in range(rng.randint(1, 60))
+        ]
+        chunks = _chunks(key_lists, rng.randint(1, 7))
+        assert sorted(i for c in chunks for i in c) == list(range(len(key_lists)))
+        for chunk in chunks:
+            assert len({frozenset(key_lists[i]) for i in chunk}) == 1
+            assert chunk == sorted(chunk)
+        for key in range(6):
+            seen = [i for c in chunks for i in c if key in key_lists[i]]
+            assert seen == sorted(seen)
+
+
+def test_map_in_chunks_equals_a_serial_replay(tmp_path: Path) -> None:
+    accounts, n = 5, 200
+    directory = _bank(tmp_path, accounts)
+    transfers = _transfers(n, accounts, seed=11)
+    columns = [list(c) for c in zip(*transfers, strict=True)]
+    with shmchan.KeyedExecutor(3) as ex:
+        decisions = list(
+            ex.map(
+                transfer,
+                [directory] * n,
+                *columns,
+                keys=lambda t: (f"acct:{t[2]}", f"acct:{t[3]}"),
+                chunksize=4,
+            )
+        )
+    expected_decisions, expected_balances = _serial(transfers, accounts)
+    assert decisions == expected_decisions
+    assert [_load(directory, a)["balance"] for a in range(accounts)] == expected_balances
+
+
+def fail_on_seven(x: int) -> int:
+    if x == 7:
+        raise ValueError("seven")
+    return x
+
+
+def test_map_in_chunks_raises_an_items_exception_in_its_place() -> None:
+    with shmchan.KeyedExecutor(2) as ex:
+        results = ex.map(fail_on_seven, range(20), keys=lambda x: x % 3, chunksize=5)
+        assert [next(results) for _ in range(7)] == list(range(7))
+        with pytest.raises(ValueError, match="seven") as info:
+            next(results)
+        assert isinstance(info.value.__cause__, shmchan.RemoteTraceback)
