@@ -624,3 +624,37 @@ def test_map_in_chunks_raises_an_items_exception_in_its_place() -> None:
         with pytest.raises(ValueError, match="seven") as info:
             next(results)
         assert isinstance(info.value.__cause__, shmchan.RemoteTraceback)
+
+
+def _executor_then_hang(ready: Any) -> None:
+    ex = shmchan.KeyedExecutor(2)
+    ex.submit(square, 2).result(timeout=WAIT)
+    ready.put([w.pid for w in ex.stats().workers])
+    time.sleep(WAIT)
+
+
+def test_a_killed_executors_workers_exit_and_its_channels_are_reaped() -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    owner = ctx.Process(target=_executor_then_hang, args=(ready,))
+    owner.start()
+    try:
+        pids = ready.get(timeout=WAIT)
+        token = liveness.token_of(owner.pid)
+        prefix = f"kx-{token:x}-"
+        assert [n for n in shmchan.list_channels() if n.startswith(prefix)]
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join(WAIT)
+        deadline = time.monotonic() + WAIT
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+            assert time.monotonic() < deadline, "the dead executor's workers did not exit"
+            time.sleep(0.1)
+        with shmchan.KeyedExecutor(1) as ex:  # starting one removes the dead one's channels
+            assert not [n for n in shmchan.list_channels() if n.startswith(prefix)]
+            assert ex.submit(square, 3).result(timeout=WAIT) == 9
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        owner.join(WAIT)
