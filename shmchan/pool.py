@@ -670,8 +670,9 @@ class _Core:
             self.tasks[tid] = _Task(fn, keys, future)
         try:
             self.tx.send(TASK_HEADER.pack(tid, len(blob)) + blob + body, keys=keys)
-        except BaseException:
+        except BaseException as e:
             del self.tasks[tid]
+            self.explain(e)
             raise
         if self.sleeping:
             self.wake()
@@ -717,15 +718,24 @@ class _Core:
                     self.tx.send(messages[0][0], keys=messages[0][1])
                 else:
                     self.tx.send_many(messages)
-            except BaseException:
+            except BaseException as e:
                 for tid in range(first, first + len(tasks)):
                     self.tasks.pop(tid, None)
                 for task in out:
                     task.cancel()
+                self.explain(e)
                 raise
             self.wake()
             out += tasks
         return out
+
+    def explain(self, e: BaseException) -> None:
+        """A task too large for the task channel: say how to make room."""
+        if isinstance(e, errors.MessageTooLarge):
+            raise errors.MessageTooLarge(
+                f"{e}; a KeyedExecutor's channels hold {self.task_ch.capacity} bytes "
+                "each: pass capacity= for larger tasks and results"
+            ) from None
 
     def request_shutdown(self, cancel_futures: bool) -> None:
         with self.lock:

@@ -658,3 +658,10 @@ def test_a_killed_executors_workers_exit_and_its_channels_are_reaped() -> None:
         if owner.is_alive():
             owner.kill()
         owner.join(WAIT)
+
+
+def test_a_task_too_large_for_the_channel_fails_at_submit() -> None:
+    with shmchan.KeyedExecutor(1, capacity=1 << 20) as ex:
+        with pytest.raises(shmchan.MessageTooLarge, match="capacity="):
+            ex.submit(echo_size, bytes(2 << 20))
+        assert ex.submit(echo_size, bytes(100_000)).result(timeout=WAIT) == (100_000, 0)
