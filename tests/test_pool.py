@@ -86,6 +86,22 @@ def slow(seconds: float, value: Any = None) -> Any:
     return value
 
 
+def gated(gate: str, value: Any = None) -> Any:
+    """Return `value` once the file `gate` exists (at most WAIT seconds)."""
+    deadline = time.monotonic() + WAIT
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    """Wait until condition() holds; fail the test after WAIT seconds."""
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
+
+
 def echo_size(blob: bytes) -> tuple[int, int]:
     return len(blob), sum(blob[:: 1 << 12])
 
@@ -242,12 +258,14 @@ def test_map_gives_results_in_input_order_lazily() -> None:
         assert list(chunked) == [x * x for x in range(100)]
 
 
-def test_map_timeout_raises_timeout_error() -> None:
+def test_map_timeout_raises_timeout_error(tmp_path: Path) -> None:
+    gate = str(tmp_path / "gate")
     with shmchan.KeyedExecutor(1) as ex:
-        results = ex.map(slow, [2.0, 2.0], timeout=0.2)
+        results = ex.map(gated, [gate, gate], timeout=0.2)
         with pytest.raises(TimeoutError):
             next(results)
         results.close()  # cancels what has not started
+        Path(gate).touch()
 
 
 def test_map_with_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
@@ -351,13 +369,15 @@ def test_large_arguments_and_results() -> None:
         assert ex.submit(make_blob, 5 << 20).result(timeout=WAIT) == make_blob(5 << 20)
 
 
-def test_shutdown_cancel_futures_cancels_what_has_not_started() -> None:
+def test_shutdown_cancel_futures_cancels_what_has_not_started(tmp_path: Path) -> None:
+    gate = str(tmp_path / "gate")
     ex = shmchan.KeyedExecutor(1)
-    first = ex.submit(slow, 0.5, "first", keys=("k",))
+    first = ex.submit(gated, gate, "first", keys=("k",))
     rest = [ex.submit(square, i, keys=("k",)) for i in range(20)]
-    while not first.running():
-        time.sleep(0.01)
-    ex.shutdown(wait=True, cancel_futures=True)
+    _until(first.running)
+    ex.shutdown(wait=False, cancel_futures=True)
+    Path(gate).touch()
+    ex.shutdown(wait=True)
     assert first.result(timeout=0) == "first"
     assert all(f.cancelled() for f in rest)
 
@@ -368,16 +388,18 @@ def test_max_tasks_per_child_recycles_workers() -> None:
     assert len(set(pids)) == 3
 
 
-def test_stats_report_tasks_and_workers() -> None:
+def test_stats_report_tasks_and_workers(tmp_path: Path) -> None:
+    gate = str(tmp_path / "gate")
     with shmchan.KeyedExecutor(2) as ex:
-        blocker = ex.submit(slow, 0.5, keys=("k",))
+        blocker = ex.submit(gated, gate, keys=("k",))
         waiting = ex.submit(square, 2, keys=("k",))
-        time.sleep(0.2)
+        _until(lambda: any(w.state == "busy" for w in ex.stats().workers))
         st = ex.stats()
         assert st.running == 1 and st.queued == 1
         assert st.held_keys == 1
         assert len(st.workers) == 2 and all(w.pid for w in st.workers)
         assert {w.state for w in st.workers} == {"busy", "idle"}
+        Path(gate).touch()
         blocker.result(timeout=WAIT)
         waiting.result(timeout=WAIT)
         assert ex.stats().done == 2
@@ -503,10 +525,13 @@ def test_pool_terminate_gives_messages_back(make_channel: Callable[..., shmchan.
     for i in range(6):
         tx.send(i, keys=(f"k{i}",))
     pool = shmchan.KeyedPool(ch.name, sleepy_handler, processes=2)
-    time.sleep(0.1)
+    _until(lambda: pool.stats().running > 0)
+    pids = [w.pid for w in pool.stats().workers]
     pool.terminate()
-    pool.join(WAIT)
-    assert all(w.state == "dead" or w.pid for w in pool.stats().workers)
+    assert pool.join(WAIT)
+    assert not [
+        p for p in pids if p and psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+    ]
     # everything not handled goes to the next receiver
     rx = ch.receiver()
     got = []
@@ -524,7 +549,7 @@ def test_pool_close_finishes_what_it_holds(make_channel: Callable[..., shmchan.C
     ch = make_channel()
     pool = shmchan.KeyedPool(ch.name, sleepy_handler, processes=2)
     ch.sender().send("x", keys=("a",))
-    time.sleep(0.1)
+    _until(lambda: pool.stats().running == 1)
     pool.close()
     pool.join(WAIT)
     assert pool.stats().handled == 1
@@ -548,14 +573,27 @@ def test_initializer_runs_in_every_worker(method: str) -> None:
         assert [ex.submit(recall).result(timeout=WAIT) for _ in range(4)] == ["hi"] * 4
 
 
+def gated_append(log: str, line: str, gate: str) -> None:
+    """Append `line`; line "1" first waits until the file `gate` exists."""
+    deadline = time.monotonic() + WAIT
+    while line == "1" and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    append_line(log, line)
+
+
 def test_closing_a_map_cancels_what_has_not_started(tmp_path: Path) -> None:
-    log = str(tmp_path / "log")
-    with shmchan.KeyedExecutor(1) as ex:
-        results = ex.map(append_line, [log] * 50, [str(i) for i in range(50)], keys=lambda t: "k")
+    log, gate = str(tmp_path / "log"), str(tmp_path / "gate")
+    n = 50
+    with shmchan.KeyedExecutor(2) as ex:
+        # every item on key "k": item 2 cannot start before item 1, held at the gate, ends
+        results = ex.map(
+            gated_append, [log] * n, [str(i) for i in range(n)], [gate] * n, keys=lambda t: "k"
+        )
         next(results)
         results.close()
+        Path(gate).touch()
         ex.submit(square, 1, keys="k").result(timeout=WAIT)  # behind every item on "k"
-    assert len(Path(log).read_text().split()) < 50
+    assert Path(log).read_text().split() == ["0", "1"]
 
 
 def test_pool_logs_the_handlers_exception(
