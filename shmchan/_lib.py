@@ -35,7 +35,7 @@ def raise_for(rc: int, what: str, detail: str = "") -> NoReturn:
     """Raise the exception that status `rc` of operation `what` stands for."""
     if rc == lib.SHM_E_SYS:
         err = ffi.errno
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+        raise errors.ResourceError(err, f"{what}: {os.strerror(err)}")
     cls, template = _ERRORS.get(rc, (errors.Error, f"{{what}}: unexpected status {rc}"))
     message = template.format(what=what)
     raise cls(f"{message}{': ' + detail if detail else ''}")

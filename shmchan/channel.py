@@ -677,7 +677,7 @@ def _create_segment(
             os.posix_fallocate(fd, 0, total)
         except OSError as e:
             where = _SHM_DIR if path is None else os.path.dirname(os.fspath(path)) or "."
-            raise OSError(
+            raise errors.ResourceError(
                 e.errno,
                 f"cannot create channel {name!r}: it needs {total} bytes in {where}: "
                 f"{os.strerror(e.errno or errno.ENOSPC)}",
@@ -714,12 +714,22 @@ def _open_segment(name: str, path: str | os.PathLike[str] | None) -> _Segment:
                     shm = posix_ipc.SharedMemory(_shm_name(name))
                 except posix_ipc.ExistentialError:
                     raise errors.ChannelNotFound(f"no channel named {name!r}") from None
+                except posix_ipc.PermissionsError:
+                    raise errors.ResourceError(
+                        errno.EACCES,
+                        f"no permission to open channel {name!r}: another user made it "
+                        "(its mode= decides who may open it)",
+                    ) from None
                 fd = shm.fd
             else:
                 try:
                     fd = os.open(os.fspath(path), os.O_RDWR)
                 except FileNotFoundError:
                     raise errors.ChannelNotFound(f"no channel file {os.fspath(path)!r}") from None
+                except PermissionError as e:
+                    raise errors.ResourceError(
+                        e.errno, f"no permission to open channel file {os.fspath(path)!r}"
+                    ) from None
             out = ffi.new("shm_chan **")
             rc = lib.shm_attach(fd, 0, ffi.NULL, liveness.current_token(), out)
         finally:

@@ -27,6 +27,7 @@ __all__ = [
     "UnsupportedType",
     "PayloadNotContiguous",
     "WrongProcess",
+    "ResourceError",
     "WorkerDied",
     "TaskTimeout",
     "TaskNotPicklable",
@@ -111,6 +112,12 @@ class UnsupportedType(Error, TypeError):
 class PayloadNotContiguous(InvalidArgument, BufferError):
     """A memoryview payload that is not one contiguous run of bytes (e.g. a slice with a
     step): pass view.tobytes() or a contiguous copy."""
+
+
+class ResourceError(Error, OSError):
+    """The system refused what a channel needs: room in /dev/shm (or the file system of
+    a path= channel), permission to open a channel another user made, a mapping. Not a
+    fault of the channel: `errno` says which."""
 
 
 class WrongProcess(Error):

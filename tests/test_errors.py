@@ -227,6 +227,7 @@ def test_channel_too_big_for_dev_shm_raises_at_create(chan_name):
         str(too_big),
     )
     assert out["raised"] is not None, "a channel bigger than /dev/shm was created"
+    assert out["raised"] == "ResourceError", out  # a shmchan.Error and an OSError
 
 
 def _mangle_and_open(
