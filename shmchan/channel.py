@@ -1438,14 +1438,18 @@ def _attachment_of(name: str, path: str | None, chan_id: int) -> _Segment:
     """This process's attachment to channel `chan_id`, named `name`: the channel under
     the name now, if it is that one, else one this process still has (the channel was
     removed since). ChannelRemoved if the channel is no longer reachable."""
-    seg: _Segment | None
+    pid = os.getpid()
+    with _shared_lock:  # the usual case, with no system call: the cached attachment is it
+        cached = _shared.get((name, path))
+    seg = None if cached is None else cached._seg
+    if seg is not None and seg.chan_id == chan_id and seg.pid == pid and not seg.detached[0]:
+        return seg
     try:
         seg = _shared_channel(name, path)._live()
     except errors.ChannelNotFound:
         seg = None
     if seg is not None and seg.chan_id == chan_id:
         return seg
-    pid = os.getpid()
     for mine in list(_segments):
         if mine.chan_id == chan_id and mine.pid == pid and not mine.detached[0]:
             return mine
