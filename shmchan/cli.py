@@ -12,12 +12,14 @@ import dataclasses
 import importlib.util
 import json
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import shmchan
-from shmchan import demo
+from shmchan import demo, inspect
 
 __all__ = ["main"]
 
@@ -32,6 +34,10 @@ _BYTE_FIELDS = frozenset({"capacity", "used_bytes"})
 
 class _UserError(Exception):
     """A failure to report as one line on stderr (exit code 1)."""
+
+
+class _UsageError(Exception):
+    """A bad combination of arguments (exit code 2)."""
 
 
 # --------------------------------------------------------------------------- formatting
@@ -59,48 +65,170 @@ def _open(name: str, path: str | None = None) -> shmchan.Channel:
         raise _UserError(f"channel {name!r} is corrupted: {e}") from None
 
 
-def _read_stats(name: str, path: str | None = None) -> shmchan.Stats:
-    ch = _open(name, path)
-    try:
-        return ch.stats()
-    finally:
-        ch.close()
-
-
 # --------------------------------------------------------------------------- commands
 
 
+def _age_text(seconds: float) -> str:
+    """3.2 -> '3.2 s', 250 -> '4 min 10 s', 7300 -> '2 h 1 min', 200000 -> '2 d 7 h'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    s = int(seconds)
+    for size, unit, sub, subunit in ((86400, "d", 3600, "h"), (3600, "h", 60, "min")):
+        if s >= size:
+            return f"{s // size} {unit} {s % size // sub} {subunit}"
+    return f"{s // 60} min {s % 60} s"
+
+
+def _key_text(key: object) -> str:
+    """A key as an operator reads it: plain words bare, anything else as Python repr."""
+    if isinstance(key, str) and key and key.isprintable() and not any(c.isspace() for c in key):
+        return key
+    return repr(key)
+
+
+def _key_json(key: object) -> object:
+    """str and int keys as they are; bytes keys as {"bytes": hex} (JSON has no bytes)."""
+    if isinstance(key, bytes):
+        return {"bytes": key.hex()}
+    return key
+
+
+def _payload_size(payload: object) -> int:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return len(payload)
+    return len(pickle.dumps(payload, protocol=5))  # as it is stored
+
+
+def _preview(payload: object, width: int = 40) -> str:
+    text = repr(bytes(payload) if isinstance(payload, (bytearray, memoryview)) else payload)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
+    width = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        indent + "  ".join(f"{c:<{width[i]}}" for i, c in enumerate(r)).rstrip()
+        for r in [header, *rows]
+    ]
+
+
+def _in_use(pids: int) -> str:
+    if not pids:
+        return "no: leftover"
+    return f"yes: {pids} pid" + ("s" if pids > 1 else "")
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
-    rows: list[tuple[str, str, str, str]] = []
+    names = sorted(shmchan.list_channels())
+    paths = {n: inspect.segment_path(n) for n in names}
+    maps = inspect.mapping_pids(list(paths.values()))
+    me = os.getpid()
+    rows: list[tuple[str, ...]] = []
     failed = False
-    for name in sorted(shmchan.list_channels()):
+    now = time.time()
+    for name in names:
+        try:
+            age = _age_text(max(now - os.stat(paths[name]).st_ctime, 0.0))
+        except FileNotFoundError:
+            continue  # removed since we listed it
+        mappers = maps.get(paths[name], set()) - {me}
         try:
             ch = shmchan.Channel.open(name)
         except shmchan.ChannelNotFound:
-            continue  # removed since we listed it
+            continue
         except (shmchan.Error, OSError) as e:
             # Still list it (it exists), but say why there are no numbers.
             print(f"shmchan ls: {name}: {e}", file=sys.stderr)
-            rows.append((name, "?", "?", "?"))
+            used = _in_use(len(mappers))
+            rows.append((name, "?", "?", "?", "?", "?", "?", age, used))
             failed = True
             continue
         try:
             s = ch.stats()
+            users = inspect.users(ch, paths[name])
+            receiver = (
+                str(s.receiver_pid) if s.receiver_pid and inspect.receiver_alive(ch) else "none"
+            )
         finally:
             ch.close()
-        rows.append((name, _human_bytes(s.capacity), _human_bytes(s.used_bytes), str(s.queued)))
+        users_text = _in_use(len(users))
+        rows.append(
+            (
+                name,
+                _human_bytes(s.capacity),
+                _human_bytes(s.used_bytes),
+                str(s.queued),
+                str(s.inflight),
+                str(s.producers),
+                receiver,
+                age,
+                users_text,
+            )
+        )
     if rows:
-        header = ("NAME", "CAPACITY", "USED", "QUEUED")
-        width = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
-        for r in [header, *rows]:
-            print(f"{r[0]:<{width[0]}}  {r[1]:>{width[1]}}  {r[2]:>{width[2]}}  {r[3]:>{width[3]}}")
+        header = ("NAME", "CAPACITY", "USED", "QUEUED", "INFLIGHT", "PRODUCERS", "RECEIVER")
+        for line in _table((*header, "AGE", "IN USE"), rows):
+            print(line)
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _stats_text(name: str, s: shmchan.Stats, rates: dict[str, float] | None) -> str:
-    fields = dataclasses.asdict(s)
+# Counters whose per-second rate stat shows.
+_COUNTERS = ("sent", "delivered", "released", "redelivered", "discarded")
+
+
+def _sample(ch: shmchan.Channel, name: str, top: int) -> dict[str, Any]:
+    """One sample of everything `stat` shows, as the documented JSON object (README)."""
+    s = ch.stats()
+    return {
+        "time": time.time(),
+        "name": name,
+        "stats": dataclasses.asdict(s),
+        "rates": None,
+        "held": [
+            {
+                "key": _key_json(h.key),
+                "seq": h.seq,
+                "pid": h.pid,
+                "attempt": h.attempt,
+                "age": round(h.age, 3),
+            }
+            for h in ch.held()
+        ],
+        "waiting": [
+            {"key": _key_json(w.key), "depth": w.depth, "head_seq": w.head_seq}
+            for w in ch.waiting(top)
+        ],
+        "producers": [{"pid": p.pid, "sent": p.sent} for p in inspect.producers(ch) if p.alive],
+        "dead_letters": [
+            {
+                "seq": d.seq,
+                "keys": [_key_json(k) for k in d.keys],
+                "attempts": d.attempts,
+                "size": _payload_size(d.payload),
+            }
+            for d in ch.dead_letters()
+        ],
+    }
+
+
+def _add_rates(sample: dict[str, Any], before: dict[str, Any] | None, dt: float) -> None:
+    if before is None or dt <= 0:
+        return
+    now, then = sample["stats"], before["stats"]
+    sample["rates"] = {k: round((now[k] - then[k]) / dt, 1) for k in _COUNTERS}
+
+
+def _json_key_text(key: object) -> str:
+    if isinstance(key, dict):
+        return repr(bytes.fromhex(key["bytes"]))
+    return _key_text(key)
+
+
+def _stats_text(sample: dict[str, Any]) -> str:
+    fields = sample["stats"]
+    rates = sample["rates"]
     width = max(len(k) for k in fields)
-    lines = [f"{'channel':<{width}}  {name}"]
+    lines = [f"{'channel':<{width}}  {sample['name']}"]
     for key, value in fields.items():
         text = f"{value}"
         if key in _BYTE_FIELDS:
@@ -108,59 +236,301 @@ def _stats_text(name: str, s: shmchan.Stats, rates: dict[str, float] | None) -> 
         if rates is not None and key in rates:
             text = f"{text:<14} {rates[key]:>+12,.0f}/s"
         lines.append(f"{key:<{width}}  {text}")
+    held = sample["held"]
+    rows: list[tuple[str, ...]]
+    lines += ["", f"held keys: {len(held)}"]
+    if held:
+        rows = [
+            (
+                _json_key_text(h["key"]),
+                str(h["seq"]),
+                str(h["pid"]),
+                str(h["attempt"]),
+                _age_text(h["age"]),
+            )
+            for h in held
+        ]
+        lines += _table(("KEY", "SEQ", "PID", "ATTEMPT", "HELD FOR"), rows, "  ")
+    waiting = sample["waiting"]
+    lines += ["", f"deepest waiting lines: {len(waiting)}"]
+    if waiting:
+        rows = [(_json_key_text(w["key"]), str(w["depth"]), str(w["head_seq"])) for w in waiting]
+        lines += _table(("KEY", "DEPTH", "HEAD SEQ"), rows, "  ")
+    producers = sample["producers"]
+    lines += ["", f"live producers: {len(producers)}"]
+    if producers:
+        rows = [(str(p["pid"]), str(p["sent"])) for p in producers]
+        lines += _table(("PID", "SENT"), rows, "  ")
+    dead = sample["dead_letters"]
+    lines += ["", f"dead letters: {len(dead)}"]
+    if dead:
+        rows = [
+            (
+                str(d["seq"]),
+                ", ".join(_json_key_text(k) for k in d["keys"]),
+                str(d["attempts"]),
+                str(d["size"]),
+            )
+            for d in dead
+        ]
+        lines += _table(("SEQ", "KEYS", "ATTEMPTS", "SIZE"), rows, "  ")
     return "\n".join(lines)
 
 
-# Counters whose per-second rate --watch shows.
-_COUNTERS = ("sent", "delivered", "released", "redelivered", "discarded")
+def _why_text(chain: inspect.WaitChain) -> str:
+    """The why_waiting chain as sentences an operator reads."""
+    seq = chain.seq
+    if chain.state == inspect.IN_FLIGHT:
+        return (
+            f"seq {seq} is not waiting: it is in flight, held by pid {chain.pid} for "
+            f"{_age_text(chain.age or 0.0)}, attempt {chain.attempt}"
+        )
+    if chain.state == inspect.READY:
+        return f"seq {seq} is not waiting: nothing is ahead of it, the next recv() hands it out"
+    if chain.state == inspect.DELIVERED:
+        return f"seq {seq} is not waiting: it was delivered and released"
+    if chain.state == inspect.DEAD_LETTER:
+        return (
+            f"seq {seq} is not waiting: it is a dead letter after {chain.attempt} attempts "
+            f"(see `shmchan dead`)"
+        )
+    if chain.state != inspect.WAITING:
+        return f"seq {seq} is unknown: not sent yet, or dropped when its producer died"
+    if not chain:
+        return f"seq {seq} is waiting, but nothing holds it back any more: it goes next"
+    parts = []
+    shown = list(enumerate(chain))
+    if len(chain) > 8:  # a long line: the first three steps and the last three
+        skipped = len(chain) - 6
+        shown = shown[:3] + [(-skipped, chain[3])] + shown[-3:]
+    for i, w in shown:
+        if i < 0:
+            parts.append(f"... {-i} more messages ...")
+            continue
+        who = f"seq {seq}" if i == 0 else "which"
+        parts.append(f"{who} waits on key {_key_text(w.key)} behind seq {w.seq}")
+    last = chain[-1]
+    text = ", ".join(parts)
+    if last.state == inspect.IN_FLIGHT:
+        alive = last.pid is not None and inspect._pid_alive(last.pid)
+        dead = "" if alive else " (that process is gone: it is redelivered at the next check)"
+        text += (
+            f", held by pid {last.pid} for {_age_text(last.age or 0.0)}, "
+            f"attempt {last.attempt}{dead}"
+        )
+    elif last.state == inspect.READY:
+        text += ", which is ready: the next recv() hands it out"
+    elif last.state == inspect.DELIVERED:
+        text += ", which was just released"
+    if chain.partial:
+        text += " (the receiver was busy: this reading may be incomplete)"
+    return text
 
 
 def _cmd_stat(args: argparse.Namespace) -> int:
     name = args.name
-    if args.watch is None:
-        s = _read_stats(name, args.path)
-        if args.json:
-            print(json.dumps({"name": name, **dataclasses.asdict(s)}))
-        else:
-            print(_stats_text(name, s, None))
-        return EXIT_OK
-
-    # --watch: keep one attachment open, sample every `interval` seconds until Ctrl-C.
-    interval = args.watch
     ch = _open(name, args.path)
-    clear = sys.stdout.isatty() and not args.json
-    previous: tuple[float, shmchan.Stats] | None = None
     try:
-        while True:
-            if ch.removed():  # works for path= channels too (they are not in /dev/shm)
-                raise _UserError(f"channel {name!r} was removed")
-            now = time.monotonic()
-            s = ch.stats()
+        if args.why is not None:
+            chain = ch.why_waiting(args.why)
             if args.json:
-                sample = {"time": time.time(), "name": name, **dataclasses.asdict(s)}
-                print(json.dumps(sample), flush=True)
+                print(json.dumps(_why_json(chain)))
             else:
-                rates = None
-                if previous is not None:
-                    dt = max(now - previous[0], 1e-9)
-                    before = previous[1]
-                    rates = {k: (getattr(s, k) - getattr(before, k)) / dt for k in _COUNTERS}
-                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                header = f"{stamp}  (every {interval:g} s, Ctrl-C to stop)"
-                text = f"{header}\n{_stats_text(name, s, rates)}\n"
-                print(("\x1b[H\x1b[2J" if clear else "") + text, flush=True)
-            previous = (now, s)
-            time.sleep(interval)
+                print(_why_text(chain))
+            return EXIT_OK
+        if args.prometheus:
+            try:
+                from shmchan import metrics
+            except ImportError:
+                raise _UserError(
+                    "--prometheus needs prometheus_client: pip install 'shmchan[metrics]'"
+                ) from None
+            sys.stdout.write(metrics.openmetrics_text(ch, name, top=args.top))
+            return EXIT_OK
+        if args.watch is None:
+            first = _sample(ch, name, args.top)
+            time.sleep(_RATE_SECONDS)  # a second reading gives the rates
+            sample = _sample(ch, name, args.top)
+            _add_rates(sample, first, sample["time"] - first["time"])
+            print(json.dumps(sample) if args.json else _stats_text(sample))
+            return EXIT_OK
+        return _watch(ch, name, args)
     finally:
         ch.close()
 
 
-def _cmd_rm(args: argparse.Namespace) -> int:
+_RATE_SECONDS = 0.2  # stat without --watch: the rates are measured over this long
+
+
+def _why_json(chain: inspect.WaitChain) -> dict[str, Any]:
+    return {
+        "seq": chain.seq,
+        "state": chain.state,
+        "pid": chain.pid,
+        "partial": chain.partial,
+        "chain": [
+            {
+                "key": _key_json(w.key),
+                "seq": w.seq,
+                "pid": w.pid,
+                "attempt": w.attempt,
+                "state": w.state,
+                "age": None if w.age is None else round(w.age, 3),
+            }
+            for w in chain
+        ],
+    }
+
+
+def _watch(ch: shmchan.Channel, name: str, args: argparse.Namespace) -> int:
+    """--watch: sample every `interval` seconds until Ctrl-C; in place with rich on a
+    terminal, one block (or JSON line) per sample otherwise."""
+    interval = args.watch
+    live = None
+    if sys.stdout.isatty() and not args.json:
+        from rich.live import Live
+
+        live = Live(auto_refresh=False, redirect_stdout=False, transient=False)
+        live.start()
+    before: dict[str, Any] | None = None
     try:
-        shmchan.unlink(args.name, path=args.path)
+        while True:
+            if ch.removed():  # works for path= channels too (they are not in /dev/shm)
+                raise _UserError(f"channel {name!r} was removed")
+            sample = _sample(ch, name, args.top)
+            _add_rates(sample, before, sample["time"] - before["time"] if before else 0.0)
+            before = sample
+            if args.json:
+                print(json.dumps(sample), flush=True)
+            else:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                text = f"{stamp}  (every {interval:g} s, Ctrl-C to stop)\n{_stats_text(sample)}"
+                if live is not None:
+                    from rich.text import Text
+
+                    live.update(Text(text), refresh=True)
+                else:
+                    print(text + "\n", flush=True)
+            time.sleep(interval)
+    finally:  # Ctrl-C, the way to stop watching, exits 130 (main)
+        if live is not None:
+            live.stop()
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    if args.stale:
+        if args.name is not None or args.force:
+            raise _UsageError("rm --stale takes no NAME and no --force")
+        return _rm_stale()
+    if args.name is None:
+        raise _UsageError("rm needs a NAME (or --stale)")
+    name = args.name
+    path = inspect.segment_path(name, args.path)
+    ch = _open(name, args.path)
+    try:
+        users = inspect.users(ch, path)
+    finally:
+        ch.close()
+    if users and not args.force:
+        who = "; ".join(f"pid {pid} ({', '.join(how)})" for pid, how in sorted(users.items()))
+        raise _UserError(
+            f"channel {name!r} is still in use by live processes: {who}; "
+            f"`rm --force` removes it anyway (they keep working on the removed segment)"
+        )
+    try:
+        shmchan.unlink(name, path=args.path)
     except shmchan.ChannelNotFound:
-        raise _UserError(f"no channel named {args.name!r}") from None
+        raise _UserError(f"no channel named {name!r}") from None
+    print(f"removed {name}")
     return EXIT_OK
+
+
+_YOUNG_SECONDS = 10.0  # rm --stale leaves unreadable segments younger than this alone
+
+
+def _rm_stale() -> int:
+    names = sorted(shmchan.list_channels())
+    paths = {n: inspect.segment_path(n) for n in names}
+    maps = inspect.mapping_pids(list(paths.values()))
+    me = os.getpid()
+    removed = 0
+    for name in names:
+        if maps.get(paths[name], set()) - {me}:
+            continue  # mapped by a live process: in use
+        try:
+            ch = shmchan.Channel.open(name)
+        except shmchan.ChannelNotFound:
+            continue
+        except (shmchan.Error, OSError) as e:
+            # Not readable by this version (another layout, never initialized): nobody
+            # maps it, so nobody uses it -- unless it is being created this very moment.
+            try:
+                young = time.time() - os.stat(paths[name]).st_ctime < _YOUNG_SECONDS
+            except FileNotFoundError:
+                continue
+            if young:
+                print(f"shmchan rm: {name}: left alone for now: {e}", file=sys.stderr)
+                continue
+        else:
+            try:
+                users = inspect.users(ch, paths[name])
+            finally:
+                ch.close()
+            if users:
+                continue
+        try:
+            shmchan.unlink(name)
+        except shmchan.ChannelNotFound:
+            continue
+        print(f"removed {name} (no live process used it)")
+        removed += 1
+    if not removed:
+        print("no stale channels")
+    return EXIT_OK
+
+
+def _cmd_dead(args: argparse.Namespace) -> int:
+    name = args.name
+    ch = _open(name, args.path)
+    try:
+        letters = {d.seq: d for d in ch.dead_letters()}
+        wanted = list(letters) if args.all else (args.resend or [])
+        acting = bool(wanted or args.drop)
+        for seq in [*wanted, *(args.drop or [])]:
+            if seq not in letters:
+                raise _UserError(f"seq {seq} is not a dead letter of {name!r}")
+        if acting:
+            tx = ch.sender()
+            try:
+                for seq in wanted:
+                    new = letters[seq].resend(tx)
+                    print(f"resent dead letter seq {seq} as seq {new}")
+            finally:
+                tx.close()
+            for seq in args.drop or []:
+                if seq in wanted:
+                    continue  # resending dropped it already
+                letters[seq].discard()
+                print(f"dropped dead letter seq {seq}")
+            return EXIT_OK
+        if not letters:
+            print(f"no dead letters in {name}")
+            return EXIT_OK
+        rows = [
+            (
+                str(d.seq),
+                ", ".join(_key_text(k) for k in d.keys),
+                str(d.attempts),
+                str(_payload_size(d.payload)),
+                _preview(d.payload),
+            )
+            for d in sorted(letters.values(), key=lambda d: d.seq)
+        ]
+        for line in _table(("SEQ", "KEYS", "ATTEMPTS", "SIZE", "PAYLOAD"), rows):
+            print(line)
+        return EXIT_OK
+    finally:
+        ch.close()
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -198,6 +568,26 @@ def _interval(text: str) -> float:
     return value
 
 
+def _seq(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a message seq: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"seqs start at 1, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}") from None
+    if not 0 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 4096, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_prog(),
@@ -207,10 +597,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("ls", help="list channels with capacity, used bytes and queued messages")
+    p = sub.add_parser(
+        "ls",
+        help="list every channel: size, backlog, processes, and leftovers no live process uses",
+    )
     p.set_defaults(func=_cmd_ls)
 
-    p = sub.add_parser("stat", help="show a channel's statistics")
+    p = sub.add_parser(
+        "stat",
+        help="a channel's statistics, held keys, deepest lines, producers and dead letters",
+    )
     p.add_argument("name", metavar="NAME", help="channel name")
     p.add_argument(
         "--json", action="store_true", help="print JSON (one object per line with --watch)"
@@ -221,19 +617,58 @@ def build_parser() -> argparse.ArgumentParser:
         type=_interval,
         const=1.0,
         metavar="SECONDS",
-        help="repeat every SECONDS (default 1) until Ctrl-C",
+        help="refresh every SECONDS (default 1) until Ctrl-C",
+    )
+    p.add_argument(
+        "--why",
+        type=_seq,
+        metavar="SEQ",
+        help="explain why message SEQ is not handed out: the chain of what it waits on",
+    )
+    p.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="print the OpenMetrics text format (for node_exporter's textfile collector)",
+    )
+    p.add_argument(
+        "--top", type=_count, default=10, metavar="N", help="deepest lines to show (default 10)"
     )
     p.add_argument(
         "--path", metavar="FILE", help="the channel's file, for channels created with path="
     )
     p.set_defaults(func=_cmd_stat)
 
-    p = sub.add_parser("rm", help="remove (unlink) a channel")
-    p.add_argument("name", metavar="NAME", help="channel name")
+    p = sub.add_parser(
+        "rm", help="remove a channel (refused while a live process uses it, unless --force)"
+    )
+    p.add_argument("name", metavar="NAME", nargs="?", help="channel name")
+    p.add_argument(
+        "--force", action="store_true", help="remove it even if live processes still use it"
+    )
+    p.add_argument(
+        "--stale",
+        action="store_true",
+        help="remove every channel that no live process uses, and say which",
+    )
     p.add_argument(
         "--path", metavar="FILE", help="the channel's file, for channels created with path="
     )
     p.set_defaults(func=_cmd_rm)
+
+    p = sub.add_parser("dead", help="list a channel's dead letters; resend or drop them")
+    p.add_argument("name", metavar="NAME", help="channel name")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--resend", type=_seq, action="append", metavar="SEQ", help="send dead letter SEQ again"
+    )
+    what.add_argument("--all", action="store_true", help="send every dead letter again")
+    p.add_argument(
+        "--drop", type=_seq, action="append", metavar="SEQ", help="drop dead letter SEQ for good"
+    )
+    p.add_argument(
+        "--path", metavar="FILE", help="the channel's file, for channels created with path="
+    )
+    p.set_defaults(func=_cmd_dead)
 
     p = sub.add_parser(
         "demo",
@@ -256,9 +691,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:
             return _bench(argv[1:])
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
         func: Callable[[argparse.Namespace], int] = args.func
-        return func(args)
+        try:
+            return func(args)
+        except _UsageError as e:
+            parser.print_usage(sys.stderr)
+            print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     except _UserError as e:
         return _fail(argv, str(e))
     except (shmchan.InvalidArgument, shmchan.UnsupportedType) as e:  # e.g. a bad name

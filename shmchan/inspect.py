@@ -19,8 +19,11 @@ message that is not waiting the list is empty and `WaitChain.state` says what it
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from . import codec, liveness
 from ._lib import ffi, lib, raise_for
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from .channel import Channel
 
 __all__ = ["HeldKey", "Line", "Wait", "WaitChain", "Producer", "held", "waiting", "why_waiting"]
-__all__ += ["producers"]
+__all__ += ["producers", "segment_path", "mapping_pids", "users", "receiver_alive"]
 
 # Message states, as operators read them (SHM_VIEW_* in csrc/shmchan.h).
 WAITING = "waiting"
@@ -285,3 +288,88 @@ def producers(ch: Channel) -> list[Producer]:
         )
         for i in range(n[0])
     ]
+
+
+# --------------------------------------------------------------------------- who uses it
+
+
+def segment_path(name: str, path: str | None = None) -> str:
+    """The file a channel lives in: its /dev/shm segment, or `path` for path= channels."""
+    from .channel import _PREFIX, _SHM_DIR  # one place names segments
+
+    return os.path.realpath(path if path is not None else os.path.join(_SHM_DIR, _PREFIX + name))
+
+
+def mapping_pids(paths: list[str]) -> dict[str, set[int]]:
+    """For each file in `paths` (channels' segments), the pids of the processes that map
+    it, read from /proc/PID/maps in one pass; processes we may not inspect are left out."""
+    found: dict[str, set[int]] = {os.path.realpath(p): set() for p in paths}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    # "addr perms offset dev inode   /path" (+ " (deleted)" once unlinked)
+                    fields = line.split(maxsplit=5)
+                    if len(fields) < 6:
+                        continue
+                    name = fields[5].rstrip("\n").removesuffix(" (deleted)")
+                    if name in found:
+                        found[name].add(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def users(ch: Channel, path: str) -> dict[int, list[str]]:
+    """Every live process that still uses the channel, with how: it maps the segment, is
+    the receiver, is registered as a producer, or holds a handle. This process is left
+    out (it maps the segment only to look)."""
+    me = os.getpid()
+    out: dict[int, list[str]] = {}
+
+    def add(pid: int | None, how: str) -> None:
+        if pid is not None and pid != me:
+            out.setdefault(pid, [])
+            if how not in out[pid]:
+                out[pid].append(how)
+
+    for pid in sorted(mapping_pids([path])[os.path.realpath(path)]):
+        add(pid, "maps it")
+    st = ch.stats()
+    receiver = _receiver_token(ch)
+    if receiver and liveness.is_alive(receiver):
+        add(st.receiver_pid, "receiver")
+    for p in producers(ch):
+        if p.alive:
+            add(p.pid, "producer")
+    for h in held(ch):
+        if _pid_alive(h.pid):
+            add(h.pid, f"holds seq {h.seq}")
+    return out
+
+
+def _receiver_token(ch: Channel) -> int:
+    owner = ffi.new("uint64_t *")
+    lib.shm_rx_owner(_segment(ch).ptr, owner)
+    return int(owner[0])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def receiver_alive(ch: Channel) -> bool:
+    """Is the channel's receiver seat held by a live process?"""
+    token = _receiver_token(ch)
+    return bool(token) and liveness.is_alive(token)
