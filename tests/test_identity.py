@@ -111,7 +111,8 @@ def test_unlink_by_another_process_refuses_sends(make_channel, chan_name, how):
         code = f"import shmchan; shmchan.unlink({chan_name!r})"
         cmd = [sys.executable, "-c", code]
     else:
-        cmd = [sys.executable, "-m", "shmchan", "rm", chan_name]
+        # --force: this process still uses the channel, which plain `rm` refuses (#13)
+        cmd = [sys.executable, "-m", "shmchan", "rm", "--force", chan_name]
     subprocess.run(cmd, check=True, timeout=60)
     assert not os.path.exists(SHM + chan_name)
     with pytest.raises(shmchan.ChannelRemoved):
