@@ -224,18 +224,29 @@ def _json_key_text(key: object) -> str:
     return _key_text(key)
 
 
-def _stats_text(sample: dict[str, Any]) -> str:
+def _stats_text(sample: dict[str, Any], compact: bool = False) -> str:
+    """The `stat` screen; `compact` puts the Stats fields a few to a line (the live view
+    of --watch, which must fit a terminal)."""
     fields = sample["stats"]
     rates = sample["rates"]
-    width = max(len(k) for k in fields)
-    lines = [f"{'channel':<{width}}  {sample['name']}"]
-    for key, value in fields.items():
-        text = f"{value}"
-        if key in _BYTE_FIELDS:
-            text = f"{value} ({_human_bytes(value)})"
-        if rates is not None and key in rates:
-            text = f"{text:<14} {rates[key]:>+12,.0f}/s"
-        lines.append(f"{key:<{width}}  {text}")
+    if compact:
+        cells = [f"channel {sample['name']}"]
+        for key, value in fields.items():
+            text = _human_bytes(value) if key in _BYTE_FIELDS else f"{value}"
+            if rates is not None and key in rates:
+                text += f" ({rates[key]:+,.0f}/s)"
+            cells.append(f"{key} {text}")
+        lines = ["   ".join(cells[i : i + 4]) for i in range(0, len(cells), 4)]
+    else:
+        width = max(len(k) for k in fields)
+        lines = [f"{'channel':<{width}}  {sample['name']}"]
+        for key, value in fields.items():
+            text = f"{value}"
+            if key in _BYTE_FIELDS:
+                text = f"{value} ({_human_bytes(value)})"
+            if rates is not None and key in rates:
+                text = f"{text:<14} {rates[key]:>+12,.0f}/s"
+            lines.append(f"{key:<{width}}  {text}")
     held = sample["held"]
     rows: list[tuple[str, ...]]
     lines += ["", f"held keys: {len(held)}"]
@@ -404,7 +415,8 @@ def _watch(ch: shmchan.Channel, name: str, args: argparse.Namespace) -> int:
                 print(json.dumps(sample), flush=True)
             else:
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                text = f"{stamp}  (every {interval:g} s, Ctrl-C to stop)\n{_stats_text(sample)}"
+                body = _stats_text(sample, compact=live is not None)
+                text = f"{stamp}  (every {interval:g} s, Ctrl-C to stop)\n{body}"
                 if live is not None:
                     from rich.text import Text
 
