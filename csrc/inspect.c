@@ -27,7 +27,9 @@
  *     them: a record is accepted only if head has not passed it after it was read.
  *
  * Costs, per call (none depends on how deep any line is):
- *   held   -- the message table's state words: O(max_messages) 8-byte loads.
+ *   held   -- the receiver's handed-out list (handles.c): O(handles out + dead letters);
+ *             under a receiver too busy for one seqlock read of it, the message table's
+ *             state words: O(max_messages) 8-byte loads.
  *   lines  -- the key table, in chunks: O(key table), plus O(top) for the chosen lines.
  *             A line's depth is kept by the scheduler (shm_key.count: its nodes; plus
  *             shm_key.skipped: its messages left out of the window, window.c), so it is
@@ -213,34 +215,61 @@ static int slot_view(shm_chan *c, uint32_t s, uint64_t w, uint64_t hash, shm_vie
 }
 
 /* ---- held keys ------------------------------------------------------------------------ */
+/* Add slot s to the held list if it is in flight: SHM_OK (added or not), SHM_FULL. */
+static int held_add(shm_chan *c, uint32_t s, shm_view *out, uint32_t max, uint32_t *count,
+                    blob_buf *b) {
+    /* acquire: pairs with hand_out's release store of INFLIGHT (holder, seq, attempt and
+     * handed_ns were written before it). */
+    uint64_t w = LOAD_ACQUIRE(&c->slots[s].state);
+    if (SLOT_STATE(w) != SLOT_INFLIGHT) return SHM_OK;
+    if (*count >= max) return SHM_FULL;
+    int rc = SHM_STALE;
+    for (int tries = 0; tries < VIEW_TRIES && rc == SHM_STALE; tries++) {
+        rc = slot_view(c, s, w, 0, &out[*count], b);
+        if (rc == SHM_STALE) { /* moved, or moved on: look at its word again */
+            w = LOAD_ACQUIRE(&c->slots[s].state);
+            if (SLOT_STATE(w) != SLOT_INFLIGHT) break;
+        }
+    }
+    if (rc == SHM_FULL) return SHM_FULL;
+    if (rc == SHM_OK && out[*count].holder != HOLDER_REVOKED) (*count)++; /* else: gone */
+    return SHM_OK;
+}
+
+/* In-flight slots are on the receiver's handed-out list (handles.c): walk it inside one
+ * seqlock read, so the cost is O(handles out). Under a receiver too busy for that (or a
+ * list that does not check out), scan the message table's state words instead. */
 int shm_view_held(shm_chan *c, shm_view *out, uint32_t max, uint32_t *n, uint8_t *blob,
                   uint64_t blob_cap) {
     blob_buf b = {blob, blob_cap, 0};
     uint32_t count = 0;
-    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
-        /* acquire: pairs with hand_out's release store of INFLIGHT (holder, seq, attempt
-         * and handed_ns were written before it). */
-        uint64_t w = LOAD_ACQUIRE(&c->slots[s].state);
-        if (SLOT_STATE(w) != SLOT_INFLIGHT) continue;
-        if (count >= max) {
-            *n = count;
-            return SHM_FULL;
-        }
-        int rc = SHM_STALE;
-        for (int tries = 0; tries < VIEW_TRIES && rc == SHM_STALE; tries++) {
-            rc = slot_view(c, (uint32_t)s, w, 0, &out[count], &b);
-            if (rc == SHM_STALE) { /* moved, or moved on: look at its word again */
-                w = LOAD_ACQUIRE(&c->slots[s].state);
-                if (SLOT_STATE(w) != SLOT_INFLIGHT) break;
+    for (int tries = 0; tries < VIEW_TRIES; tries++) {
+        uint64_t ver = view_begin(c);
+        count = 0;
+        b.used = 0;
+        int rc = SHM_OK;
+        uint32_t s = LOAD_RELAXED(&c->hdr->handed_out);
+        for (uint32_t guard = 0; SLOT_OK(c, s) && rc == SHM_OK; guard++) {
+            if (guard > c->cfg.max_messages) {
+                rc = SHM_E_CORRUPT; /* a cycle: do not trust this reading */
+                break;
             }
+            rc = held_add(c, s, out, max, &count, &b);
+            s = LOAD_RELAXED(&c->slots[s].out_next);
         }
-        if (rc == SHM_FULL) {
+        if (s != NIL && rc == SHM_OK) rc = SHM_E_CORRUPT; /* a link out of range */
+        if (!view_ok(c, ver)) continue;
+        if (rc == SHM_E_CORRUPT) break;
+        *n = count;
+        return rc;
+    }
+    count = 0;
+    b.used = 0;
+    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+        if (held_add(c, s, out, max, &count, &b) == SHM_FULL) {
             *n = count;
             return SHM_FULL;
         }
-        if (rc != SHM_OK) continue; /* released while we looked, or unreadable */
-        if (out[count].holder == HOLDER_REVOKED) continue; /* being redelivered */
-        count++;
     }
     *n = count;
     return SHM_OK;
