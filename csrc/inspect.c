@@ -317,7 +317,27 @@ static void top_insert(shm_view *out, uint32_t *n, uint32_t top, uint64_t hash, 
 
 /* The oldest message with key `hash` that is not handed out, as of now: in its line, or
  * (all of them left out of the window) found by a walk of the ring from ingest_pos. */
+/* v describes the record r at pos (not taken in), reached over `hash`: SHM_OK, SHM_FULL,
+ * or SHM_STALE if head passed it while we copied (its bytes may be reused). */
+static int parked_view(shm_chan *c, const rec_copy *r, uint64_t pos, uint64_t hash, shm_view *v,
+                       blob_buf *b) {
+    uint64_t depth = v->depth, used = b->used;
+    memset(v, 0, sizeof *v);
+    v->depth = depth;
+    v->seq = r->seq;
+    v->state = SHM_VIEW_QUEUED;
+    int rc = blob_copy(c, pos, r->seq, hash, v, b);
+    if (rc == SHM_OK) b->used += v->blob_len;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* as in rec_read */
+    if (LOAD_RELAXED(&c->hdr->head) > pos) {
+        b->used = used;
+        return SHM_STALE;
+    }
+    return rc;
+}
+
 static int line_head(shm_chan *c, uint64_t hash, shm_view *v, blob_buf *b, uint32_t *partial) {
+    uint64_t parked = UINT64_MAX; /* the first record of the key's chain (window.c) */
     for (int tries = 0; tries < VIEW_TRIES; tries++) {
         uint64_t ver = view_begin(c);
         int64_t ki = key_lookup(c, hash);
@@ -331,14 +351,25 @@ static int line_head(shm_chan *c, uint64_t hash, shm_view *v, blob_buf *b, uint3
             nd = NODE_OK(c, nd) ? c->nodes[nd].next : NIL;
         uint32_t s = NODE_OK(c, nd) ? c->nodes[nd].slot : NIL;
         if (!view_ok(c, ver)) continue;
-        if (nd == NIL || !SLOT_OK(c, s)) break; /* none in the window: walk the ring */
+        if (nd == NIL || !SLOT_OK(c, s)) { /* none in the window: its first parked record */
+            if (k.skipped) parked = k.skip_head;
+            break;
+        }
         uint64_t w = LOAD_ACQUIRE(&c->slots[s].state); /* pairs with the receiver's stores */
         uint64_t depth = v->depth;
         int rc = slot_view(c, s, w, hash, v, b);
         v->depth = depth;
         if (rc == SHM_OK || rc == SHM_FULL) return rc;
     }
-    /* Walk the records not taken in (skipped, or not looked at yet) for the first that
+    if (parked != UINT64_MAX && !(parked & 7u)) {
+        rec_copy r;
+        if (rec_read(c, parked, &r) == SHM_OK && r.slot == NIL &&
+            hash_index(r.hashes, r.nkeys, hash) < r.nkeys) {
+            int rc = parked_view(c, &r, parked, hash, v, b);
+            if (rc != SHM_STALE) return rc;
+        }
+    }
+    /* Walk the records not taken in (parked, or not looked at yet) for the first that
      * carries the key. */
     uint64_t pos = LOAD_ACQUIRE(&c->hdr->ingest_pos); /* receiver-written: a hint to start */
     for (uint32_t i = 0; i < VIEW_WALK; i++) {
@@ -351,18 +382,8 @@ static int line_head(shm_chan *c, uint64_t hash, shm_view *v, blob_buf *b, uint3
         if (rc == SHM_EMPTY) return SHM_STALE; /* the tail: none left, the line emptied */
         if (rc != SHM_OK) break;
         if (r.slot == NIL && hash_index(r.hashes, r.nkeys, hash) < r.nkeys) {
-            uint64_t depth = v->depth, used = b->used;
-            memset(v, 0, sizeof *v);
-            v->depth = depth;
-            v->seq = r.seq;
-            v->state = SHM_VIEW_QUEUED;
-            rc = blob_copy(c, pos, r.seq, hash, v, b);
-            if (rc == SHM_OK) b->used += v->blob_len;
-            __atomic_thread_fence(__ATOMIC_ACQUIRE); /* as in rec_read */
-            if (LOAD_RELAXED(&c->hdr->head) > pos) {
-                b->used = used;
-                break;
-            }
+            rc = parked_view(c, &r, pos, hash, v, b);
+            if (rc == SHM_STALE) break;
             return rc;
         }
         pos += r.len;
