@@ -7,7 +7,8 @@
  * Consistency: a seqlock (as in the Linux kernel's seqcount). The receiver makes every
  * change to its tables between rx_begin() and rx_end() (core.h), which make the header's
  * `version` word odd, then even and larger. A reader here copies what it needs between
- * view_begin() (waits, a bounded number of pauses, for an even version) and view_ok()
+ * view_begin() (waits for an even version: a few pauses, then a bounded number of
+ * sched_yield()s, for a receiver preempted mid-update on a busy machine) and view_ok()
  * (the version is unchanged), and retries a bounded number of times (VIEW_TRIES). Reads
  * are short -- one chunk of the key table, one step of a chain -- so a busy receiver,
  * whose updates are a few hundred ns apart, still leaves gaps to read in; if none comes
@@ -38,6 +39,7 @@
  *             VIEW_WALK records of the ring from ingest_pos for a message outside the
  *             window; then O(keys) per step of the chain, at most `max` steps.
  */
+#include <sched.h>
 #include <stdlib.h>
 
 #include "core.h"
@@ -58,7 +60,10 @@ static uint64_t view_begin(shm_chan *c) {
          * are visible to the reads that follow. */
         v = LOAD_ACQUIRE(&c->hdr->version);
         if (!(v & 1u)) break;
-        CPU_RELAX();
+        /* Odd: the receiver is in an update, which takes microseconds -- unless it was
+         * preempted there; then give it the CPU (a bounded number of times). */
+        if (i < VIEW_SPINS / 4) CPU_RELAX();
+        else sched_yield();
     }
     return v;
 }
@@ -747,22 +752,24 @@ int shm_view_why(shm_chan *c, uint64_t seq, shm_view *self, shm_view *out, uint3
                 }
             } else {
                 for (uint32_t k = 0; k < want.nkeys && ps == NIL; k++) {
-                    for (int tries = 0; tries < VIEW_TRIES; tries++) {
+                    uint32_t t = NIL;
+                    int ok = 0;
+                    for (int tries = 0; tries < VIEW_TRIES && !ok; tries++) {
                         uint64_t ver = view_begin(c);
                         int64_t ki = key_lookup(c, want.hashes[k]);
                         uint32_t tail = ki >= 0 ? c->keys[ki].tail : NIL;
                         uint32_t held = ki >= 0 ? c->keys[ki].held : NIL;
-                        uint32_t t = c->cfg.order == SHM_ORDER_FIFO
-                                         ? (ki >= 0 && c->keys[ki].head != NIL && NODE_OK(c, tail)
-                                                ? c->nodes[tail].slot
-                                                : NIL)
-                                         : held;
-                        if (!view_ok(c, ver)) continue;
-                        if (SLOT_OK(c, t)) {
-                            ps = t;
-                            hash = want.hashes[k];
-                        }
-                        break;
+                        t = c->cfg.order == SHM_ORDER_FIFO
+                                ? (ki >= 0 && c->keys[ki].head != NIL && NODE_OK(c, tail)
+                                       ? c->nodes[tail].slot
+                                       : NIL)
+                                : held;
+                        ok = view_ok(c, ver);
+                    }
+                    if (!ok) *partial = 1; /* the last reading, checked, perhaps not current */
+                    if (SLOT_OK(c, t)) {
+                        ps = t;
+                        hash = want.hashes[k];
                     }
                 }
             }
