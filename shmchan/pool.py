@@ -646,10 +646,11 @@ class _Core:
     def pickled(self, fn: object) -> bytes:
         """pickle(fn); remembered for plain functions, which pickle by reference (so
         their pickle never changes), not for objects, which pickle their state."""
-        blob = self.functions.get(fn)
+        plain = type(fn) in (types.FunctionType, types.BuiltinFunctionType)
+        blob = self.functions.get(fn) if plain else None
         if blob is None:
             blob = _dumps(fn, "the function", fn)
-            if type(fn) in (types.FunctionType, types.BuiltinFunctionType):
+            if plain:
                 if len(self.functions) >= 256:
                     self.functions.clear()
                 self.functions[fn] = blob
@@ -671,7 +672,7 @@ class _Core:
         try:
             self.tx.send(TASK_HEADER.pack(tid, len(blob)) + blob + body, keys=keys)
         except BaseException as e:
-            del self.tasks[tid]
+            self.tasks.pop(tid, None)
             self.explain(e)
             raise
         if self.sleeping:

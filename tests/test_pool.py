@@ -703,3 +703,27 @@ def test_a_task_too_large_for_the_channel_fails_at_submit() -> None:
         with pytest.raises(shmchan.MessageTooLarge, match="capacity="):
             ex.submit(echo_size, bytes(2 << 20))
         assert ex.submit(echo_size, bytes(100_000)).result(timeout=WAIT) == (100_000, 0)
+
+
+class Doubler:
+    """A callable object that compares by value (so it cannot be hashed)."""
+
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Doubler) and other.factor == self.factor
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __call__(self, x: int) -> int:
+        return x * self.factor
+
+
+def test_callable_objects_are_sent_with_their_state() -> None:
+    fn = Doubler(2)
+    with shmchan.KeyedExecutor(1) as ex:
+        assert ex.submit(fn, 5).result(timeout=WAIT) == 10
+        fn.factor = 3  # pickled again at every submit: the new state travels
+        assert ex.submit(fn, 5).result(timeout=WAIT) == 15
+        assert list(ex.map(fn, [1, 2])) == [3, 6]
