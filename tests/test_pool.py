@@ -421,8 +421,11 @@ def test_every_start_method_works(method: str, tmp_path: Path) -> None:
 def test_an_abandoned_executor_cleans_up() -> None:
     ex = shmchan.KeyedExecutor(1)
     fut = ex.submit(square, 3)
-    del ex
+    manager = ex._core.thread
+    del ex  # never shut down: its manager finishes the work, then cleans up
     assert fut.result(timeout=WAIT) == 9
+    manager.join(WAIT)
+    assert not manager.is_alive()
 
 
 # ------------------------------------------------------------------ KeyedPool
