@@ -20,6 +20,7 @@ SOURCES = [
     "hash.c",
     "crc32c.c",
     "inspect.c",
+    "exchange.c",
 ]
 
 ffi = FFI()

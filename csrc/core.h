@@ -244,6 +244,8 @@ enum {
     REC_DISCARDED = 3, /* its producer died before committing; skip it      */
     REC_DONE = 4,      /* consumed and released: its bytes may be reused    */
     REC_CANCELLED = 5, /* claimed by a send that then saw shutdown          */
+    REC_GATED = 6,     /* whole, but waits on a transaction of an exchange: it ends
+                          COMMITTED or DISCARDED/CANCELLED (ring.c, exchange.c) */
 };
 #define REC_HDR 24u   /* owner + meta + seq: the part a successor pre-writes */
 #define REC_BODY 56u  /* fixed part of a committed record                   */
@@ -254,6 +256,19 @@ enum {
 #define OWNER_CLAIM(token) ((token) << 1)
 #define OWNER_TOKEN(w) ((w) >> 1)
 #define OWNER_IS_EMPTY(w) (((w)&1u) != 0)
+
+/* A gated record (REC_GATED, written by an exchange's publish) ends with a gate trailer
+ * after its payload, which stays there once it is committed:
+ *       exchange name   name_len bytes, padded to 8
+ *       footer          u64 uid, u32 txn slot, u32 txn gen, u32 name_len, u32 GATE_MAGIC
+ * The footer is the record's last 24 bytes; ring_validate_body accepts a record whose
+ * length is its body's plus a well-formed trailer. */
+#define GATE_MAGIC 0x45544147u /* "GATE" */
+#define GATE_FOOTER 24u
+typedef struct {
+    uint64_t uid;
+    uint32_t slot, gen, name_len, magic;
+} shm_gate_footer;
 
 typedef struct {
     uint64_t owner;
@@ -366,6 +381,11 @@ void ring_init(shm_chan *c);
 int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall);
 int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len);
 void ring_mark_done(shm_chan *c, uint64_t pos);
+int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
+                    const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, const shm_gate *gate,
+                    uint64_t *pos_out, uint64_t *seq_out, shm_stall *stall);
+int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t final_state,
+                     int *wake);
 int ring_advance_head(shm_chan *c);
 int space_wake_due(shm_chan *c, int idle);
 /* sched.c */

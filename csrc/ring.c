@@ -49,6 +49,13 @@
  *   - COMMITTED: the message is whole and is delivered.
  * A message is thus visible whole or not at all; a send that returned is committed.
  *
+ * Gated records (an exchange's publish, exchange.c): step 6 ends in GATED instead of
+ * COMMITTED, with a gate trailer naming a transaction word in the exchange's segment.
+ * The consumer treats GATED like WRITING (a stall naming the claimant). The publisher
+ * later settles the record (ring_gate_settle: CAS GATED -> COMMITTED or CANCELLED);
+ * if it died first, the receiver settles it from the transaction word
+ * (shm_gate_read, then shm_gate_resolve: COMMITTED or DISCARDED).
+ *
  * The consumer frees space by advancing head over records it has finished (DONE,
  * DISCARDED, CANCELLED), in order, with a release store that producers pair with
  * their acquire load in step 2.
@@ -174,7 +181,7 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
 /* Write the body of a claimed record and commit it (steps 4-6). */
 static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t kind,
                  const uint8_t *data, uint64_t len, const uint8_t *keys, uint32_t keys_len,
-                 uint32_t nkeys, const uint64_t *hashes) {
+                 uint32_t nkeys, const uint64_t *hashes, const shm_gate *gate) {
     shm_record *r = rec_at(c, pos);
     prepare_successor(c, pos + n, seq + 1);
     /* release: pairs with walkers' acquire load of meta in claim(): whoever sees our length
@@ -192,11 +199,23 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
     memcpy(p, keys, keys_len);
     p += align8(keys_len);
     if (len) memcpy(p, data, len);
+    uint32_t final = REC_COMMITTED;
+    if (gate) { /* the trailer: the name, then the footer in the record's last bytes */
+        p += align8(len);
+        memcpy(p, gate->name, gate->name_len);
+        shm_gate_footer f = {gate->uid, gate->slot, gate->gen, gate->name_len, GATE_MAGIC};
+        memcpy((uint8_t *)r + n - GATE_FOOTER, &f, sizeof f);
+        final = REC_GATED;
+    }
     r->pad = 0;
-    r->crc = (c->cfg.flags & SHM_CFG_DURABLE) ? rec_checksum(r, n) : 0;
-    /* release: pairs with the consumer's acquire load in ring_peek: a COMMITTED record's
-     * body is complete when seen. */
-    STORE_RELEASE(&r->meta, META(n, REC_COMMITTED));
+    r->crc = (c->cfg.flags & SHM_CFG_DURABLE) ? rec_checksum(r, n) : 0; /* trailer included */
+    /* release: pairs with the consumer's acquire load in ring_peek (and shm_gate_read):
+     * a COMMITTED or GATED record's body is complete when seen. */
+    STORE_RELEASE(&r->meta, META(n, final));
+}
+
+static uint64_t gate_size(const shm_gate *gate) {
+    return gate ? align8(gate->name_len) + GATE_FOOTER : 0;
 }
 
 /* A durable record's checksum (crc32c.c): its length, and everything the producer wrote
@@ -269,10 +288,12 @@ static void wake_receiver(shm_chan *c, int *wake) {
 
 static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
                     const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *seq_out,
-                    shm_stall *stall) {
+                    shm_stall *stall, const shm_gate *gate, uint64_t *pos_out) {
     uint64_t n, pos, seq;
     uint64_t hashes[SHM_MAX_KEYS_LIMIT];
-    int rc = check_message(c, kind, len, keys_len, nkeys, &n);
+    if (gate && gate->name_len > SHM_GATE_NAME_MAX) return SHM_E_INVALID;
+    /* the trailer is 8-aligned: the record is the body's size plus gate_size */
+    int rc = check_message(c, kind, len + gate_size(gate), keys_len, nkeys, &n);
     if (rc) return rc;
     rc = key_hashes(keys, keys_len, nkeys, hashes);
     if (rc) return rc;
@@ -291,11 +312,78 @@ static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
         hint_raise(c, pos + n);
         return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
     }
-    fill(c, pos, n, seq, kind, data, len, keys, keys_len, nkeys, hashes);
-    shm_producer *p = &c->producers[c->producer - 1];
-    STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
+    fill(c, pos, n, seq, kind, data, len, keys, keys_len, nkeys, hashes, gate);
+    if (!gate) { /* a gated record counts as sent once its publisher commits it */
+        shm_producer *p = &c->producers[c->producer - 1];
+        STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
+    }
     *seq_out = seq;
+    if (pos_out) *pos_out = pos;
     return SHM_OK;
+}
+
+/* Append a record that stays GATED until ring_gate_settle (exchange.c's publish). */
+int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
+                    const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, const shm_gate *gate,
+                    uint64_t *pos_out, uint64_t *seq_out, shm_stall *stall) {
+    if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
+    return send_one(c, kind, data, len, keys, keys_len, nkeys, seq_out, stall, gate, pos_out);
+}
+
+/* CAS the GATED record at pos, claimed by owner_token, to final_state. SHM_STALE if it is
+ * not (or no longer) that. *wake |= 1 when the receiver should be posted. */
+int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t final_state,
+                     int *wake) {
+    shm_record *r = rec_at(c, pos);
+    /* acquire: pairs with the claim CAS; the owner of a GATED record never changes. */
+    if (LOAD_ACQUIRE(&r->owner) != OWNER_CLAIM(owner_token)) return SHM_STALE;
+    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with fill's release of GATED */
+    if (META_STATE(meta) != REC_GATED) return SHM_STALE;
+    /* seq_cst: one settler wins (the publisher, or the receiver once it is dead); pairs
+     * with the consumer's acquire load of meta in ring_peek. */
+    if (!CAS_SEQCST(&r->meta, &meta, META(META_LEN(meta), final_state))) return SHM_STALE;
+    if (final_state == REC_COMMITTED && c->producer && owner_token == c->token) {
+        shm_producer *p = &c->producers[c->producer - 1];
+        STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
+    }
+    wake_receiver(c, wake);
+    return SHM_OK;
+}
+
+/* The gate of the GATED record at pos claimed by dead_owner (any process may read it). */
+int shm_gate_read(shm_chan *c, uint64_t pos, uint64_t dead_owner, shm_gate *out) {
+    shm_record *r = rec_at(c, pos);
+    if (LOAD_ACQUIRE(&r->owner) != OWNER_CLAIM(dead_owner)) return SHM_STALE; /* pairs with claim */
+    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with fill's release of GATED */
+    uint64_t len = META_LEN(meta);
+    if (META_STATE(meta) != REC_GATED) return SHM_STALE;
+    if (!len_ok(c, len) || ring_validate_body(c, r, len) != SHM_OK) return SHM_E_CORRUPT;
+    shm_gate_footer f;
+    uint64_t body = rec_size(r->nkeys, r->keys_len, r->data_len);
+    if (len - body < GATE_FOOTER) return SHM_E_CORRUPT; /* a plain body: no gate */
+    memcpy(&f, (uint8_t *)r + len - GATE_FOOTER, sizeof f);
+    out->uid = f.uid;
+    out->slot = f.slot;
+    out->gen = f.gen;
+    out->name_len = f.name_len; /* checked by ring_validate_body */
+    memcpy(out->name, (uint8_t *)r + body, f.name_len);
+    /* acquire fence, then re-read: the record was not settled (and reused) meanwhile */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (LOAD_RELAXED(&r->meta) != meta || LOAD_RELAXED(&r->owner) != OWNER_CLAIM(dead_owner))
+        return SHM_STALE;
+    return SHM_OK;
+}
+
+/* Receiver: settle a dead publisher's GATED record at pos as its transaction decided. Under
+ * rx_mu, so head cannot pass pos meanwhile: the record we checked is the one we settle. */
+int shm_gate_resolve(shm_chan *c, uint64_t pos, uint64_t dead_owner, int commit) {
+    if (!c->is_rx) return SHM_E_INVALID;
+    pthread_mutex_lock(&c->rx_mu);
+    int rc = SHM_STALE, wake = 0;
+    if (pos >= c->hdr->head && pos - c->hdr->head < c->cap)
+        rc = ring_gate_settle(c, pos, dead_owner, commit ? REC_COMMITTED : REC_DISCARDED, &wake);
+    pthread_mutex_unlock(&c->rx_mu);
+    return rc;
 }
 
 int shm_send(shm_chan *c, uint32_t kind, const char *data, uint64_t len, const char *keys,
@@ -303,7 +391,7 @@ int shm_send(shm_chan *c, uint32_t kind, const char *data, uint64_t len, const c
     *wake = 0;
     if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
     int rc = send_one(c, kind, (const uint8_t *)data, len, (const uint8_t *)keys, keys_len, nkeys,
-                      seq_out, stall);
+                      seq_out, stall, NULL, NULL);
     if (rc == SHM_OK) wake_receiver(c, wake);
     return rc;
 }
@@ -344,7 +432,8 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
             break;
         }
         rc = send_one(c, kinds[i], (const uint8_t *)data + doff, data_lens[i],
-                      (const uint8_t *)keys + koff, keys_lens[i], nkeys[i], &seqs_out[i], stall);
+                      (const uint8_t *)keys + koff, keys_lens[i], nkeys[i], &seqs_out[i], stall,
+                      NULL, NULL);
         if (rc) break;
         doff += data_lens[i];
         koff += keys_lens[i];
@@ -388,7 +477,7 @@ int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_st
     /* acquire: pairs with the release stores of meta in fill() / repair / discard. */
     uint64_t meta = LOAD_ACQUIRE(&r->meta);
     uint32_t st = META_STATE(meta);
-    if (st == REC_CLAIMED || st == REC_WRITING) {
+    if (st == REC_CLAIMED || st == REC_WRITING || st == REC_GATED) {
         stall->pos = pos;
         stall->owner = OWNER_TOKEN(owner);
         return SHM_STALLED;
@@ -414,7 +503,15 @@ int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
     /* serializer="raw" promises nothing is ever unpickled: a pickled record is forged */
     if (r->kind != SHM_PAYLOAD_RAW && (c->cfg.flags & SHM_CFG_RAW_ONLY)) return SHM_E_CORRUPT;
     if (keys_len > len || data_len > len) return SHM_E_CORRUPT;
-    if (rec_size(nkeys, keys_len, data_len) != len) return SHM_E_CORRUPT;
+    uint64_t body = rec_size(nkeys, keys_len, data_len);
+    if (body == len) return SHM_OK;
+    /* else it must end in a gate trailer (see core.h) */
+    if (body > len || len - body < GATE_FOOTER) return SHM_E_CORRUPT;
+    shm_gate_footer f;
+    memcpy(&f, (uint8_t *)r + len - GATE_FOOTER, sizeof f);
+    if (f.magic != GATE_MAGIC || f.name_len > SHM_GATE_NAME_MAX ||
+        body + align8(f.name_len) + GATE_FOOTER != len)
+        return SHM_E_CORRUPT;
     return SHM_OK;
 }
 

@@ -107,6 +107,16 @@ typedef struct {
 
 typedef struct shm_chan shm_chan;   /* one process's attachment (opaque) */
 
+/* --- the gate of a record published through an exchange (ring.c, exchange.c) --- */
+#define SHM_GATE_NAME_MAX 208
+typedef struct {
+    uint64_t uid;           /* the exchange segment's identity             */
+    uint32_t slot;          /* its transaction slot ...                    */
+    uint32_t gen;           /* ... and that slot's generation              */
+    uint32_t name_len;
+    char name[SHM_GATE_NAME_MAX]; /* the exchange's name (not terminated)  */
+} shm_gate;
+
 /* --- segment ------------------------------------------------------------ */
 int  shm_layout_size(const shm_config *cfg, uint64_t *total_out);
 int  shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_chan **out);
@@ -158,6 +168,10 @@ int  shm_rx_release_ownership(shm_chan *c);
 int  shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got,
               int arm_sleep, shm_stall *stall, uint32_t *wake_sender);
 int  shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner);
+/* A gated record at pos whose publisher (dead_owner) died: read its gate, then settle it
+ * (commit = 1: deliver, 0: discard) once the exchange's transaction word decided. */
+int  shm_gate_read(shm_chan *c, uint64_t pos, uint64_t dead_owner, shm_gate *out);
+int  shm_gate_resolve(shm_chan *c, uint64_t pos, uint64_t dead_owner, int commit);
 int  shm_rx_spin(shm_chan *c, uint32_t spins);
 
 /* --- handles (any process) ---------------------------------------------- */
@@ -226,3 +240,58 @@ int  shm_view_producers(shm_chan *c, uint64_t *tokens, uint64_t *sent, uint32_t 
                         uint32_t *n);
 int  shm_check_scheduler(shm_chan *c, uint32_t *what);
 int  shm_layout_fact(const char *name, uint64_t *out);
+
+/* --- exchanges (exchange.c): bindings in a segment of their own, all-or-nothing publish - */
+#define EXCH_KIND_FANOUT    0
+#define EXCH_KIND_DIRECT    1
+#define EXCH_KIND_TOPIC     2
+#define EXCH_LAYOUT_VERSION 1
+#define EXCH_MAX_BINDINGS   1024
+#define EXCH_MAX_TXNS       256
+#define EXCH_PATTERN_MAX    256
+
+typedef struct shm_exch shm_exch;   /* one process's attachment to an exchange (opaque) */
+
+typedef struct {
+    uint64_t uid;
+    uint64_t version;       /* bumped by every binding change           */
+    uint64_t published;     /* publish calls that went through           */
+    uint64_t routed;        /* copies delivered into channels            */
+    uint64_t unroutable;    /* publishes that matched no binding         */
+    uint64_t writer;        /* token changing the bindings, 0 = none     */
+    uint32_t kind;          /* EXCH_KIND_*                               */
+    uint32_t max_bindings;
+    uint32_t max_txns;
+    uint32_t txns_busy;     /* transaction slots held right now          */
+} shm_exch_info;
+
+typedef struct {
+    uint64_t count;         /* messages routed through this binding      */
+    uint32_t index;         /* its entry in the table                    */
+    uint32_t chan_len;
+    uint32_t pat_len;
+    char chan[SHM_GATE_NAME_MAX];
+    char pat[EXCH_PATTERN_MAX];
+} shm_binding;
+
+uint64_t exch_segment_size(void);
+int  exch_attach(int fd, int create, uint32_t kind, const char *name, uint32_t name_len,
+                 uint64_t uid, uint64_t token, shm_exch **out);
+void exch_detach(shm_exch *x);
+int  exch_set_identity(shm_exch *x, uint64_t token);
+int  exch_info(shm_exch *x, shm_exch_info *out);
+uint64_t exch_version(shm_exch *x);
+int  exch_bind(shm_exch *x, const char *chan, uint32_t chan_len, const char *pat,
+               uint32_t pat_len, uint64_t *holder);
+int  exch_unbind(shm_exch *x, const char *chan, uint32_t chan_len, const char *pat,
+                 uint32_t pat_len, uint64_t *holder);
+int  exch_writer_reap(shm_exch *x, uint64_t dead);
+int  exch_bindings(shm_exch *x, shm_binding *out, uint32_t max, uint32_t *n, uint64_t *version);
+int  exch_note(shm_exch *x, const uint32_t *idx, uint32_t nb, uint64_t copies);
+int  exch_publish(shm_exch *x, shm_chan **chans, uint32_t n, uint32_t kind, const char *data,
+                  uint64_t len, const char *keys, uint32_t keys_len, uint32_t nkeys,
+                  uint64_t *seqs_out, int *wake_out, uint32_t *failed, shm_stall *stall);
+int  exch_txn_outcome(shm_exch *x, uint32_t slot, uint32_t gen, uint64_t dead_owner, int *commit);
+int  exch_txn_settled(shm_exch *x, uint32_t slot, uint32_t gen);
+int  exch_txn_owner(shm_exch *x, uint32_t i, uint64_t *owner);
+int  exch_txn_reap(shm_exch *x, uint32_t i, uint64_t dead);

@@ -311,7 +311,7 @@ int window_has_work(shm_chan *c) {
     if (owner == OWNER_EMPTY(h->scan_pos)) return 0;
     uint64_t meta = LOAD_SEQCST(&r->meta);
     uint32_t st = META_STATE(meta);
-    if (st == REC_CLAIMED || st == REC_WRITING) return 0; /* its commit will wake us */
+    if (st == REC_CLAIMED || st == REC_WRITING || st == REC_GATED) return 0; /* its commit wakes us */
     if (st != REC_COMMITTED || h->ready_count >= READY_AHEAD) return 1; /* let the poll say */
     uint64_t len = META_LEN(meta), blocker;
     if (len < REC_BODY || len > c->cap - REC_HDR || ring_validate_body(c, r, len)) return 1;

@@ -42,6 +42,14 @@ from .errors import (
     WorkerDied,
     WrongProcess,
 )
+from .exchange import (
+    Exchange,
+    ExchangeExists,
+    ExchangeNotFound,
+    ExchangeStats,
+    list_exchanges,
+    unlink_exchange,
+)
 from .inspect import HeldKey, Line, Wait, WaitChain
 from .pool import ExecutorStats, KeyedExecutor, KeyedPool, PoolStats, RemoteTraceback, WorkerStats
 
@@ -87,4 +95,10 @@ __all__ = [
     "PoolStats",
     "WorkerStats",
     "RemoteTraceback",
+    "Exchange",
+    "ExchangeStats",
+    "ExchangeNotFound",
+    "ExchangeExists",
+    "unlink_exchange",
+    "list_exchanges",
 ]

@@ -298,7 +298,11 @@ def _resolve_stall(seg: _Segment, stall: Any, consumer: bool) -> None:
         return
     rc = lib.shm_repair_claim(seg.ptr, stall.pos, owner)
     if rc != lib.SHM_OK and consumer:
-        lib.shm_discard_dead(seg.ptr, stall.pos, owner)
+        rc = lib.shm_discard_dead(seg.ptr, stall.pos, owner)
+        if rc != lib.SHM_OK:  # a dead publisher's gated record: its exchange decides
+            from .exchange import resolve_gate  # (exchange imports this module)
+
+            resolve_gate(seg, int(stall.pos), owner)
 
 
 # ---------------------------------------------------------------------------------------

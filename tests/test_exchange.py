@@ -1,0 +1,426 @@
+"""Exchanges: routing by kind, the topic rules, bindings shared across processes,
+per-key order in each bound channel, and all-or-nothing publishes under SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from procs import CTX, WAIT, running
+
+import shmchan
+from shmchan.exchange import check_pattern, resolve_gate, topic_matches
+
+
+@pytest.fixture
+def make_exchange() -> Iterator[Callable[..., shmchan.Exchange]]:
+    """``make_exchange(kind)``: a fresh exchange; closed and unlinked at teardown."""
+    made: list[shmchan.Exchange] = []
+
+    def make(kind: str = "fanout") -> shmchan.Exchange:
+        ex = shmchan.Exchange.create(f"t{os.getpid()}_x{uuid.uuid4().hex[:8]}", kind=kind)
+        made.append(ex)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.close()
+        try:
+            shmchan.unlink_exchange(ex.name)
+        except shmchan.ExchangeNotFound:
+            pass
+
+
+def drain(ch: Any, limit: float = 5.0) -> list[Any]:
+    """Every message the channel holds right now: (payload, keys, seq) in delivery order."""
+    rx = ch.receiver()
+    out = []
+    deadline = time.monotonic() + limit
+    try:
+        while time.monotonic() < deadline:
+            try:
+                h = rx.recv(timeout=0.2)
+            except shmchan.Empty:
+                break
+            out.append((h.payload, h.keys, h.seq))
+            h.release()
+    finally:
+        rx.close()
+    return out
+
+
+def names_of(result: dict[str, int]) -> set[str]:
+    return set(result)
+
+
+# ---- lifecycle -------------------------------------------------------------------------
+
+
+def test_create_open_unlink(make_exchange: Any) -> None:
+    ex = make_exchange("direct")
+    other = shmchan.Exchange.open(ex.name)
+    assert other.kind == "direct"
+    with pytest.raises(shmchan.ExchangeExists):
+        shmchan.Exchange.create(ex.name)
+    assert ex.name in shmchan.list_exchanges()
+    ex.unlink()
+    with pytest.raises(shmchan.ChannelNotFound):
+        shmchan.Exchange.open(ex.name)
+    with pytest.raises(shmchan.ExchangeNotFound):
+        shmchan.unlink_exchange(ex.name)
+    other.close()
+    other.close()  # idempotent
+    with pytest.raises(shmchan.Closed):
+        other.publish(b"x")
+
+
+def test_bad_arguments_refused(make_exchange: Any) -> None:
+    with pytest.raises(ValueError, match="kind"):
+        shmchan.Exchange.create(f"t{os.getpid()}_bad", kind="headers")
+    with pytest.raises(ValueError, match="exchange name"):
+        shmchan.Exchange.create("/bad name")
+    ex = make_exchange("topic")
+    with pytest.raises(TypeError):
+        ex.publish(b"x", routing_key=5)
+    with pytest.raises(ValueError, match="routing key"):
+        ex.publish(b"x", routing_key="a-b")
+
+
+def test_bind_to_missing_channel_raises(make_exchange: Any, chan_name: str) -> None:
+    ex = make_exchange("fanout")
+    with pytest.raises(shmchan.ChannelNotFound):
+        ex.bind(chan_name)
+    assert ex.bindings() == []
+
+
+# ---- routing, per kind -----------------------------------------------------------------
+
+
+def test_fanout_reaches_every_bound_channel(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("fanout")
+    chans = [make_channel() for _ in range(3)]
+    for c in chans:
+        ex.bind(c.name, "ignored")
+    ex.bind(chans[0].name)  # the pattern is ignored: still one binding
+    assert len(ex.bindings()) == 3
+    got = ex.publish({"n": 1}, routing_key="anything", keys=("k",))
+    assert names_of(got) == {c.name for c in chans}
+    for c in chans:
+        [(payload, keys, seq)] = drain(c)
+        assert payload == {"n": 1} and keys == ("k",) and seq == got[c.name]
+
+
+def test_direct_routes_on_equal_key(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("direct")
+    a, b = make_channel(), make_channel()
+    ex.bind(a.name, "red")
+    ex.bind(b.name, "green")
+    ex.bind(b.name, "red")
+    assert names_of(ex.publish(b"1", routing_key="red")) == {a.name, b.name}
+    assert names_of(ex.publish(b"2", routing_key="green")) == {b.name}
+    assert ex.publish(b"3", routing_key="re") == {}
+    assert [p for p, _, _ in drain(a)] == [b"1"]
+    assert [p for p, _, _ in drain(b)] == [b"1", b"2"]  # one copy, though two bindings match
+
+
+def test_topic_routes_by_pattern(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("topic")
+    audit, billing, eu = make_channel(), make_channel(), make_channel()
+    ex.bind(audit.name, "#")
+    ex.bind(billing.name, "orders.*.paid")
+    ex.bind(eu.name, "*.eu.#")
+    assert names_of(ex.publish(b"1", routing_key="orders.eu.paid")) == {
+        audit.name,
+        billing.name,
+        eu.name,
+    }
+    assert names_of(ex.publish(b"2", routing_key="orders.us.paid")) == {audit.name, billing.name}
+    assert names_of(ex.publish(b"3", routing_key="orders.eu")) == {audit.name, eu.name}
+    assert names_of(ex.publish(b"4", routing_key="")) == {audit.name}
+    assert ex.unbind(audit.name, "#")
+    assert not ex.unbind(audit.name, "#")
+    assert ex.publish(b"5", routing_key="x") == {}
+
+
+def test_unroutable_counted_and_stats(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("direct")
+    a = make_channel()
+    ex.bind(a.name, "k")
+    ex.publish(b"x", routing_key="k")
+    ex.publish(b"x", routing_key="nope")
+    s = ex.stats()
+    assert (s.published, s.routed, s.unroutable) == (2, 1, 1)
+    assert [(b.channel, b.pattern, b.routed) for b in s.bindings] == [(a.name, "k", 1)]
+    assert s.txns_busy == 0
+
+
+def test_publish_many(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("direct")
+    a, b = make_channel(), make_channel()
+    ex.bind(a.name, "a")
+    ex.bind(b.name, "a")
+    ex.bind(b.name, "b")
+    out = ex.publish_many([(b"1", "a"), (b"2", "b", ("k",)), (b"3", "c")])
+    assert [names_of(r) for r in out] == [{a.name, b.name}, {b.name}, set()]
+    assert [(p, k) for p, k, _ in drain(b)] == [(b"1", ()), (b"2", ("k",))]
+
+
+def test_full_channel_publishes_nowhere(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("fanout")
+    roomy = make_channel(capacity=1 << 20)
+    small = make_channel(capacity=4096)
+    ex.bind(roomy.name)
+    ex.bind(small.name)
+    sent = 0
+    with pytest.raises(shmchan.Full):
+        for _ in range(100):
+            ex.publish(b"x" * 1000, timeout=0.05)
+            sent += 1
+    assert 0 < sent < 100
+    assert len(drain(roomy)) == sent  # the refused publish left no copy anywhere
+    assert len(drain(small)) == sent
+    assert roomy.stats().used_bytes == 0 and small.stats().used_bytes == 0
+    # transaction slots: those of publishers killed holding one are reaped, and none is
+    # left holding records to settle
+    ex._reap_txns(ex._live())
+    assert ex.stats().txns_busy == 0
+
+
+def test_per_key_fifo_in_each_channel(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("topic")
+    a, b = make_channel(), make_channel()
+    ex.bind(a.name, "#")
+    ex.bind(b.name, "even.#")
+    for i in range(200):
+        ex.publish(i, routing_key="even.x" if i % 2 == 0 else "odd", keys=(f"k{i % 5}",))
+    for c, want in ((a, list(range(200))), (b, list(range(0, 200, 2)))):
+        got = drain(c)
+        assert [p for p, _, _ in got] == want
+        for k in range(5):  # and per key, in publish order
+            mine = [p for p, keys, _ in got if keys == (f"k{k}",)]
+            assert mine == sorted(mine)
+
+
+# ---- the topic rules -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pattern", ["#", "*", "", "a", "a.b", "a.*", "*.b", "a.#", "#.b", "a.#.b", "*.*", "a_1.B2.#"]
+)
+def test_valid_topic_patterns(pattern: str) -> None:
+    assert check_pattern(pattern) == pattern
+
+
+@pytest.mark.parametrize(
+    "pattern, rule",
+    [
+        ("news.*a", "whole word"),
+        ("news.a*", "whole word"),
+        ("news.#a", "whole word"),
+        ("a#", "whole word"),
+        ("#.#", "next to"),
+        ("#.*", "next to"),
+        ("*.#", "next to"),
+        ("a.#.#.b", "next to"),
+        ("a.b-c", "not allowed"),
+        ("a b", "not allowed"),
+        ("ä", "not allowed"),
+        ("a..b", "empty word"),
+        (".a", "empty word"),
+        ("a.", "empty word"),
+    ],
+)
+def test_invalid_topic_patterns_say_which_rule(
+    make_exchange: Any, make_channel: Any, pattern: str, rule: str
+) -> None:
+    with pytest.raises(ValueError, match=rule):
+        check_pattern(pattern)
+    ex = make_exchange("topic")
+    with pytest.raises(ValueError, match=rule):
+        ex.bind(make_channel().name, pattern)
+
+
+def reference_match(pattern: list[str], words: list[str]) -> bool:
+    """AMQP topic matching, written the obvious recursive way."""
+    if not pattern:
+        return not words
+    if pattern[0] == "#":
+        return reference_match(pattern[1:], words) or (
+            bool(words) and reference_match(pattern, words[1:])
+        )
+    if not words:
+        return False
+    return pattern[0] in ("*", words[0]) and reference_match(pattern[1:], words[1:])
+
+
+def valid(pattern: list[str]) -> bool:
+    return not any(
+        a == "#" and b in ("#", "*") or a == "*" and b == "#"
+        for a, b in zip(pattern, pattern[1:], strict=False)
+    )
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    patterns=st.lists(
+        st.lists(st.sampled_from(["a", "b", "*", "#"]), max_size=5).filter(valid),
+        min_size=1,
+        max_size=6,
+    ),
+    words=st.lists(st.sampled_from(["a", "b", "c"]), max_size=6),
+)
+def test_topic_matching_agrees_with_reference(patterns: list[list[str]], words: list[str]) -> None:
+    key = ".".join(words)
+    for p in patterns:
+        assert topic_matches(".".join(p), key) == reference_match(p, words), (p, key)
+    # and the compiled trie of all of them at once
+    from shmchan.exchange import _Router
+
+    router = _Router(2, [(i, "", ".".join(p)) for i, p in enumerate(patterns)])
+    got = sorted(router.match(words, key))
+    assert got == [i for i, p in enumerate(patterns) if reference_match(p, words)]
+
+
+# ---- bindings are shared: another process sees a change at once -------------------------
+
+
+def _bind_then_signal(ex_name: str, chan: str, pattern: str, ready: Any) -> None:
+    shmchan.Exchange.open(ex_name).bind(chan, pattern)
+    ready.set()
+
+
+def _publish_on_signal(ex_name: str, go: Any, done: Any, out: Any) -> None:
+    ex = shmchan.Exchange.open(ex_name)
+    ex.publish(b"warm", routing_key="a.b")  # compiles (and caches) the bindings
+    go.wait(WAIT)
+    out.put(sorted(ex.publish(b"after", routing_key="a.b")))
+    done.set()
+
+
+def test_binding_changes_seen_by_other_processes_at_once(
+    make_exchange: Any, make_channel: Any
+) -> None:
+    ex = make_exchange("topic")
+    a, b = make_channel(), make_channel()
+    ex.bind(a.name, "a.*")
+    ex.publish(b"warm", routing_key="a.b")  # our cache holds the old table
+    ready = CTX.Event()
+    with running(CTX.Process(target=_bind_then_signal, args=(ex.name, b.name, "#", ready))):
+        assert ready.wait(WAIT)
+    assert names_of(ex.publish(b"x", routing_key="a.b")) == {a.name, b.name}
+
+    go, done, out = CTX.Event(), CTX.Event(), CTX.Queue()
+    with running(CTX.Process(target=_publish_on_signal, args=(ex.name, go, done, out))):
+        time.sleep(0.5)  # let it publish once (and cache) first; it waits for `go`
+        ex.unbind(a.name, "a.*")
+        go.set()
+        assert done.wait(WAIT)
+        assert out.get(timeout=WAIT) == [b.name]
+
+
+# ---- all or nothing under SIGKILL --------------------------------------------------------
+
+
+def _publisher(ex_name: str, ident: int, count: int, started: Any) -> None:
+    ex = shmchan.Exchange.open(ex_name)
+    started.set()
+    for i in range(count):
+        # the payload names itself and carries check bytes, so a torn copy is visible
+        body = f"{ident}:{i}:".encode() + bytes([i % 251]) * (64 + (i * 7919) % (1 << 20))
+        ex.publish(body, keys=(f"p{ident}",), timeout=10)
+
+
+def _check_copy(payload: bytes) -> tuple[int, int]:
+    ident, i, rest = payload.split(b":", 2)
+    assert rest == bytes([int(i) % 251]) * (64 + (int(i) * 7919) % (1 << 20)), "torn copy"
+    return int(ident), int(i)
+
+
+def test_killed_publishers_leave_all_or_nothing(
+    make_exchange: Any, make_channel: Any, monkeypatch: Any
+) -> None:
+    """SIGKILL publishers at random during fan-out to 3 channels: every publish is then in
+    all three or in none, whole, in publish order per publisher; no space is leaked."""
+    rnd = random.Random(1234)
+    # count the receivers' settlements of dead publishers' gated records (killed between
+    # gating a copy and settling it): the test goes on until it has seen some
+    settled: list[bool] = []
+
+    def counting(seg: Any, pos: int, owner: int) -> bool:
+        done = resolve_gate(seg, pos, owner)
+        settled.append(done)
+        return done
+
+    monkeypatch.setattr(shmchan.exchange, "resolve_gate", counting)
+    ex = make_exchange("fanout")
+    chans = [make_channel(capacity=8 << 20) for _ in range(3)]
+    for c in chans:
+        ex.bind(c.name)
+    receivers = [c.receiver() for c in chans]
+    seen: list[list[tuple[int, int]]] = [[] for _ in chans]
+
+    def drain_round(timeout: float) -> int:
+        got = 0
+        for k, rx in enumerate(receivers):
+            try:
+                hs = rx.recv_many(256, timeout=timeout)
+            except shmchan.Empty:
+                continue
+            for h in hs:
+                seen[k].append(_check_copy(h.payload))
+                h.release()
+            got += len(hs)
+        return got
+
+    kills = 0
+    deadline = time.monotonic() + 90
+    ident = 0
+    while kills < 12 or (sum(settled) < 3 and kills < 60 and time.monotonic() < deadline - 30):
+        ident += 1
+        started = CTX.Event()
+        p = CTX.Process(target=_publisher, args=(ex.name, ident, 10**6, started))
+        with running(p):
+            assert started.wait(WAIT)
+            kill_at = time.monotonic() + rnd.uniform(0.02, 0.3)
+            while time.monotonic() < kill_at and p.is_alive():
+                drain_round(0.001)  # keep the channels from filling: kill mid-fan-out
+            if p.is_alive():
+                os.kill(p.pid or 0, signal.SIGKILL)
+                kills += 1
+            p.join(WAIT)
+        assert time.monotonic() < deadline, "crash test ran out of time"
+    # the rest: the receivers settle dead publishers' gated records as they meet them
+    quiet = 0
+    while quiet < 3 and time.monotonic() < deadline:
+        quiet = quiet + 1 if drain_round(0.2) == 0 else 0
+    assert kills >= 12 and sum(settled) >= 1, (kills, settled)
+    for rx in receivers:
+        rx.close()
+    # all or nothing: the three channels hold the same publishes, each exactly once
+    sets = [set(s) for s in seen]
+    for s, lst in zip(sets, seen, strict=True):
+        assert len(s) == len(lst), "a copy was delivered twice"
+    assert sets[0] == sets[1] == sets[2], (
+        f"some publishes reached only part of the channels: "
+        f"{sorted((sets[0] | sets[1] | sets[2]) - (sets[0] & sets[1] & sets[2]))[:10]}"
+    )
+    assert len(sets[0]) > 0
+    for lst in seen:  # per publisher (one key each), in publish order
+        for ident in {i for i, _ in lst}:
+            mine = [n for i, n in lst if i == ident]
+            assert mine == sorted(mine)
+    for c in chans:
+        st_ = c.stats()
+        assert st_.used_bytes == 0 and st_.queued == 0, st_
+    # transaction slots: those of publishers killed holding one are reaped, and none is
+    # left holding records to settle
+    ex._reap_txns(ex._live())
+    assert ex.stats().txns_busy == 0
