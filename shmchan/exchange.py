@@ -368,8 +368,8 @@ class Exchange:
         self.kind = _KIND_NAMES[att.kind]
         self._router: _Router | None = None
         self._version = -1
+        self._sender_cache: dict[str, _channel.Sender] = {}  # refreshed with the bindings
         self._lock = threading.Lock()
-        self._scratch = threading.local()
 
     @classmethod
     def create(cls, name: str, kind: str = "fanout", mode: int = 0o600) -> Exchange:
@@ -404,6 +404,7 @@ class Exchange:
         """Detach this process (idempotent). The exchange and its bindings stay."""
         self._att = None
         self._router = None
+        self._sender_cache = {}
 
     def unlink(self) -> None:
         """Remove the exchange's name (see unlink_exchange)."""
@@ -500,6 +501,7 @@ class Exchange:
                 version, rows = self._read_bindings(att)
                 router = _Router(att.kind, [(i, chan, pat) for i, chan, pat, _ in rows])
                 self._router, self._version = router, version
+                self._sender_cache = {}
         return router
 
     # -- publishing ---------------------------------------------------------------------
@@ -522,21 +524,38 @@ class Exchange:
         matched = router.match(words, routing_key)
         names = sorted({router.bindings[b][1] for b in matched})
         idx = ffi.new("uint32_t[]", [router.bindings[b][0] for b in matched] or [0])
-        senders: list[Any] = []
-        for name in names:
+        for retry in range(3):
+            senders = self._senders(names)
             try:
-                senders.append(_channel.Sender.open(name))
-            except errors.ChannelNotFound:
-                continue  # removed since it was bound: like AMQP, its bindings go with it
-        if not senders:
-            lib.exch_note(att.ptr, idx, len(matched), 0)
-            return {}
-        if len(senders) == 1:  # one copy is all-or-nothing by itself
-            seqs = [senders[0].send(payload, keys=keys, timeout=timeout)]
-        else:
-            seqs = self._publish_all(att, senders, payload, keys, deadline)
+                if not senders:
+                    seqs: list[int] = []
+                elif len(senders) == 1:  # one copy is all-or-nothing by itself
+                    seqs = [senders[0].send(payload, keys=keys, timeout=timeout)]
+                else:
+                    seqs = self._publish_all(att, senders, payload, keys, deadline)
+                break
+            except errors.ChannelRemoved:
+                # A bound channel was removed (published nowhere): look the names up again
+                self._sender_cache.clear()
+                if retry == 2:
+                    raise
         lib.exch_note(att.ptr, idx, len(matched), len(senders))
         return {s._live().name: seq for s, seq in zip(senders, seqs, strict=True)}
+
+    def _senders(self, names: list[str]) -> list[_channel.Sender]:
+        """Senders of the channels called `names` that exist (a channel removed since it
+        was bound is skipped: as in AMQP, its bindings go with it)."""
+        out = []
+        cache = self._sender_cache
+        for name in names:
+            tx = cache.get(name)
+            if tx is None:
+                try:
+                    tx = cache[name] = _channel.Sender.open(name)
+                except errors.ChannelNotFound:
+                    continue
+            out.append(tx)
+        return out
 
     def publish_many(
         self, items: Iterable[tuple[Any, ...]], timeout: float | None = None

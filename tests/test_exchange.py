@@ -194,6 +194,19 @@ def test_full_channel_publishes_nowhere(make_exchange: Any, make_channel: Any) -
     assert ex.stats().txns_busy == 0
 
 
+def test_removed_channel_is_skipped(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("fanout")
+    a, b, c = make_channel(), make_channel(), make_channel()
+    for ch in (a, b, c):
+        ex.bind(ch.name)
+    assert names_of(ex.publish(b"1")) == {a.name, b.name, c.name}
+    c.unlink()
+    assert names_of(ex.publish(b"2")) == {a.name, b.name}  # cached sender: refused, re-read
+    b.unlink()
+    assert names_of(ex.publish(b"3")) == {a.name}
+    assert [p for p, _, _ in drain(a)] == [b"1", b"2", b"3"]
+
+
 def test_per_key_fifo_in_each_channel(make_exchange: Any, make_channel: Any) -> None:
     ex = make_exchange("topic")
     a, b = make_channel(), make_channel()
