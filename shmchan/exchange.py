@@ -34,7 +34,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -58,11 +58,20 @@ __all__ = [
 ]
 
 _PREFIX = "shmchan-x."  # /dev/shm/shmchan-x.NAME (channels are shmchan.NAME)
-_KINDS = {
-    "fanout": lib.EXCH_KIND_FANOUT,
-    "direct": lib.EXCH_KIND_DIRECT,
-    "topic": lib.EXCH_KIND_TOPIC,
-}
+_FANOUT, _DIRECT, _TOPIC = (
+    int(lib.EXCH_KIND_FANOUT),
+    int(lib.EXCH_KIND_DIRECT),
+    int(lib.EXCH_KIND_TOPIC),
+)
+_KINDS = {"fanout": _FANOUT, "direct": _DIRECT, "topic": _TOPIC}
+_OK, _FULL, _STALLED, _BUSY = (
+    int(lib.SHM_OK),
+    int(lib.SHM_FULL),
+    int(lib.SHM_STALLED),
+    int(lib.SHM_BUSY),
+)
+_MAX_COPIES = int(lib.EXCH_MAX_BINDINGS)
+_TARGETS_CACHED = 4096  # routing keys whose targets a process remembers (per bindings version)
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _MAX_KEY_BYTES = 255  # routing keys and patterns, as in AMQP
 _WORD = re.compile(r"[0-9A-Za-z_]+")
@@ -160,7 +169,7 @@ def _check_routing_key(key: str, kind: int) -> list[str]:
     if not isinstance(key, str):
         raise TypeError(f"routing_key must be a str, not {type(key).__name__}")
     _check_key_length("routing key", key)
-    if kind != lib.EXCH_KIND_TOPIC or key == "":
+    if kind != _TOPIC or key == "":
         return [] if key == "" else [key]
     words = key.split(".")
     for w in words:
@@ -193,10 +202,11 @@ class _Router:
         self.bindings = bindings  # (table index, channel, pattern)
         self.direct: dict[str, list[int]] = {}
         self.root = _Node()
+        self.targets: dict[str, _Target] = {}  # routing key -> where it goes (Exchange)
         for b, (_, _, pattern) in enumerate(bindings):
-            if kind == lib.EXCH_KIND_DIRECT:
+            if kind == _DIRECT:
                 self.direct.setdefault(pattern, []).append(b)
-            elif kind == lib.EXCH_KIND_TOPIC:
+            elif kind == _TOPIC:
                 self._add(pattern, b)
 
     def _add(self, pattern: str, b: int) -> None:
@@ -215,9 +225,9 @@ class _Router:
     def match(self, words: list[str], key: str) -> list[int]:
         """Positions of the bindings that match; each (node, word) pair is visited once,
         so the cost is O(len(words) x trie nodes that can match)."""
-        if self.kind == lib.EXCH_KIND_FANOUT:
+        if self.kind == _FANOUT:
             return list(range(len(self.bindings)))
-        if self.kind == lib.EXCH_KIND_DIRECT:
+        if self.kind == _DIRECT:
             return self.direct.get(key, [])
         n = len(words)
         out: list[int] = []
@@ -247,8 +257,8 @@ class _Router:
 def topic_matches(pattern: str, routing_key: str) -> bool:
     """Does topic `pattern` match `routing_key`? (Both are checked first.)"""
     check_pattern(pattern)
-    words = _check_routing_key(routing_key, lib.EXCH_KIND_TOPIC)
-    return bool(_Router(lib.EXCH_KIND_TOPIC, [(0, "", pattern)]).match(words, routing_key))
+    words = _check_routing_key(routing_key, _TOPIC)
+    return bool(_Router(_TOPIC, [(0, "", pattern)]).match(words, routing_key))
 
 
 # ---------------------------------------------------------------------------------------
@@ -354,6 +364,38 @@ def list_exchanges() -> list[str]:
 # ---------------------------------------------------------------------------------------
 # Exchange
 # ---------------------------------------------------------------------------------------
+
+
+class _Target:
+    """Where one routing key goes under one version of the bindings: the channels (by
+    name, sorted: exch_publish writes them in this order) and the bindings that matched."""
+
+    __slots__ = ("senders", "names", "segs", "chans", "idx", "nidx", "raw_only", "max_keys",
+                 "registered")  # fmt: skip
+
+    def __init__(self, senders: list[_channel.Sender], bindings: list[int]) -> None:
+        self.senders = senders
+        self.segs: list[_channel._Segment] = [tx._live() for tx in senders]
+        self.names = [seg.name for seg in self.segs]
+        self.chans = ffi.new("shm_chan *[]", [seg.ptr for seg in self.segs] or 1)
+        self.idx = ffi.new("uint32_t[]", bindings or 1)
+        self.nidx = len(bindings)
+        self.raw_only = any(seg.raw_only for seg in self.segs)
+        self.max_keys = min((seg.max_keys for seg in self.segs), default=0)
+        self.registered = False
+
+
+class _Scratch:
+    """Per-thread out-parameters of exch_publish, allocated once."""
+
+    def __init__(self) -> None:
+        self.seqs = ffi.new("uint64_t[]", _MAX_COPIES)
+        self.wakes = ffi.new("int[]", _MAX_COPIES)
+        self.failed = ffi.new("uint32_t *")
+        self.stall = ffi.new("shm_stall *")
+
+
+_local = threading.local()
 
 
 class Exchange:
@@ -519,28 +561,51 @@ class Exchange:
         channel got it."""
         att = self._live()
         deadline = _channel._deadline(timeout)
-        words = _check_routing_key(routing_key, att.kind)
-        router = self._route(att)
-        matched = router.match(words, routing_key)
-        names = sorted({router.bindings[b][1] for b in matched})
-        idx = ffi.new("uint32_t[]", [router.bindings[b][0] for b in matched] or [0])
-        for retry in range(3):
-            senders = self._senders(names)
+        retries = 0
+        while True:
+            router = self._route(att)
+            target = router.targets.get(routing_key) if type(routing_key) is str else None
+            if target is None:
+                target = self._target(att, router, routing_key)
             try:
-                if not senders:
-                    seqs: list[int] = []
-                elif len(senders) == 1:  # one copy is all-or-nothing by itself
-                    seqs = [senders[0].send(payload, keys=keys, timeout=timeout)]
-                else:
-                    seqs = self._publish_all(att, senders, payload, keys, deadline)
+                seqs = self._copies(att, target, payload, keys, timeout, deadline)
                 break
             except errors.ChannelRemoved:
                 # A bound channel was removed (published nowhere): look the names up again
+                router.targets.clear()
                 self._sender_cache.clear()
-                if retry == 2:
+                retries += 1
+                if retries == 3:
                     raise
-        lib.exch_note(att.ptr, idx, len(matched), len(senders))
-        return {s._live().name: seq for s, seq in zip(senders, seqs, strict=True)}
+        lib.exch_note(att.ptr, target.idx, target.nidx, len(seqs))
+        return dict(zip(target.names, seqs, strict=True))
+
+    def _copies(
+        self,
+        att: _Attachment,
+        target: _Target,
+        payload: object,
+        keys: Any,
+        timeout: float | None,
+        deadline: float | None,
+    ) -> list[int]:
+        senders = target.senders
+        if not senders:
+            return []
+        if len(senders) == 1:  # one copy is all-or-nothing by itself
+            return [senders[0].send(payload, keys=keys, timeout=timeout)]
+        return self._publish_all(att, target, payload, keys, deadline)
+
+    def _target(self, att: _Attachment, router: _Router, routing_key: str) -> _Target:
+        """Where `routing_key` goes under `router` (checked, matched, remembered)."""
+        words = _check_routing_key(routing_key, att.kind)
+        matched = router.match(words, routing_key)
+        senders = self._senders(sorted({router.bindings[b][1] for b in matched}))
+        target = _Target(senders, [router.bindings[b][0] for b in matched])
+        if len(router.targets) >= _TARGETS_CACHED:
+            router.targets.clear()
+        router.targets[routing_key] = target
+        return target
 
     def _senders(self, names: list[str]) -> list[_channel.Sender]:
         """Senders of the channels called `names` that exist (a channel removed since it
@@ -575,24 +640,24 @@ class Exchange:
     def _publish_all(
         self,
         att: _Attachment,
-        senders: Sequence[Any],
+        target: _Target,
         payload: object,
         keys: Any,
         deadline: float | None,
     ) -> list[int]:
-        segs: list[_channel._Segment] = [s._live() for s in senders]
-        kind, buf = codec.encode_payload(payload, any(seg.raw_only for seg in segs))
-        blob, nkeys = codec.encode_keys(keys, min(seg.max_keys for seg in segs))
-        for seg in segs:
-            if not seg.registered:
-                seg.register_producer()
+        segs = target.segs
+        kind, buf = codec.encode_payload(payload, target.raw_only)
+        blob, nkeys = codec.encode_keys(keys, target.max_keys)
+        if not target.registered:
+            for seg in segs:
+                if not seg.registered:
+                    seg.register_producer()
+            target.registered = True
         n = len(segs)
         data = buf if type(buf) is bytes else ffi.from_buffer("char[]", buf)
-        chans = ffi.new("shm_chan *[]", [seg.ptr for seg in segs])
-        seqs = ffi.new("uint64_t[]", n)
-        wakes = ffi.new("int[]", n)
-        failed = ffi.new("uint32_t *")
-        stall = ffi.new("shm_stall *")
+        chans = target.chans
+        s = self._scratch()
+        seqs, wakes, failed, stall = s.seqs, s.wakes, s.failed, s.stall
         armed: _channel._Segment | None = None
         stalled_since: float | None = None
         try:
@@ -606,10 +671,10 @@ class Exchange:
                 for i in range(n):
                     if wakes[i]:
                         segs[i].post(_channel._RX, 1)
-                if rc == lib.SHM_OK:
+                if rc == _OK:
                     return list(ffi.unpack(seqs, n))
                 left = _channel._remaining(deadline)
-                if rc == lib.SHM_FULL:
+                if rc == _FULL:
                     full = segs[failed[0]]
                     if armed is None or armed.name != full.name:
                         if armed is not None:
@@ -624,7 +689,7 @@ class Exchange:
                         )
                     wait = _channel._MAINTENANCE_SECONDS
                     full.wait(_channel._TX, wait if left is None else min(wait, left))
-                elif rc == lib.SHM_STALLED:
+                elif rc == _STALLED:
                     now = time.monotonic()
                     if stalled_since is None:
                         stalled_since = now
@@ -634,7 +699,7 @@ class Exchange:
                     if left is not None and left <= 0:
                         raise errors.Full("publish: stuck behind a producer that does not finish")
                     time.sleep(0.0002)
-                elif rc == lib.SHM_BUSY:  # every transaction slot is held
+                elif rc == _BUSY:  # every transaction slot is held
                     if not self._reap_txns(att):
                         if left is not None and left <= 0:
                             raise errors.Full(
@@ -648,6 +713,12 @@ class Exchange:
         finally:
             if armed is not None:
                 lib.shm_space_wait(armed.ptr, 0)
+
+    def _scratch(self) -> Any:
+        s = getattr(_local, "s", None)
+        if s is None:
+            s = _local.s = _Scratch()
+        return s
 
     def _reap_txns(self, att: _Attachment) -> int:
         """Free transaction slots held by dead publishers; returns how many were found."""
