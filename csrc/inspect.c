@@ -126,14 +126,14 @@ static int rec_read(shm_chan *c, uint64_t pos, rec_copy *rc) {
         } else if (rc->len < REC_HDR || (rc->len & 7u) || rc->len > c->cap - REC_HDR) {
             out = SHM_E_CORRUPT;
         } else if (rc->state != REC_COMMITTED) {
-            out = rc->state == REC_WRITING ? SHM_STALLED : SHM_CLOSED;
+            out = rc->state == REC_WRITING || rc->state == REC_GATED ? SHM_STALLED : SHM_CLOSED;
         } else {
             rc->slot = LOAD_RELAXED(&r->slot);
             rc->nkeys = r->nkeys;
             rc->keys_len = r->keys_len;
             uint64_t data_len = r->data_len;
             if (rc->len < REC_BODY || rc->nkeys > c->cfg.max_keys || rc->keys_len > rc->len ||
-                data_len > rc->len || rec_size(rc->nkeys, rc->keys_len, data_len) != rc->len) {
+                data_len > rc->len || ring_validate_body(c, r, rc->len) != SHM_OK) {
                 out = SHM_E_CORRUPT;
             } else {
                 memcpy(rc->hashes, r->hashes, 8u * rc->nkeys);
@@ -168,7 +168,7 @@ static int blob_copy(shm_chan *c, uint64_t pos, uint64_t seq, uint64_t hash, shm
     uint32_t nkeys = r->nkeys, keys_len = r->keys_len;
     uint64_t data_len = r->data_len;
     if (r->seq != seq || nkeys > c->cfg.max_keys || keys_len > len || data_len > len ||
-        rec_size(nkeys, keys_len, data_len) != len)
+        ring_validate_body(c, r, len) != SHM_OK) /* (a gate trailer is allowed: ring.c) */
         return SHM_STALE;
     if (b->cap - b->used < keys_len) return SHM_FULL;
     uint64_t hashes[SHM_MAX_KEYS_LIMIT];

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import shmchan
-from shmchan import demo, inspect
+from shmchan import demo, exchange, inspect
 
 __all__ = ["main"]
 
@@ -169,6 +169,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         header = ("NAME", "CAPACITY", "USED", "QUEUED", "INFLIGHT", "PRODUCERS", "RECEIVER")
         for line in _table((*header, "AGE", "IN USE"), rows):
             print(line)
+    for line in exchange.ls_lines():  # then the exchanges, with their bindings
+        print(line)
     return EXIT_FAILED if failed else EXIT_OK
 
 

@@ -750,6 +750,31 @@ class Exchange:
         )
 
 
+def ls_lines() -> list[str]:
+    """`python -m shmchan ls`'s section on exchanges: each with its counters and bindings."""
+    lines: list[str] = []
+    for name in list_exchanges():
+        try:
+            ex = Exchange.open(name)
+        except (errors.Error, OSError, ValueError) as e:
+            lines.append(f"exchange {name}: {e}")
+            continue
+        try:
+            s = ex.stats()
+        finally:
+            ex.close()
+        lines.append(
+            f"exchange {name} ({s.kind}): published {s.published}, routed {s.routed}, "
+            f"unroutable {s.unroutable}, {len(s.bindings)} binding(s)"
+        )
+        if s.bindings:
+            wc = max(len(b.channel) for b in s.bindings)
+            wp = max(len(b.pattern) for b in s.bindings)
+            for b in s.bindings:
+                lines.append(f"  -> {b.channel:<{wc}}  {b.pattern or '-':<{wp}}  {b.routed} routed")
+    return lines
+
+
 # ---------------------------------------------------------------------------------------
 # the receiver's side: settling a dead publisher's gated record
 # ---------------------------------------------------------------------------------------

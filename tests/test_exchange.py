@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from procs import CTX, WAIT, running
+from procs import CTX, WAIT, run_shmchan, running
 
 import shmchan
 from shmchan.exchange import check_pattern, resolve_gate, topic_matches
@@ -207,6 +207,26 @@ def test_removed_channel_is_skipped(make_exchange: Any, make_channel: Any) -> No
     assert [p for p, _, _ in drain(a)] == [b"1", b"2", b"3"]
 
 
+def test_operators_view_reads_published_copies(make_exchange: Any, make_channel: Any) -> None:
+    """Copies written through an exchange (they end in a gate trailer) are ordinary
+    messages to the operators' view: held keys, lines, why_waiting."""
+    ex = make_exchange("fanout")
+    a, b = make_channel(), make_channel()
+    ex.bind(a.name)
+    ex.bind(b.name)
+    seqs = [ex.publish(i, keys=("acct:1",))[a.name] for i in range(3)]
+    rx = a.receiver()
+    h = rx.recv(timeout=5)
+    assert h.seq == seqs[0]
+    assert [(k.key, k.seq) for k in a.held()] == [("acct:1", seqs[0])]
+    [line] = a.waiting()
+    assert (line.key, line.depth) == ("acct:1", 2)
+    chain = a.why_waiting(seqs[1])
+    assert chain.state == "waiting" and [w.seq for w in chain] == [seqs[0]]
+    h.release()
+    rx.close()
+
+
 def test_per_key_fifo_in_each_channel(make_exchange: Any, make_channel: Any) -> None:
     ex = make_exchange("topic")
     a, b = make_channel(), make_channel()
@@ -220,6 +240,18 @@ def test_per_key_fifo_in_each_channel(make_exchange: Any, make_channel: Any) -> 
         for k in range(5):  # and per key, in publish order
             mine = [p for p, keys, _ in got if keys == (f"k{k}",)]
             assert mine == sorted(mine)
+
+
+def test_cli_ls_lists_exchanges_with_bindings(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("topic")
+    a = make_channel()
+    ex.bind(a.name, "orders.#")
+    ex.publish(b"x", routing_key="orders.eu")
+    out = run_shmchan("ls", timeout=60)  # (its exit code also reflects others' segments)
+    lines = out.stdout.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(f"exchange {ex.name} (topic)"))
+    assert "published 1" in lines[i] and "1 binding(s)" in lines[i]
+    assert lines[i + 1].split() == ["->", a.name, "orders.#", "1", "routed"]
 
 
 # ---- the topic rules -------------------------------------------------------------------
