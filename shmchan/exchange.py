@@ -678,8 +678,8 @@ class Exchange:
                     full = segs[failed[0]]
                     if armed is None or armed.name != full.name:
                         if armed is not None:
-                            lib.shm_space_wait(armed.ptr, 0)
-                        lib.shm_space_wait(full.ptr, 1)
+                            _disarm(armed)
+                        lib.shm_space_wait(full.ptr, 1, full.scratch().pass_on)
                         armed = full
                         full.post(_channel._RX, 1)  # an idle receiver may compact
                         continue  # re-check after announcing ourselves
@@ -712,7 +712,7 @@ class Exchange:
                     raise_for(rc, what)
         finally:
             if armed is not None:
-                lib.shm_space_wait(armed.ptr, 0)
+                _disarm(armed)
 
     def _scratch(self) -> Any:
         s = getattr(_local, "s", None)
@@ -748,6 +748,14 @@ class Exchange:
             bindings=tuple(BindingStats(chan, pat, count) for _, chan, pat, count in rows),
             txns_busy=int(info.txns_busy),
         )
+
+
+def _disarm(seg: _channel._Segment) -> None:
+    """Stop counting ourselves among `seg`'s senders waiting for space (as Sender does)."""
+    pass_on = seg.scratch().pass_on
+    lib.shm_space_wait(seg.ptr, 0, pass_on)
+    if pass_on[0]:
+        seg.wake_sender()  # pass the wake-up on to the next waiter (csrc/ring.c)
 
 
 def ls_lines() -> list[str]:
