@@ -124,13 +124,13 @@ class ExchangeStats:
 
 def _check_key_length(what: str, text: str) -> None:
     if len(text.encode()) > _MAX_KEY_BYTES:
-        raise ValueError(f"{what} {text!r} is longer than {_MAX_KEY_BYTES} bytes")
+        raise errors.InvalidArgument(f"{what} {text!r} is longer than {_MAX_KEY_BYTES} bytes")
 
 
 def check_pattern(pattern: str) -> str:
-    """Check a topic binding pattern; ValueError naming the rule it breaks."""
+    """Check a topic binding pattern; InvalidArgument (a ValueError) naming the rule it breaks."""
     if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be a str, not {type(pattern).__name__}")
+        raise errors.UnsupportedType(f"pattern must be a str, not {type(pattern).__name__}")
     _check_key_length("pattern", pattern)
     if pattern == "":
         return pattern
@@ -139,7 +139,7 @@ def check_pattern(pattern: str) -> str:
         if w == "#":
             near = words[max(i - 1, 0) : i] + words[i + 1 : i + 2]
             if "#" in near or "*" in near:
-                raise ValueError(
+                raise errors.InvalidArgument(
                     f"invalid topic pattern {pattern!r}: '#' may not be next to another "
                     f"'#' or a '*' ({'.'.join(words[max(i - 1, 0) : i + 2])!r})"
                 )
@@ -147,18 +147,18 @@ def check_pattern(pattern: str) -> str:
         if w == "*":
             continue
         if w == "":
-            raise ValueError(
+            raise errors.InvalidArgument(
                 f"invalid topic pattern {pattern!r}: empty word (words are separated by "
                 "single dots, with none at either end)"
             )
         if "*" in w or "#" in w:
-            raise ValueError(
+            raise errors.InvalidArgument(
                 f"invalid topic pattern {pattern!r}: a wildcard must be a whole word; "
                 f"{w!r} mixes '*' or '#' with other characters"
             )
         if not _WORD.fullmatch(w):
             bad = sorted({ch for ch in w if not (ch.isascii() and (ch.isalnum() or ch == "_"))})
-            raise ValueError(
+            raise errors.InvalidArgument(
                 f"invalid topic pattern {pattern!r}: characters {''.join(bad)!r} are not "
                 "allowed (words are made of 0-9 A-Z a-z _; wildcards are '*' and '#')"
             )
@@ -167,14 +167,14 @@ def check_pattern(pattern: str) -> str:
 
 def _check_routing_key(key: str, kind: int) -> list[str]:
     if not isinstance(key, str):
-        raise TypeError(f"routing_key must be a str, not {type(key).__name__}")
+        raise errors.UnsupportedType(f"routing_key must be a str, not {type(key).__name__}")
     _check_key_length("routing key", key)
     if kind != _TOPIC or key == "":
         return [] if key == "" else [key]
     words = key.split(".")
     for w in words:
         if not _WORD.fullmatch(w):
-            raise ValueError(
+            raise errors.InvalidArgument(
                 f"invalid topic routing key {key!r}: words are made of 0-9 A-Z a-z _ and "
                 f"separated by single dots ({w!r} is not a word)"
             )
@@ -270,7 +270,7 @@ def _check_name(name: str) -> str:
     try:
         return _channel._check_name(name)
     except ValueError as e:
-        raise ValueError(str(e).replace("channel name", "exchange name")) from None
+        raise errors.InvalidArgument(str(e).replace("channel name", "exchange name")) from None
 
 
 def _shm_name(name: str) -> str:
@@ -418,9 +418,13 @@ class Exchange:
         """Make a new exchange (ExchangeExists, a ChannelExists, if the name is taken)."""
         _check_name(name)
         if kind not in _KINDS:
-            raise ValueError(f"unknown exchange kind {kind!r}: use 'fanout', 'direct' or 'topic'")
+            raise errors.InvalidArgument(
+                f"unknown exchange kind {kind!r}: use 'fanout', 'direct' or 'topic'"
+            )
         if not isinstance(mode, int) or not 0 <= mode <= 0o777:
-            raise ValueError(f"mode must be permission bits such as 0o600, not {mode!r}")
+            raise errors.InvalidArgument(
+                f"mode must be permission bits such as 0o600, not {mode!r}"
+            )
         return cls(_attach(name, True, _KINDS[kind], mode))
 
     @classmethod
@@ -462,7 +466,7 @@ class Exchange:
 
     def _pattern(self, pattern: str) -> str:
         if not isinstance(pattern, str):
-            raise TypeError(f"pattern must be a str, not {type(pattern).__name__}")
+            raise errors.UnsupportedType(f"pattern must be a str, not {type(pattern).__name__}")
         if self.kind == "fanout":
             return ""
         if self.kind == "topic":
@@ -630,7 +634,9 @@ class Exchange:
         out = []
         for item in items:
             if not isinstance(item, tuple) or not 1 <= len(item) <= 3:
-                raise TypeError("publish_many takes (payload, routing_key[, keys]) tuples")
+                raise errors.UnsupportedType(
+                    "publish_many takes (payload, routing_key[, keys]) tuples"
+                )
             payload = item[0]
             routing_key = item[1] if len(item) > 1 else ""
             keys = item[2] if len(item) > 2 else ()
