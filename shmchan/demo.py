@@ -469,6 +469,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="give up after this many seconds (default 60)",
     )
     add(
+        "--spark",
+        action="store_true",
+        help="run the pipeline demo on Spark instead (shmchan.spark: needs the [spark] extra "
+        "and Java 17+; SPARK_MASTER picks the master, default local[*])",
+    )
+    add(
         "--no-keys",
         action="store_true",
         help="control experiment: send without keys, so nothing protects the balances "
@@ -478,6 +484,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed options; return the process exit code."""
+    if getattr(args, "spark", False):
+        from shmchan.spark import demo as spark_demo
+
+        return spark_demo.run(args)
     ctx = mp.get_context("spawn")
     name = f"shmchan-demo-{os.getpid()}"
     keys_note = "WITHOUT keys (control experiment)" if args.no_keys else "keys = accounts touched"

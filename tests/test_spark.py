@@ -7,21 +7,32 @@ counting what arrives.
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
 import time
+import types
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 
 import shmchan
+from shmchan import liveness
 from shmchan import spark as ss
 from tests.procs import child_env
+
+# Spark's Python workers cannot import this module: ship its functions and classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# A session starts in 5-30 s on a busy 2-core machine, and the first test pays for it.
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +266,205 @@ def test_a_killed_sending_task_does_not_wedge_the_channel(
     finally:
         rx.close()
     assert sorted(p for _, p in got) == sorted(p for _, _, p in fresh)
+
+
+# --------------------------------------------------------------------------- process_keyed
+
+
+class Bank:
+    """An order-dependent workload: transfers with an overdraft rule, balances in files."""
+
+    def __init__(self, directory: str, accounts: int) -> None:
+        self.directory = directory
+        self.accounts = accounts
+
+    def path(self, account: int) -> str:
+        return os.path.join(self.directory, f"acct-{account}")
+
+    def reset(self) -> None:
+        for a in range(self.accounts):
+            with open(self.path(a), "w") as f:
+                f.write("100")
+
+    def balance(self, account: int) -> int:
+        with open(self.path(account)) as f:
+            return int(f.read())
+
+    def __call__(self, row: Any) -> bool:
+        src, dst, amount = row.src, row.dst, row.amount
+        have = self.balance(src)
+        time.sleep(row.pause)  # widen the window in which a second writer would interfere
+        if have < amount:
+            return False
+        with open(self.path(src), "w") as f:
+            f.write(str(have - amount))
+        if dst >= 0:
+            got = self.balance(dst)
+            with open(self.path(dst), "w") as f:
+                f.write(str(got + amount))
+        return True
+
+
+def bank_rows(seed: int, n: int, accounts: int) -> list[tuple[Any, ...]]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a = rng.randrange(accounts)
+        if rng.random() < 0.8:
+            b = (a + rng.randrange(1, accounts)) % accounts
+            keys = [f"acct:{a}", f"acct:{b}"]
+        else:  # a withdrawal
+            b, keys = -1, [f"acct:{a}"]
+        rows.append((i, a, b, rng.randint(1, 80), rng.choice((0.0, 0.0, 0.002)), keys))
+    rng.shuffle(rows)
+    return rows
+
+
+BANK_SCHEMA = "id long, src int, dst int, amount int, pause double, keys array<string>"
+
+
+def test_process_keyed_equals_a_serial_replay(spark: SparkSession, tmp_path: Any) -> None:
+    accounts = 24
+    bank = Bank(str(tmp_path), accounts)
+    bank.reset()
+    rows = bank_rows(seed=11, n=1500, accounts=accounts)
+    df = spark.createDataFrame(rows, BANK_SCHEMA)
+    out = ss.process_keyed(df, "keys", bank, "id", result_type="boolean", workers_per_task=4)
+    assert out.columns == [*df.columns, "result", "attempt"]
+    got = out.collect()
+
+    replay = Bank(str(tmp_path / "replay"), accounts)
+    os.mkdir(replay.directory)
+    replay.reset()
+    columns = df.columns
+    expected = {}
+    for values in sorted(rows):
+        row = dict(zip(columns, values, strict=True))
+        expected[row["id"]] = replay(types.SimpleNamespace(**{**row, "pause": 0.0}))
+    assert {r.id: r.result for r in got} == expected
+    assert [bank.balance(a) for a in range(accounts)] == [
+        replay.balance(a) for a in range(accounts)
+    ]
+    assert {r.attempt for r in got} == {1}
+    assert sorted(tuple(r)[: len(columns)] for r in got) == sorted(rows)
+
+
+class Trace:
+    """Records when each row ran (start, end, pid) and where (task_context())."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, row: Any) -> str:
+        start = time.monotonic()
+        time.sleep(0.05)
+        ctx = ss.task_context()
+        with open(os.path.join(self.directory, f"row-{row.id}"), "w") as f:
+            f.write(f"{start} {time.monotonic()} {os.getpid()}")
+        return f"{ctx.partition_id}/{ctx.attempt}"
+
+
+def test_rows_sharing_a_key_never_overlap_and_others_run_in_parallel(
+    spark: SparkSession, tmp_path: Any
+) -> None:
+    # One partition: 4 keys, 10 rows each, plus 10 rows linking two keys.
+    rows = [(i, [f"k{i % 4}"]) for i in range(40)]
+    rows += [(40 + i, [f"k{i % 4}", f"k{(i + 1) % 4}"]) for i in range(10)]
+    df = spark.createDataFrame(rows, "id long, keys array<string>")
+    parts = ss.partition_by_keys(df, "keys", "id", num_partitions=1)
+    out = ss.process_keyed(parts, "keys", Trace(str(tmp_path)), "id", workers_per_task=4)
+    got = out.collect()
+    assert {r.result for r in got} == {"0/1"}  # task_context(): partition 0, first attempt
+
+    spans = {}
+    for rid, _ in rows:
+        with open(tmp_path / f"row-{rid}") as f:
+            start, end, pid = f.read().split()
+        spans[rid] = (float(start), float(end), int(pid))
+    keys = dict(rows)
+    overlapping = 0
+    for a, (sa, ea, _) in spans.items():
+        for b, (sb, eb, _) in spans.items():
+            if a < b and sa < eb and sb < ea:
+                overlapping += 1
+                assert not set(keys[a]) & set(keys[b]), f"rows {a} and {b} share a key"
+    assert overlapping > 0, "rows without a common key never ran at the same time"
+    for k in {k for ks in keys.values() for k in ks}:
+        sharing = sorted(rid for rid, ks in keys.items() if k in ks)
+        starts = [spans[rid][0] for rid in sharing]
+        assert starts == sorted(starts), f"rows of {k} ran out of id order"
+    assert len({pid for _, _, pid in spans.values()}) > 1
+
+
+class KillMySparkWorker:
+    """On row 3: note the executor's channels (named after the Spark task's Python worker,
+    their creator), then SIGKILL that worker, as a lost executor or a kill would."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, row: Any) -> str:
+        if row.id == 3:
+            prefix = f"kx-{liveness.token_of(os.getppid()):x}-"
+            names = [n for n in shmchan.list_channels() if n.startswith(prefix)]
+            with open(os.path.join(self.directory, "channels"), "w") as f:
+                f.write("\n".join(names))
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(30)
+        return "ok"
+
+
+def test_a_killed_task_leaves_no_channels_behind(spark: SparkSession, tmp_path: Any) -> None:
+    df = spark.createDataFrame([(i, f"k{i}") for i in range(8)], "id long, k string")
+    with pytest.raises(Exception, match="(?i)python worker|crash|exited"):
+        fn = KillMySparkWorker(str(tmp_path))
+        ss.process_keyed(df.coalesce(1), "k", fn, "id").collect()
+    left = set((tmp_path / "channels").read_text().split())
+    assert left, "the killed task's executor should have had channels"
+    out = ss.process_keyed(df, "k", lambda row: row.k, "id").collect()
+    assert sorted(r.result for r in out) == [f"k{i}" for i in range(8)]
+    # the next tasks' executors removed them (if nobody else's did first)
+    assert not left & set(shmchan.list_channels())
+
+
+def test_process_keyed_refuses_bad_arguments(spark: SparkSession) -> None:
+    df = spark.createDataFrame([(1, "a")], "id long, k string")
+    with pytest.raises(ValueError, match="workers_per_task"):
+        ss.process_keyed(df, "k", str, "id", workers_per_task=0)
+    with pytest.raises(ss.ColumnError):
+        ss.process_keyed(df, "nope", str, "id")
+    with pytest.raises(ss.ColumnError, match="result"):
+        ss.process_keyed(df.withColumnRenamed("k", "result"), "result", str, "id")
+    with pytest.raises(RuntimeError, match="task_context"):
+        ss.task_context()
+
+
+# --------------------------------------------------------------------------- demo --spark
+
+
+def test_the_spark_demo_matches_its_serial_replay(
+    spark: SparkSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shmchan import demo
+    from shmchan.spark import demo as spark_demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--spark", "--messages", "800", "--accounts", "30"])
+    assert spark_demo.run(args, spark=spark) == 0
+    out = capsys.readouterr().out
+    assert "OK: every decision and the final balances equal the serial replay" in out
+    assert "components: 3, the largest" in out  # three branches of ten accounts
+    for stage in ("build the dataset", "partition by keys", "process_keyed", "serial replay"):
+        assert stage in out
+
+
+def test_demo_spark_on_the_command_line_parses() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shmchan", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
+    assert out.returncode == 0 and "--spark" in out.stdout

@@ -25,6 +25,7 @@ except ImportError as _missing:  # pragma: no cover - exercised in a subprocess 
     ) from _missing
 
 from .errors import ColumnError
+from .keyed import TaskContext, process_keyed, task_context
 from .keygraph import DRIVER_THRESHOLD, Components, ComponentsInfo, components, partition_by_keys
 from .producers import send_partitions
 from .session import session, stop
@@ -36,6 +37,9 @@ __all__ = [
     "components",
     "Components",
     "ComponentsInfo",
+    "process_keyed",
+    "task_context",
+    "TaskContext",
     "DRIVER_THRESHOLD",
     "send_partitions",
     "ColumnError",

@@ -1,0 +1,233 @@
+"""process_keyed: run a function on every row with the channel's fifo promise, on Spark.
+
+Data flow of one call:
+
+    driver:      partition_by_keys(df)       every component in one partition, rows sorted
+                        |                    by order_col within it
+    Spark task:  rows of one partition  ---> KeyedExecutor (workers_per_task processes)
+                 submitted in order,         runs fn(row) with keys = the row's keys:
+                 a bounded window of         rows sharing a key never at once, and in
+                 futures                     submission order; others in parallel
+                        |
+                 (input columns, result, attempt) rows, in partition order
+
+Rows that share a key, directly or transitively, are in one partition, so the executor of
+that partition alone decides their order: the fifo guarantee holds across the whole job.
+
+The function travels to the executor's workers once per worker (cloudpickled, so lambdas
+and closures work), through the executor's initializer; each row is one submitted task.
+
+Spark retries a failed task from its first row, so across task failures processing is
+at-least-once: `task_context()` tells `fn` which Spark task attempt it runs in.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+from pyspark import TaskContext as _SparkTaskContext
+from pyspark.cloudpickle import dumps as _cloudpickle_dumps
+from pyspark.sql import DataFrame, Row
+from pyspark.sql.types import DataType, IntegerType, StructField, StructType
+
+from .errors import ColumnError
+from .keygraph import ComponentsInfo, partition, partitioned_by
+from .producers import message_keys
+
+__all__ = ["process_keyed", "task_context", "TaskContext"]
+
+RESULT = "result"
+ATTEMPT = "attempt"
+_COMPONENT = "__shmchan_component"
+WINDOW_PER_WORKER = 64  # futures in flight per worker: enough to look past a blocked key
+
+
+class TaskContext(NamedTuple):
+    """Where a row of `process_keyed` runs: its Spark partition and task attempt."""
+
+    partition_id: int
+    """The Spark partition (TaskContext.partitionId())."""
+    attempt: int
+    """The Spark task's attempt: 1 on the first run, 2 on Spark's first retry, ...
+    (Spark's TaskContext.attemptNumber() + 1, counted like shmchan's Handle.attempt)."""
+
+
+_context = threading.local()  # .value: the TaskContext of the row being run, in a worker
+_installed: dict[str, Any] = {}  # "fn": the user's function, in an executor's worker
+
+
+def task_context() -> TaskContext:
+    """The `(partition_id, attempt)` of the Spark task whose row `fn` is running.
+
+    Call it inside the `fn` given to `process_keyed` (in any other Spark task it reads
+    PySpark's own TaskContext). A row may run more than once when Spark retries its task
+    (attempt > 1 then): use this to make `fn`'s side effects idempotent.
+    RuntimeError outside a Spark task.
+    """
+    ctx = getattr(_context, "value", None)
+    if ctx is not None:
+        return ctx  # type: ignore[no-any-return]
+    spark_ctx = _SparkTaskContext.get()
+    if spark_ctx is not None:
+        return TaskContext(spark_ctx.partitionId(), spark_ctx.attemptNumber() + 1)
+    raise RuntimeError("task_context() is only available inside a Spark task or process_keyed's fn")
+
+
+def process_keyed(
+    df: DataFrame,
+    keys_col: str,
+    fn: Callable[[Row], Any],
+    order_col: str | Sequence[str],
+    *,
+    result_type: str | DataType = "string",
+    workers_per_task: int = 4,
+    max_attempts: int = 3,
+    task_timeout: float | None = None,
+) -> DataFrame:
+    """Run `fn(row)` for every row of `df` with shmchan's fifo promise, on Spark.
+
+    No two rows that share a key (an element of `keys_col`: one key, or an array of keys)
+    run at the same time, and rows that share a key run in `order_col` order (one column
+    or several; make it unique among rows that share a key, or ties run in either order).
+    `df` is partitioned with `partition_by_keys` (unless it is the unchanged DataFrame that
+    `partition_by_keys(df, keys_col, order_col)` returned: then it is used as it is);
+    inside each Spark task the partition's rows go through a `shmchan.KeyedExecutor` of
+    `workers_per_task` processes, so rows that do not conflict still run in parallel.
+    `fn` gets a `pyspark.sql.Row` of `df`'s columns and runs in a worker process (it is
+    cloudpickled: lambdas and closures work).
+
+    Returns a DataFrame of `df`'s columns plus `result` (fn's return value, of
+    `result_type`, a Spark DDL type string or DataType) and `attempt` (the Spark task
+    attempt that produced the row, 1 first; see `task_context()`). Lazy, like every
+    DataFrame: `fn` runs when an action runs it, once per action (cache or write the result
+    rather than acting on it twice). The components are computed by this call; how is
+    attached as `.components_info`, as by `partition_by_keys`.
+
+    Failures: a worker process that dies is replaced and its row runs again, keeping its
+    place in key order, up to `max_attempts` times (then the task fails with
+    `shmchan.WorkerDied`); `task_timeout` seconds bounds one row (`shmchan.TaskTimeout`).
+    An exception raised by `fn` fails the Spark task. **At-least-once:** when Spark retries
+    a failed task, every row of its partition runs again (attempt + 1), including those
+    that had already run; rows of other partitions do not. Make `fn` idempotent, using
+    `task_context()` and the row's own identity.
+    """
+    if workers_per_task < 1:
+        raise ValueError(f"workers_per_task must be at least 1, got {workers_per_task}")
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    for taken in (RESULT, ATTEMPT):
+        if taken in df.columns:
+            raise ColumnError(f"df already has a column {taken!r}, which process_keyed adds")
+    spark = df.sparkSession
+    dtype = spark._parse_ddl(result_type) if isinstance(result_type, str) else result_type
+    cols = list(df.columns)
+    info: ComponentsInfo | None
+    if partitioned_by(df) == (keys_col, order_col):
+        parts = df  # partition_by_keys' own result, unchanged: its partitioning holds
+        info = getattr(df, "components_info", None)
+    else:
+        parts, info = partition(df, keys_col, order_col, _COMPONENT)
+        parts = parts.drop(_COMPONENT)
+    schema = StructType(
+        [
+            *df.schema.fields,
+            StructField(RESULT, dtype, True),
+            StructField(ATTEMPT, IntegerType(), False),
+        ]
+    )
+    plan = _Plan(
+        cols=cols,
+        keys_col=keys_col,
+        fn=_cloudpickle_dumps(fn),  # type: ignore[no-untyped-call]  # cloudpickle is untyped
+        workers=workers_per_task,
+        max_attempts=max_attempts,
+        task_timeout=task_timeout,
+    )
+    out = spark.createDataFrame(parts.rdd.mapPartitions(plan.run), schema)
+    out.components_info = info  # type: ignore[attr-defined]
+    return out
+
+
+class _Plan(NamedTuple):
+    """What every Spark task of one process_keyed call needs (pickled into the task)."""
+
+    cols: list[str]
+    keys_col: str
+    fn: bytes
+    workers: int
+    max_attempts: int
+    task_timeout: float | None
+
+    def run(self, partition: Iterable[Row]) -> Iterator[tuple[Any, ...]]:
+        """One Spark task: the partition's rows through a KeyedExecutor, results in order."""
+        rows = iter(partition)
+        first = next(rows, None)
+        if first is None:
+            return  # no executor for an empty partition
+        spark_ctx = _SparkTaskContext.get()
+        ctx = (
+            TaskContext(spark_ctx.partitionId(), spark_ctx.attemptNumber() + 1)
+            if spark_ctx is not None
+            else TaskContext(0, 1)
+        )
+        try:
+            pickle.loads(self.fn)  # fail here, with the reason, rather than in every worker
+        except Exception as e:
+            raise RuntimeError(
+                f"process_keyed: fn cannot be unpickled in the Spark task ({e!r}); define it "
+                "in a module the Spark workers can import, or register that module with "
+                "pyspark.cloudpickle.register_pickle_by_value()"
+            ) from e
+        from ..pool import KeyedExecutor
+
+        make_row = Row(*self.cols)
+        window: deque[tuple[tuple[Any, ...], Future[Any]]] = deque()
+        limit = WINDOW_PER_WORKER * self.workers
+        ex = KeyedExecutor(
+            max_workers=self.workers,
+            initializer=_install,
+            initargs=(self.fn,),
+            max_attempts=self.max_attempts,
+            task_timeout=self.task_timeout,
+        )
+        try:
+            for row in _chain(first, rows):
+                values = tuple(row)
+                fut = ex.submit(
+                    _run_row, make_row(*values), ctx, keys=message_keys(row[self.keys_col])
+                )
+                window.append((values, fut))
+                if len(window) >= limit:
+                    values, fut = window.popleft()
+                    yield (*values, fut.result(), ctx.attempt)
+            while window:
+                values, fut = window.popleft()
+                yield (*values, fut.result(), ctx.attempt)
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _chain(first: Row, rest: Iterator[Row]) -> Iterator[Row]:
+    yield first
+    yield from rest
+
+
+def _install(fn: bytes) -> None:
+    """The executor's initializer: unpickle the user's function once per worker."""
+    _installed["fn"] = pickle.loads(fn)
+
+
+def _run_row(row: Row, ctx: TaskContext) -> Any:
+    """Run the installed function on one row, with its task context visible."""
+    _context.value = ctx
+    try:
+        return _installed["fn"](row)
+    finally:
+        _context.value = None
