@@ -35,6 +35,7 @@ from pyspark.cloudpickle import dumps as _cloudpickle_dumps
 from pyspark.sql import DataFrame, Row
 from pyspark.sql.types import DataType, IntegerType, StructField, StructType
 
+from ..pool import KeyedExecutor
 from .errors import ColumnError
 from .keygraph import ComponentsInfo, partition, partitioned_by
 from .producers import message_keys
@@ -185,8 +186,6 @@ class _Plan(NamedTuple):
                 "in a module the Spark workers can import, or register that module with "
                 "pyspark.cloudpickle.register_pickle_by_value()"
             ) from e
-        from ..pool import KeyedExecutor
-
         make_row = Row(*self.cols)
         window: deque[tuple[tuple[Any, ...], Future[Any]]] = deque()
         limit = WINDOW_PER_WORKER * self.workers
