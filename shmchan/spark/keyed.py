@@ -5,17 +5,18 @@ Data flow of one call:
     driver:      partition_by_keys(df)       every component in one partition, rows sorted
                         |                    by order_col within it
     Spark task:  rows of one partition  ---> KeyedExecutor (workers_per_task processes)
-                 submitted in order,         runs fn(row) with keys = the row's keys:
-                 a bounded window of         rows sharing a key never at once, and in
-                 futures                     submission order; others in parallel
+                 in order, as batches of     runs fn(row) with keys = the row's keys:
+                 `map` (two in flight)       rows sharing a key never at once, and in
+                                             submission order; others in parallel
                         |
                  (input columns, result, attempt) rows, in partition order
 
 Rows that share a key, directly or transitively, are in one partition, so the executor of
 that partition alone decides their order: the fifo guarantee holds across the whole job.
 
-The function travels to the executor's workers once per worker (cloudpickled, so lambdas
-and closures work), through the executor's initializer; each row is one submitted task.
+The function, the column names and the task's context travel to the executor's workers
+once per worker (the function cloudpickled, so lambdas and closures work), through the
+executor's initializer; each row is one task whose argument is the row's values.
 
 Spark retries a failed task from its first row, so across task failures processing is
 at-least-once: `task_context()` tells `fn` which Spark task attempt it runs in.
@@ -23,11 +24,11 @@ at-least-once: `task_context()` tells `fn` which Spark task attempt it runs in.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 from pyspark import TaskContext as _SparkTaskContext
@@ -45,7 +46,7 @@ __all__ = ["process_keyed", "task_context", "TaskContext"]
 RESULT = "result"
 ATTEMPT = "attempt"
 _COMPONENT = "__shmchan_component"
-WINDOW_PER_WORKER = 64  # futures in flight per worker: enough to look past a blocked key
+BATCH_PER_WORKER = 64  # rows per map batch per worker: enough to look past a blocked key
 
 
 class TaskContext(NamedTuple):
@@ -186,47 +187,53 @@ class _Plan(NamedTuple):
                 "in a module the Spark workers can import, or register that module with "
                 "pyspark.cloudpickle.register_pickle_by_value()"
             ) from e
-        make_row = Row(*self.cols)
-        window: deque[tuple[tuple[Any, ...], Future[Any]]] = deque()
-        limit = WINDOW_PER_WORKER * self.workers
+        keys_at = self.cols.index(self.keys_col)
+
+        def keys_of(values: tuple[Any, ...]) -> tuple[Any, ...]:
+            return message_keys(values[keys_at])
+
         ex = KeyedExecutor(
             max_workers=self.workers,
             initializer=_install,
-            initargs=(self.fn,),
+            initargs=(self.fn, self.cols, ctx),
             max_attempts=self.max_attempts,
             task_timeout=self.task_timeout,
         )
         try:
-            for row in _chain(first, rows):
-                values = tuple(row)
-                fut = ex.submit(
-                    _run_row, make_row(*values), ctx, keys=message_keys(row[self.keys_col])
-                )
-                window.append((values, fut))
-                if len(window) >= limit:
-                    values, fut = window.popleft()
-                    yield (*values, fut.result(), ctx.attempt)
-            while window:
-                values, fut = window.popleft()
-                yield (*values, fut.result(), ctx.attempt)
+            # Rows go in as batches of `map`, in order; the next batch is submitted before
+            # the results of the one before it are awaited, so the workers never run dry.
+            in_flight: deque[tuple[list[tuple[Any, ...]], Iterator[Any]]] = deque()
+            for batch in _batches(itertools.chain([first], rows), BATCH_PER_WORKER * self.workers):
+                in_flight.append((batch, ex.map(_run_row, batch, keys=keys_of)))
+                if len(in_flight) > 1:
+                    yield from _joined(*in_flight.popleft(), ctx.attempt)
+            while in_flight:
+                yield from _joined(*in_flight.popleft(), ctx.attempt)
         finally:
             ex.shutdown(wait=True, cancel_futures=True)
 
 
-def _chain(first: Row, rest: Iterator[Row]) -> Iterator[Row]:
-    yield first
-    yield from rest
+def _batches(rows: Iterator[Row], size: int) -> Iterator[list[tuple[Any, ...]]]:
+    """The rows' values, `size` at a time."""
+    while batch := [tuple(row) for row in itertools.islice(rows, size)]:
+        yield batch
 
 
-def _install(fn: bytes) -> None:
-    """The executor's initializer: unpickle the user's function once per worker."""
+def _joined(
+    batch: list[tuple[Any, ...]], results: Iterator[Any], attempt: int
+) -> Iterator[tuple[Any, ...]]:
+    """Each row's values with its result and the task's attempt."""
+    for values, result in zip(batch, results, strict=True):
+        yield (*values, result, attempt)
+
+
+def _install(fn: bytes, cols: list[str], ctx: TaskContext) -> None:
+    """The executor's initializer: what every row of this task needs, once per worker."""
     _installed["fn"] = pickle.loads(fn)
-
-
-def _run_row(row: Row, ctx: TaskContext) -> Any:
-    """Run the installed function on one row, with its task context visible."""
+    _installed["row"] = Row(*cols)
     _context.value = ctx
-    try:
-        return _installed["fn"](row)
-    finally:
-        _context.value = None
+
+
+def _run_row(values: tuple[Any, ...]) -> Any:
+    """Run the installed function on one row (its task context is set by _install)."""
+    return _installed["fn"](_installed["row"](*values))
