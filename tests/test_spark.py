@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 
 import shmchan
@@ -29,8 +28,8 @@ from shmchan import liveness
 from shmchan import spark as ss
 from tests.procs import child_env
 
-# Spark's Python workers cannot import this module: ship its functions and classes by value.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# Spark's Python workers cannot import this module (pytest put its directory on sys.path):
+# process_keyed ships the functions and classes below by value (keyed._dump_function).
 # A session starts in 5-30 s on a busy 2-core machine, and the first test pays for it.
 pytestmark = pytest.mark.timeout(600)
 

@@ -24,15 +24,20 @@ at-least-once: `task_context()` tells `fn` which Spark task attempt it runs in.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 import pickle
+import subprocess
+import sys
 import threading
+import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from pyspark import TaskContext as _SparkTaskContext
-from pyspark.cloudpickle import dumps as _cloudpickle_dumps
+from pyspark import cloudpickle as _cloudpickle
 from pyspark.sql import DataFrame, Row
 from pyspark.sql.types import DataType, IntegerType, StructField, StructType
 
@@ -42,6 +47,8 @@ from .keygraph import ComponentsInfo, partition, partitioned_by
 from .producers import message_keys
 
 __all__ = ["process_keyed", "task_context", "TaskContext"]
+
+cloudpickle: Any = _cloudpickle  # PySpark's copy of cloudpickle has no type annotations
 
 RESULT = "result"
 ATTEMPT = "attempt"
@@ -147,7 +154,7 @@ def process_keyed(
     plan = _Plan(
         cols=cols,
         keys_col=keys_col,
-        fn=_cloudpickle_dumps(fn),  # type: ignore[no-untyped-call]  # cloudpickle is untyped
+        fn=_dump_function(fn),
         workers=workers_per_task,
         max_attempts=max_attempts,
         task_timeout=task_timeout,
@@ -225,6 +232,54 @@ def _joined(
     """Each row's values with its result and the task's attempt."""
     for values, result in zip(batch, results, strict=True):
         yield (*values, result, attempt)
+
+
+def _dump_function(fn: Callable[..., Any]) -> bytes:
+    """cloudpickle `fn`; by value when Spark's workers could not import its module.
+
+    cloudpickle pickles a module-level function or class by reference (module + name).
+    That fails in a Spark worker when the module was importable here only because this
+    process put its directory on sys.path at run time (pytest's rootdir, a notebook's
+    own folder), so such a module is pickled by value instead.
+    """
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    by_value = (
+        module is not None
+        and module.__name__ != "__main__"
+        and module.__name__ not in cloudpickle.list_registry_pickle_by_value()
+        and not _on_worker_path(module)
+    )
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return bytes(cloudpickle.dumps(fn))
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+@functools.cache
+def _worker_path() -> tuple[str, ...]:
+    """sys.path of a fresh interpreter started here (what Spark's local workers get)."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import os, sys; print(os.pathsep.join(sys.path))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return tuple(os.path.realpath(p or os.curdir) for p in out.stdout.strip().split(os.pathsep))
+
+
+def _on_worker_path(module: types.ModuleType) -> bool:
+    top = sys.modules.get(module.__name__.partition(".")[0])
+    where = getattr(top, "__file__", None)
+    if where is None:
+        return True  # built-in, namespace or frozen: leave it to cloudpickle
+    root = os.path.dirname(where)
+    if os.path.basename(where) == "__init__.py":
+        root = os.path.dirname(root)
+    return os.path.realpath(root) in _worker_path()
 
 
 def _install(fn: bytes, cols: list[str], ctx: TaskContext) -> None:
