@@ -105,6 +105,10 @@ def _run_spark(run: Run) -> None:
         df = ids.select("id", key.alias("key")).cache()
         df.count()
         here = os.path.join(scratch, "state")
+        # A discarded warm-up of each: Spark's Python workers start, modules are imported.
+        warm = df.limit(200)
+        _timed(here, lambda fn: _keyed(warm, fn))
+        _timed(here, lambda fn: _recipe(warm, fn, partitions))
         keyed: list[float] = []
         recipe: list[float] = []
         for _ in range(reps):  # interleaved, so drift hits both alike
