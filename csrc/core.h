@@ -44,6 +44,7 @@
 
 #define NIL 0u /* index 0 of the slot and node tables is never used: 0 means "none" */
 #define SHM_WAKE_KEYS 256u /* freed keys remembered between polls (window.c) */
+#define SHM_WRITING_MAX 64u /* unfinished records the receiver looks past (window.c) */
 
 /* ---- atomics: thin names so each call site reads as its ordering ---------------- */
 #define LOAD_RELAXED(p) __atomic_load_n((p), __ATOMIC_RELAXED)
@@ -141,6 +142,9 @@ typedef struct {
     uint32_t wake_overflow; /* 1: more keys were freed than wake_keys holds */
     uint32_t pad3;
     uint64_t wake_keys[SHM_WAKE_KEYS]; /* hashes of keys whose parked chain may move */
+    uint32_t writing_n;   /* placeholders in writing[] (window.c) */
+    uint32_t pad4;
+    uint64_t writing[SHM_WRITING_MAX]; /* positions of records looked at while WRITING */
 } shm_header;
 
 /* header.shutdown bits */
@@ -402,6 +406,7 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved);
 int window_admit(shm_chan *c, shm_record *r, uint64_t pos);
 int window_taken(shm_chan *c, shm_record *r, uint64_t pos);
 int window_has_work(shm_chan *c);
+int window_is_writing(shm_chan *c, uint64_t pos);
 int window_check(shm_chan *c, uint32_t *what);
 int window_parked_movable(shm_chan *c, uint64_t pos);
 void window_moved(shm_chan *c, uint64_t start, uint64_t len, uint64_t delta);

@@ -328,6 +328,7 @@ int recovery_rebuild(shm_chan *c) {
     qsort(kept, nkept, sizeof *kept, by_pos);
     h->wake_n = 0;
     h->wake_overflow = 0;
+    h->writing_n = 0; /* the scan finds unfinished records again */
     h->skip_keys = 0;
     h->ingest_pos = h->scan_pos = h->head;
     uint64_t pos = h->head;

@@ -28,14 +28,21 @@
  *   3. claim: CAS owner EMPTY(pos) -> token << 1. EMPTY(pos) encodes the full 64-bit
  *      position, so a walker holding a stale position from an earlier lap cannot
  *      match (no ABA), and the winner is recorded in the same instruction.
- *   4. prepare the successor: meta = 0, seq = seq + 1 at pos + n, then owner EMPTY(pos + n)
+ *   4. write the record's fixed fields (kind, nkeys, lengths) and its key hashes; prepare
+ *      the successor: meta = 0, seq = seq + 1 at pos + n, then owner EMPTY(pos + n)
  *      (release). Only the claimant writes there: nobody can reach pos + n before 5.
- *   5. publish the length: meta = (n, WRITING) (release). Walkers may now pass.
+ *   5. publish the length: meta = (n, WRITING) (release). Walkers may now pass, and the
+ *      receiver may read the fixed fields and hashes (not the key blob or payload).
  *   6. write the body (keys, payload), then meta = (n, COMMITTED) (release).
  *
- * Consumer: reads records in position order from ingest_pos; stops at EMPTY; a record in
- * CLAIMED or WRITING stops it too (messages keep channel order) and is reported as a
- * stall naming its claimant, so the Python layer can check that process's liveness.
+ * Consumer: reads records in position order from scan_pos; stops at EMPTY. A record in
+ * CLAIMED stops it (a few instructions from WRITING, or its claimant died: reported as a
+ * stall naming its claimant, so the Python layer can check that process's liveness). A
+ * record in WRITING does not (Jiffy's "move past an unfinished slot"): its keys are known,
+ * so the receiver puts it in its keys' lines as a placeholder (window.c) -- under fifo,
+ * later messages on those keys wait behind it -- and goes on; it is handed out once
+ * committed, and dropped from the lines if its producer dies (discard_dead). So a
+ * producer frozen mid-send (SIGSTOP, a debugger) holds up only messages on its keys.
  *
  * A producer killed at any instruction leaves one of:
  *   - nothing (before 3), or a claim whose owner word names it;
@@ -44,8 +51,9 @@
  *     (repair_claim). No walker could have passed it, so the length is ours to choose;
  *     the dead claimant checked room for at least REC_BODY + REC_HDR bytes, enough for
  *     the discard record and the next tail's header.
- *   - WRITING (between 5 and 6): the length is known; the consumer marks it DISCARDED
- *     when it reaches it (discard_dead) and skips it.
+ *   - WRITING (between 5 and 6): the length and keys are known; the receiver, which holds
+ *     it as a placeholder, marks it DISCARDED once the claimant is found dead
+ *     (discard_dead) and drops it from its keys' lines.
  *   - COMMITTED: the message is whole and is delivered.
  * A message is thus visible whole or not at all; a send that returned is committed.
  *
@@ -183,18 +191,20 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
                  const uint8_t *data, uint64_t len, const uint8_t *keys, uint32_t keys_len,
                  uint32_t nkeys, const uint64_t *hashes, const shm_gate *gate) {
     shm_record *r = rec_at(c, pos);
-    prepare_successor(c, pos + n, seq + 1);
-    /* release: pairs with walkers' acquire load of meta in claim(): whoever sees our length
-     * also sees EMPTY(pos + n). */
-    STORE_RELEASE(&r->meta, META(n, REC_WRITING));
-    hint_raise(c, pos + n);
-
+    /* step 4: the placeholder part, complete before WRITING is published */
     r->kind = kind;
     r->nkeys = nkeys;
     r->data_len = len;
     r->keys_len = keys_len;
     r->slot = 0;
     memcpy(r->hashes, hashes, 8u * nkeys);
+    prepare_successor(c, pos + n, seq + 1);
+    /* release: pairs with walkers' acquire load of meta in claim() (whoever sees our length
+     * also sees EMPTY(pos + n)) and with the receiver's acquire load in ring_peek (a
+     * WRITING record's fixed fields and key hashes are complete when seen: window.c). */
+    STORE_RELEASE(&r->meta, META(n, REC_WRITING));
+    hint_raise(c, pos + n);
+
     uint8_t *p = (uint8_t *)r + REC_BODY + 16u * nkeys; /* past hashes and links */
     memcpy(p, keys, keys_len);
     p += align8(keys_len);
@@ -552,7 +562,8 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
     pthread_mutex_lock(&c->rx_mu);
     int rc = SHM_STALE;
     shm_record *r = rec_at(c, pos);
-    if (pos == c->hdr->scan_pos && LOAD_ACQUIRE(&r->owner) == OWNER_CLAIM(dead_owner)) {
+    int known = pos == c->hdr->scan_pos || window_is_writing(c, pos); /* not a stale pos */
+    if (known && LOAD_ACQUIRE(&r->owner) == OWNER_CLAIM(dead_owner)) {
         uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the claimant's release */
         if (META_STATE(meta) == REC_WRITING && len_ok(c, META_LEN(meta))) {
             /* release: pairs with ring_peek's acquire load (we read it again next poll). */

@@ -172,6 +172,7 @@ int  shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner);
  * (commit = 1: deliver, 0: discard) once the exchange's transaction word decided. */
 int  shm_gate_read(shm_chan *c, uint64_t pos, uint64_t dead_owner, shm_gate *out);
 int  shm_gate_resolve(shm_chan *c, uint64_t pos, uint64_t dead_owner, int commit);
+int  shm_writing_list(shm_chan *c, uint64_t *pos, uint64_t *owner, uint32_t max, uint32_t *n);
 int  shm_rx_spin(shm_chan *c, uint32_t spins);
 
 /* --- handles (any process) ---------------------------------------------- */

@@ -79,15 +79,18 @@ static int link_index(const shm_record *r, uint64_t hash) {
     return -1;
 }
 
-/* The parked record at pos, checked: inside the looked-at region, committed, whole,
- * without a slot, carrying hash. NULL if any of that is not so (corruption). */
+/* The parked record at pos, checked: inside the looked-at region, committed (or being
+ * written: a placeholder, whose fixed fields and hashes are complete), without a slot,
+ * carrying hash. NULL if any of that is not so (corruption). */
 static shm_record *parked_at(shm_chan *c, uint64_t pos, uint64_t hash, int *idx) {
     shm_header *h = c->hdr;
     if (pos < h->ingest_pos || pos >= h->scan_pos || (pos & 7u)) return NULL;
     shm_record *r = rec_at(c, pos);
-    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
+    /* acquire: pairs with the producer's release of WRITING / COMMITTED (ring.c fill) */
+    uint64_t meta = LOAD_ACQUIRE(&r->meta);
     uint64_t len = META_LEN(meta);
-    if (META_STATE(meta) != REC_COMMITTED || len > h->scan_pos - pos || r->slot != NIL ||
+    uint32_t st = META_STATE(meta);
+    if ((st != REC_COMMITTED && st != REC_WRITING) || len > h->scan_pos - pos || r->slot != NIL ||
         ring_validate_body(c, r, len) != SHM_OK)
         return NULL;
     *idx = link_index(r, hash);
@@ -138,6 +141,11 @@ static uint32_t new_keys(shm_chan *c, shm_record *r) {
     return n;
 }
 
+/* May r be parked without the key table growing past its share for chains? */
+static int park_room(shm_chan *c, shm_record *r) {
+    return c->hdr->skip_keys + new_keys(c, r) <= (c->keytab_mask + 1) / 4;
+}
+
 /* What to do with the record r at scan_pos (read-only: work_pending asks it too).
  * Under eager, *blocker is the held key it meets. */
 static int decide(shm_chan *c, shm_record *r, uint64_t *blocker) {
@@ -148,10 +156,7 @@ static int decide(shm_chan *c, shm_record *r, uint64_t *blocker) {
         parks = fifo ? (k->head != NIL || k->skipped != 0) : k->held != NIL;
         if (parks) *blocker = r->hashes[i];
     }
-    if (parks) {
-        uint32_t limit = (c->keytab_mask + 1) / 4;
-        return fifo && c->hdr->skip_keys + new_keys(c, r) > limit ? ADMIT_STOP : ADMIT_PARK;
-    }
+    if (parks) return fifo && !park_room(c, r) ? ADMIT_STOP : ADMIT_PARK;
     return sched_has_room(c, r->nkeys) ? ADMIT_TAKE : ADMIT_STOP;
 }
 
@@ -201,6 +206,8 @@ static int wake_key(shm_chan *c, uint64_t hash, int *moved) {
         uint64_t pos = k->skip_head;
         shm_record *r = parked_at(c, pos, hash, &idx);
         if (r == NULL) return SHM_E_CORRUPT;
+        /* a placeholder still being written: its commit wakes its keys (window_writing) */
+        if (META_STATE(LOAD_ACQUIRE(&r->meta)) == REC_WRITING) return SHM_OK;
         if (fifo) {
             /* It goes if it heads the chain of each of its keys, none of which has a line;
              * otherwise the key it still waits for will wake it. */
@@ -271,6 +278,118 @@ static int window_wake(shm_chan *c, int *moved) {
     return SHM_OK;
 }
 
+/* ---- placeholders: records looked at while their producer still writes them ------------------
+ * A record in WRITING has its fixed fields and key hashes published (ring.c step 5). The
+ * scan does not stop at it: under fifo it is parked like a waiting message (later messages
+ * on its keys park behind it; it never goes while WRITING, wake_key), under eager it is
+ * only remembered; either way its position goes on the writing list, which each poll
+ * checks: committed, it may go (fifo: if it heads its chains and no key has a line;
+ * eager: it is taken in or parked now); discarded (its producer died, shm_discard_dead), it leaves its chains. A frozen
+ * producer thus holds up only the messages on its own keys. */
+int window_is_writing(shm_chan *c, uint64_t pos) {
+    shm_header *h = c->hdr;
+    for (uint32_t i = 0; i < h->writing_n && i < SHM_WRITING_MAX; i++)
+        if (h->writing[i] == pos) return 1;
+    return 0;
+}
+
+/* Take the record r at pos out of the chains of its keys (fifo), wherever it is in them:
+ * its producer died. Rare, so a walk from each chain's head is fine. */
+static int unchain(shm_chan *c, shm_record *r, uint64_t pos) {
+    for (uint32_t i = 0; i < r->nkeys; i++) {
+        if (!rec_first_of_hash(r, i)) continue;
+        uint64_t hash = r->hashes[i];
+        shm_key *k = sched_key_find(c, hash);
+        if (k == NULL || k->skipped == 0) return SHM_E_CORRUPT;
+        int rc;
+        if (k->skip_head == pos) {
+            rc = chain_pop(c, hash, r, pos);
+        } else {
+            uint64_t prev = k->skip_head;
+            rc = SHM_E_CORRUPT;
+            for (uint32_t n = 1; n < k->skipped; n++) {
+                int pi;
+                shm_record *p = parked_at(c, prev, hash, &pi);
+                if (p == NULL) break;
+                uint64_t *plink = &rec_links(p, p->nkeys)[pi];
+                if (*plink != pos) {
+                    prev = *plink;
+                    continue;
+                }
+                if (k->skip_tail == pos) k->skip_tail = prev;
+                else *plink = rec_links(r, r->nkeys)[i];
+                k->skipped--;
+                rc = SHM_OK;
+                break;
+            }
+        }
+        if (rc) return rc;
+        window_wake_push(c, hash); /* whoever was behind it may go */
+    }
+    c->hdr->skipped--;
+    return SHM_OK;
+}
+
+static int window_writing(shm_chan *c, int *moved) {
+    shm_header *h = c->hdr;
+    int fifo = c->cfg.order == SHM_ORDER_FIFO;
+    if (h->writing_n > SHM_WRITING_MAX) return SHM_E_CORRUPT;
+    for (uint32_t i = 0; i < h->writing_n;) {
+        uint64_t pos = h->writing[i];
+        shm_record *r = rec_at(c, pos);
+        uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
+        uint32_t st = META_STATE(meta);
+        if (st == REC_WRITING) {
+            i++;
+            continue;
+        }
+        if (pos < h->ingest_pos || pos >= h->scan_pos || ring_validate_body(c, r, META_LEN(meta)))
+            return SHM_E_CORRUPT;
+        int rc = SHM_OK;
+        if (st == REC_COMMITTED) {
+            if (fifo) {
+                /* Parked already. It goes now if it heads the chain of each of its keys
+                 * and none has a line (a wake of its keys while it was still being
+                 * written left it there); otherwise a release ahead of it wakes it. */
+                int go = 1;
+                for (uint32_t k = 0; k < r->nkeys && go; k++) {
+                    shm_key *o = sched_key_find(c, r->hashes[k]);
+                    if (o == NULL || o->skipped == 0) return SHM_E_CORRUPT; /* in its chain */
+                    go = o->skip_head == pos && o->head == NIL;
+                }
+                if (go && !sched_has_room(c, r->nkeys)) { /* look again next poll */
+                    i++;
+                    continue;
+                }
+                if (go) rc = unpark_fifo(c, r, pos);
+            } else {
+                rc = window_admit(c, r, pos);
+                if (rc == SHM_FULL) { /* no room: look again next poll */
+                    i++;
+                    continue;
+                }
+            }
+        } else if (st == REC_DISCARDED) {
+            h->discarded++;
+            if (fifo) rc = unchain(c, r, pos);
+        } else {
+            return SHM_E_CORRUPT;
+        }
+        if (rc) return rc;
+        h->writing[i] = h->writing[--h->writing_n];
+        *moved = 1;
+    }
+    return SHM_OK;
+}
+
+/* The record at scan_pos is being written: can the scan move past it (placeholder)? */
+static int placeholder_ok(shm_chan *c, shm_record *r, uint64_t meta) {
+    uint64_t len = META_LEN(meta);
+    return META_STATE(meta) == REC_WRITING && c->hdr->writing_n < SHM_WRITING_MAX &&
+           len >= REC_BODY && (len & 7u) == 0 && len <= c->cap - REC_HDR &&
+           ring_validate_body(c, r, len) == SHM_OK;
+}
+
 /* ---- ingest_pos ---------------------------------------------------------------------------- */
 /* Move ingest_pos over records taken in or finished, up to the first parked one. */
 static int walk_ingest(shm_chan *c) {
@@ -303,7 +422,13 @@ int window_admit(shm_chan *c, shm_record *r, uint64_t pos) {
 /* Would a poll make progress right now? (the receiver's re-check before it sleeps) */
 int window_has_work(shm_chan *c) {
     shm_header *h = c->hdr;
+    int fifo = c->cfg.order == SHM_ORDER_FIFO;
     if ((h->wake_n || h->wake_overflow) && sched_has_room(c, c->cfg.max_keys)) return 1;
+    for (uint32_t i = 0; i < h->writing_n && i < SHM_WRITING_MAX; i++) {
+        /* seq_cst: as below, pairs with the fence in wake_receiver after a commit */
+        uint32_t st = META_STATE(LOAD_SEQCST(&rec_at(c, h->writing[i])->meta));
+        if (st != REC_WRITING && (fifo || sched_has_room(c, c->cfg.max_keys))) return 1;
+    }
     shm_record *r = rec_at(c, h->scan_pos);
     /* seq_cst: after the receiver's seq_cst store of rx_sleeping; pairs with the fence in
      * wake_receiver (ring.c): either we see the commit or its producer sees us asleep. */
@@ -311,7 +436,9 @@ int window_has_work(shm_chan *c) {
     if (owner == OWNER_EMPTY(h->scan_pos)) return 0;
     uint64_t meta = LOAD_SEQCST(&r->meta);
     uint32_t st = META_STATE(meta);
-    if (st == REC_CLAIMED || st == REC_WRITING || st == REC_GATED) return 0; /* its commit wakes us */
+    if (st == REC_CLAIMED || st == REC_GATED) return 0; /* a commit after it wakes us */
+    if (st == REC_WRITING) /* a placeholder, if there is room for one */
+        return placeholder_ok(c, r, meta) && (!fifo || park_room(c, r));
     if (st != REC_COMMITTED || h->ready_count >= READY_AHEAD) return 1; /* let the poll say */
     uint64_t len = META_LEN(meta), blocker;
     if (len < REC_BODY || len > c->cap - REC_HDR || ring_validate_body(c, r, len)) return 1;
@@ -322,7 +449,8 @@ int window_has_work(shm_chan *c) {
  * at up to INGEST_BATCH new records, move ingest_pos. *moved: something changed. */
 int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
     shm_header *h = c->hdr;
-    int rc = window_wake(c, moved);
+    int rc = window_writing(c, moved);
+    if (rc == SHM_OK) rc = window_wake(c, moved);
     if (rc) return rc;
     for (uint32_t i = 0; i < INGEST_BATCH && h->ready_count < READY_AHEAD; i++) {
         uint64_t pos = h->scan_pos, len;
@@ -330,10 +458,21 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
         rc = ring_peek(c, pos, &r, &len, stall);
         if (rc == SHM_EMPTY) break;
         if (rc == SHM_STALLED) {
-            *stalled = 1;
-            break;
-        }
-        if (rc == SHM_CLOSED) { /* discarded or cancelled: nothing to take in */
+            r = rec_at(c, pos);
+            /* acquire: pairs with the producer's release of WRITING (ring.c fill) */
+            uint64_t meta = LOAD_ACQUIRE(&r->meta);
+            if (!placeholder_ok(c, r, meta)) { /* claimed, or too many unfinished */
+                *stalled = 1;
+                break;
+            }
+            len = META_LEN(meta);
+            if (c->cfg.order == SHM_ORDER_FIFO) { /* it keeps its place on its keys */
+                if (!park_room(c, r)) break;
+                rc = park(c, r, pos, 0);
+                if (rc) return rc;
+            }
+            h->writing[h->writing_n++] = pos;
+        } else if (rc == SHM_CLOSED) { /* discarded or cancelled: nothing to take in */
             if (META_STATE(LOAD_RELAXED(&r->meta)) == REC_DISCARDED) h->discarded++;
         } else if (rc) {
             return rc;
@@ -398,7 +537,7 @@ int window_check(shm_chan *c, uint32_t *what) {
         int free_ = fifo ? k->head == NIL : k->held == NIL;
         if (free_ && !waking(c, k->hash)) {
             shm_record *r = parked_at(c, k->skip_head, k->hash, &idx);
-            int could_go = 1, woken = 0;
+            int could_go = META_STATE(LOAD_ACQUIRE(&r->meta)) == REC_COMMITTED, woken = 0;
             for (uint32_t j = 0; fifo && j < r->nkeys; j++) {
                 shm_key *o = sched_key_find(c, r->hashes[j]);
                 if (o == NULL || o->skip_head != k->skip_head || o->head != NIL) could_go = 0;
@@ -417,7 +556,10 @@ int window_check(shm_chan *c, uint32_t *what) {
             *what = 25;
             return SHM_E_CORRUPT;
         }
-        if (META_STATE(meta) == REC_COMMITTED && len >= REC_BODY && r->slot == NIL) {
+        uint32_t st = META_STATE(meta);
+        int placeholder = window_is_writing(c, pos);
+        if (fifo ? (st == REC_COMMITTED || st == REC_WRITING) && r->slot == NIL
+                 : st == REC_COMMITTED && r->slot == NIL && !placeholder) {
             parked++;
             for (uint32_t j = 0; j < r->nkeys && j < c->cfg.max_keys; j++)
                 parked_links += rec_first_of_hash(r, j);
@@ -436,7 +578,9 @@ int window_check(shm_chan *c, uint32_t *what) {
  * under fifo a chain runs in ring order, so the records before it in its chains lie
  * between head and it, inside the block. Eager chains do not, so there it stays. */
 int window_parked_movable(shm_chan *c, uint64_t pos) {
-    return c->cfg.order == SHM_ORDER_FIFO && pos >= c->hdr->ingest_pos && pos < c->hdr->scan_pos;
+    /* a placeholder's position is on the writing list, which must stay true */
+    return c->cfg.order == SHM_ORDER_FIFO && pos >= c->hdr->ingest_pos && pos < c->hdr->scan_pos &&
+           !window_is_writing(c, pos);
 }
 
 /* The records in [start, start + len) were copied delta bytes further on: point the
@@ -464,4 +608,24 @@ void window_moved(shm_chan *c, uint64_t start, uint64_t len, uint64_t delta) {
         pos += rlen;
     }
     if (h->ingest_pos >= start && h->ingest_pos < end) h->ingest_pos += delta;
+}
+
+/* For the receiver's maintenance: the placeholders and their producers, whose liveness
+ * the Python layer checks (a dead one's record is then discarded: shm_discard_dead). */
+int shm_writing_list(shm_chan *c, uint64_t *pos, uint64_t *owner, uint32_t max, uint32_t *n) {
+    *n = 0;
+    if (!c->is_rx) return SHM_E_INVALID;
+    pthread_mutex_lock(&c->rx_mu);
+    shm_header *h = c->hdr;
+    for (uint32_t i = 0; i < h->writing_n && i < SHM_WRITING_MAX && *n < max; i++) {
+        shm_record *r = rec_at(c, h->writing[i]);
+        /* acquire: pairs with the claimant's CAS that named it */
+        uint64_t o = LOAD_ACQUIRE(&r->owner);
+        if (OWNER_IS_EMPTY(o) || META_STATE(LOAD_ACQUIRE(&r->meta)) != REC_WRITING) continue;
+        pos[*n] = h->writing[i];
+        owner[*n] = OWNER_TOKEN(o);
+        (*n)++;
+    }
+    pthread_mutex_unlock(&c->rx_mu);
+    return SHM_OK;
 }

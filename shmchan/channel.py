@@ -245,7 +245,7 @@ class _Segment(_hot.SegmentBase):
 class _Scratch:
     """Per-thread out-parameters, allocated once (ffi.new is not free)."""
 
-    __slots__ = ("seq", "stall", "wake", "pass_on", "got", "waiters", "msgs", "nmsgs")
+    __slots__ = ("seq", "stall", "wake", "pass_on", "got", "waiters", "msgs", "nmsgs", "writing")
 
     def __init__(self) -> None:
         self.seq = ffi.new("uint64_t *")
@@ -256,6 +256,7 @@ class _Scratch:
         self.waiters = ffi.new("uint32_t *")
         self.msgs = ffi.new("shm_msg[]", 1)
         self.nmsgs = 1
+        self.writing: tuple[Any, Any] | None = None  # Receiver._discard_dead_writers
 
     def msg_array(self, n: int) -> Any:
         if n > self.nmsgs:
@@ -1118,6 +1119,7 @@ class Receiver(_hot.ReceiverBase):
         seg = self._live()
         now = time.monotonic()
         self._next_maintenance = now + _MAINTENANCE_SECONDS
+        self._discard_dead_writers(seg)
         holders = ffi.new("uint64_t[]", 512)
         n = ffi.new("uint32_t *")
         expired = ffi.new("uint32_t *")
@@ -1143,6 +1145,20 @@ class Receiver(_hot.ReceiverBase):
         if revoked[0]:
             seg.post(_TX, 64)  # space may have been freed by dead letters' keys
         return int(revoked[0])
+
+    def _discard_dead_writers(self, seg: _Segment) -> None:
+        """Records the receiver looked past while their producer was still writing them
+        (csrc/window.c placeholders): a dead producer's record is dropped, which frees
+        its place in its keys' lines."""
+        s = seg.scratch()
+        if s.writing is None:
+            s.writing = (ffi.new("uint64_t[]", 64), ffi.new("uint64_t[]", 64))
+        pos, owner = s.writing
+        lib.shm_writing_list(seg.ptr, pos, owner, 64, s.got)
+        for i in range(s.got[0]):
+            token = int(owner[i])
+            if not liveness.is_alive(token):
+                lib.shm_discard_dead(seg.ptr, pos[i], token)
 
     def _live(self) -> _Segment:
         seg = self._seg

@@ -11,6 +11,8 @@ cost (a backlog of 100 000 took 13 s before; the eager window, forever).
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -247,3 +249,150 @@ def test_iteration_after_shutdown_ends_while_this_process_holds_the_last_handle(
     ch.shutdown()
     kept = list(rx)
     assert sorted(h.payload for h in kept) == [0, 1, 2]
+
+
+# --- item 4: a producer frozen mid-send holds up only messages on its own keys ---------------
+
+BIG = 32 << 20  # long enough a copy that a SIGSTOP lands inside it
+
+
+def send_big(name: str, size: int, ready, keys=("big",)) -> None:
+    """Producer A: one big message on `keys` (built before it says it is ready)."""
+    payload = b"\x01" * size
+    with shmchan.Sender.open(name) as tx:
+        ready.set()
+        tx.send(payload, keys=keys, timeout=WAIT)
+
+
+def _layout_fact(name: str) -> int:
+    from shmchan._lib import ffi, lib
+
+    out = ffi.new("uint64_t *")
+    assert lib.shm_layout_fact(name.encode(), out) == 0, name
+    return int(out[0])
+
+
+def _first_record_state(name: str) -> int:
+    """The state byte of the record at ring position 0 (csrc/core.h REC_*)."""
+    fd = os.open(f"/dev/shm/shmchan.{name}", os.O_RDONLY)
+    try:
+        ring = int.from_bytes(os.pread(fd, 8, _layout_fact("header.ring_off")), "little")
+        meta = int.from_bytes(os.pread(fd, 8, ring + _layout_fact("record.meta")), "little")
+    finally:
+        os.close(fd)
+    return meta & 0xFF
+
+
+REC_WRITING = 1
+
+
+def frozen_mid_send(make_channel, keys=("big",)):
+    """A fresh channel whose first record is producer A's big message, A stopped
+    (SIGSTOP) while it copies the payload. Returns (channel, A); retried until the stop
+    lands inside the copy."""
+    for _ in range(8):
+        ch = make_channel(capacity=2 * BIG)
+        ready = CTX.Event()
+        a = CTX.Process(target=send_big, args=(ch.name, BIG, ready, keys), daemon=True)
+        a.start()
+        assert ready.wait(WAIT)
+        deadline = time.monotonic() + WAIT
+        while _first_record_state(ch.name) != REC_WRITING and time.monotonic() < deadline:
+            if not a.is_alive():
+                break
+        os.kill(a.pid, signal.SIGSTOP)
+        os.waitid(os.P_PID, a.pid, os.WSTOPPED | os.WNOWAIT)
+        if _first_record_state(ch.name) == REC_WRITING:
+            return ch, a
+        os.kill(a.pid, signal.SIGKILL)  # the copy was done already: try again
+        a.join(WAIT)
+    pytest.skip("could not stop the producer inside its copy")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_frozen_producer_holds_up_only_messages_on_its_keys(make_channel, order):
+    ch, a = frozen_mid_send(lambda **kw: make_channel(order=order, **kw))
+    try:
+        rx = ch.receiver()
+        with ch.sender() as tx:  # producer B
+            others = [tx.send(i, keys=f"other{i % 3}") for i in range(30)]
+            behind = tx.send(b"B on big", keys="big")
+        # fifo: B's message on "big" waits behind A's; eager promises no order: it goes
+        now = others if order == "fifo" else [*others, behind]
+        got = []
+        for _ in now:
+            with rx.recv(timeout=10) as h:  # all of them, while A is frozen
+                got.append(h.seq)
+        assert sorted(got) == now
+        assert rx.try_recv() is None
+        os.kill(a.pid, signal.SIGCONT)
+        with rx.recv(timeout=WAIT) as first:  # A's, whole
+            assert first.keys == ("big",) and len(first.data) == BIG
+            assert first.data[0] == 1 and first.data[-1] == 1
+            assert first.seq < behind
+        if order == "fifo":
+            with rx.recv(timeout=WAIT) as second:
+                assert second.seq == behind and second.payload == b"B on big"
+        a.join(WAIT)
+        assert a.exitcode == 0
+        rx.close()
+    finally:
+        if a.is_alive():
+            a.kill()
+            a.join(WAIT)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_producer_killed_while_frozen_mid_send_frees_its_keys(make_channel, order):
+    ch, a = frozen_mid_send(lambda **kw: make_channel(order=order, **kw))
+    try:
+        rx = ch.receiver()
+        with ch.sender() as tx:
+            other = tx.send(b"other", keys="other")
+            behind = tx.send(b"B on big", keys="big")
+        with rx.recv(timeout=10) as h:  # while A is frozen
+            assert h.seq in (other, behind)
+            seen = {h.seq}
+        a.kill()  # frozen: dies without committing
+        a.join(WAIT)
+        deadline = time.monotonic() + WAIT
+        while seen != {other, behind} and time.monotonic() < deadline:
+            with rx.recv(timeout=WAIT) as h:
+                seen.add(h.seq)
+        assert seen == {other, behind}
+        while ch.stats().discarded == 0 and time.monotonic() < deadline:
+            assert rx.try_recv() is None  # A's message is gone, never torn or delivered
+            time.sleep(0.01)
+        assert ch.stats().discarded == 1
+        assert rx.try_recv() is None
+        rx.close()
+    finally:
+        if a.is_alive():
+            a.kill()
+            a.join(WAIT)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_frozen_producers_keyless_message_holds_up_nothing(make_channel, order):
+    ch, a = frozen_mid_send(lambda **kw: make_channel(order=order, **kw), keys=())
+    try:
+        rx = ch.receiver()
+        with ch.sender() as tx:
+            later = [tx.send(i) for i in range(5)]
+        got = []
+        for _ in later:
+            with rx.recv(timeout=10) as h:
+                got.append(h.seq)
+        assert got == later
+        os.kill(a.pid, signal.SIGCONT)
+        with rx.recv(timeout=WAIT) as h:
+            assert h.keys == () and len(h.data) == BIG
+        a.join(WAIT)
+        rx.close()
+    finally:
+        if a.is_alive():
+            a.kill()
+            a.join(WAIT)
