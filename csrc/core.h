@@ -407,6 +407,7 @@ int window_admit(shm_chan *c, shm_record *r, uint64_t pos);
 int window_taken(shm_chan *c, shm_record *r, uint64_t pos);
 int window_has_work(shm_chan *c);
 int window_is_writing(shm_chan *c, uint64_t pos);
+int window_discard(shm_chan *c, shm_record *r, uint64_t pos);
 int window_check(shm_chan *c, uint32_t *what);
 int window_parked_movable(shm_chan *c, uint64_t pos);
 void window_moved(shm_chan *c, uint64_t start, uint64_t len, uint64_t delta);

@@ -218,6 +218,9 @@ int shm_boot_check(shm_chan *c, uint64_t boot_id) {
         } else if (META_STATE(meta) == REC_WRITING) {
             meta = META(META_LEN(meta), REC_DISCARDED);
             STORE_RELEASE(&r->meta, meta); /* pairs with ring_peek */
+            /* it may be a placeholder in the receiver's lines (window.c): the next
+             * receiver rebuilds them from the ring */
+            STORE_RELAXED(&h->dirty, 1);
         }
         uint64_t len = META_LEN(meta);
         if (len < REC_HDR || (len & 7u) || len > c->cap - REC_HDR) break;
@@ -385,8 +388,10 @@ int recovery_rebuild(shm_chan *c) {
         uint64_t len = META_LEN(meta);
         if (META_STATE(meta) == REC_CLAIMED || len < REC_HDR || (len & 7u) || len > c->cap - REC_HDR)
             break;
-        if (META_STATE(meta) == REC_COMMITTED && len >= REC_BODY && !window_taken(c, r, pos))
+        if (META_STATE(meta) == REC_COMMITTED && len >= REC_BODY && !window_taken(c, r, pos)) {
+            if (r->slot != NIL && h->ingested) h->ingested--; /* taken in again later */
             r->slot = NIL;
+        }
         pos += len;
     }
     /* ingest_pos: over what is taken in or finished, up to the first parked record */

@@ -562,13 +562,19 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
     pthread_mutex_lock(&c->rx_mu);
     int rc = SHM_STALE;
     shm_record *r = rec_at(c, pos);
-    int known = pos == c->hdr->scan_pos || window_is_writing(c, pos); /* not a stale pos */
-    if (known && LOAD_ACQUIRE(&r->owner) == OWNER_CLAIM(dead_owner)) {
+    int placeholder = window_is_writing(c, pos);
+    if ((pos == c->hdr->scan_pos || placeholder) && /* not a stale position */
+        LOAD_ACQUIRE(&r->owner) == OWNER_CLAIM(dead_owner)) {
         uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the claimant's release */
         if (META_STATE(meta) == REC_WRITING && len_ok(c, META_LEN(meta))) {
+            rx_begin(c);
+            /* A placeholder leaves the receiver's lines first: a finished record must
+             * never be in a chain (head or compaction could pass it). */
+            rc = placeholder ? window_discard(c, r, pos) : SHM_OK;
             /* release: pairs with ring_peek's acquire load (we read it again next poll). */
-            STORE_RELEASE(&r->meta, META(META_LEN(meta), REC_DISCARDED));
-            rc = SHM_OK;
+            if (rc == SHM_OK) STORE_RELEASE(&r->meta, META(META_LEN(meta), REC_DISCARDED));
+            if (rc != SHM_E_CORRUPT) STORE_RELAXED(&c->hdr->dirty, 0);
+            rx_end(c);
         }
     }
     pthread_mutex_unlock(&c->rx_mu);

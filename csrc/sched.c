@@ -267,13 +267,16 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     sl->deadline = 0;
     sl->holder = 0;
     sl->pin = PIN_FREE;
-    r->slot = s; /* the record is ours now: lets compaction find its slot */
     window_link(c, s);
 
     int rc = attach_keys(c, s, r);
     if (rc) return rc;
     h->queued_in_window++;
     h->ingested++;
+    /* The record is ours now (compaction finds its slot through it). Last, and a release
+     * store so the count above comes first: a receiver's rebuild takes a record with a
+     * slot as counted in `ingested` (recovery.c). Pairs with nothing across processes. */
+    STORE_RELEASE(&r->slot, s);
     *slot_out = s;
     /* Only a message free to go is taken in (window.c): first in all its lines (fifo),
      * or none of its keys held (eager). Anything else is a scheduler bug or corruption. */

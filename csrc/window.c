@@ -330,6 +330,22 @@ static int unchain(shm_chan *c, shm_record *r, uint64_t pos) {
     return SHM_OK;
 }
 
+/* The placeholder r at pos is being discarded (its producer died: shm_discard_dead): it
+ * leaves the writing list and (fifo) its chains, waking whoever was behind it. */
+int window_discard(shm_chan *c, shm_record *r, uint64_t pos) {
+    shm_header *h = c->hdr;
+    for (uint32_t i = 0; i < h->writing_n && i < SHM_WRITING_MAX; i++) {
+        if (h->writing[i] != pos) continue;
+        if (ring_validate_body(c, r, META_LEN(LOAD_ACQUIRE(&r->meta)))) return SHM_E_CORRUPT;
+        int rc = c->cfg.order == SHM_ORDER_FIFO ? unchain(c, r, pos) : SHM_OK;
+        if (rc) return rc;
+        h->writing[i] = h->writing[--h->writing_n];
+        h->discarded++;
+        return SHM_OK;
+    }
+    return SHM_STALE;
+}
+
 static int window_writing(shm_chan *c, int *moved) {
     shm_header *h = c->hdr;
     int fifo = c->cfg.order == SHM_ORDER_FIFO;
@@ -369,9 +385,6 @@ static int window_writing(shm_chan *c, int *moved) {
                     continue;
                 }
             }
-        } else if (st == REC_DISCARDED) {
-            h->discarded++;
-            if (fifo) rc = unchain(c, r, pos);
         } else {
             return SHM_E_CORRUPT;
         }
