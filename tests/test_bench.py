@@ -23,7 +23,8 @@ import shmchan
 from shmchan import bench
 from shmchan.bench import registry
 
-RUN_TIMEOUT = 150  # seconds; a quick run takes ~10 s on 2 cores, this only catches a hang
+RUN_TIMEOUT = 300  # seconds; a quick run takes ~30 s on 2 cores, this only catches a hang
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 30)  # the shared run counts toward one test
 HAS_FASTER_FIFO = importlib.util.find_spec("faster_fifo") is not None
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -104,14 +105,19 @@ def test_machine_description_names_cpu_cores_and_python(quick_run: QuickRun) -> 
 
 
 def test_every_result_row_is_well_formed(quick_run: QuickRun) -> None:
+    with_peers = {
+        row["workload"]
+        for row in quick_run.report["results"]
+        if row["system"] != bench.SHMCHAN and not row["reference"]
+    }
     for row in quick_run.report["results"]:
-        assert row["unit"] in ("msg/s", "MiB/s", "us", "us/msg"), row
+        assert row["unit"] in ("msg/s", "MiB/s", "us", "us/msg", "%"), row
         assert len(row["samples"]) == bench.QUICK.reps, row
         assert all(_positive(x) for x in row["samples"]), row
         assert row["min"] <= row["median"] <= row["max"], row
         assert _positive(row["median"]), row
         assert isinstance(row["out_of_order"], int) and row["out_of_order"] >= 0
-        if row["reference"]:
+        if row["reference"] or row["workload"] not in with_peers:
             assert row["vs_best_peer"] is None
         else:
             assert _positive(row["vs_best_peer"]), row
@@ -132,6 +138,11 @@ def test_every_workload_ran_through_shmchan_and_its_peers(quick_run: QuickRun) -
     for workload in ("latency_median", "latency_p99"):
         for system in [bench.SHMCHAN, bench.SEMAPHORE, *peers]:
             assert (workload, system) in rows
+    for n in bench.QUICK.fill_producers:
+        for system in [bench.SHMCHAN] + ([bench.FFIFO] if HAS_FASTER_FIFO else []):
+            assert (f"fill_p{n}", system) in rows
+    for workload in ("channel_small", "channel_big", "idle_cpu", "batch_api"):
+        assert (workload, bench.SHMCHAN) in rows
 
 
 def test_best_peer_of_each_workload_has_ratio_one(quick_run: QuickRun) -> None:
@@ -154,7 +165,19 @@ def test_faster_fifo_is_run_or_skipped_with_a_note(quick_run: QuickRun) -> None:
 
 def test_every_target_is_measured_with_a_verdict(quick_run: QuickRun) -> None:
     targets = quick_run.report["targets"]
-    assert len(targets) == 6
+    names = [t["name"] for t in targets]
+    assert len(names) == len(set(names))
+    for name in (
+        "64 B unbatched: shmchan / best peer",
+        "idle wake-up p99: shmchan / semaphore",
+        "full ring: fewest of 2/4/8 producers / 1",
+        "big channel / small channel",
+        "idle receiver CPU %",
+        "64 B batch API: shmchan msg/s",
+        "64 B batch API / unbatched",
+        "64 B send_many/recv_many: msg/s",
+    ):
+        assert name in names
     for t in targets:
         assert _positive(t["measured"]), t
         assert _positive(t["target"]), t

@@ -23,6 +23,7 @@ class BatchCheck:
         self.late = 0
         self.count = 0
         self.pending: list[bytes] = []
+        self.pending_count = 0  # messages in pending (an entry may hold several)
         try:
             import numpy
         except ImportError:
@@ -39,7 +40,18 @@ class BatchCheck:
 
     def add(self, ds: list[bytes]) -> None:
         self.pending += ds
-        if len(self.pending) >= self.CHUNK:
+        self.pending_count += len(ds)
+        if self.pending_count >= self.CHUNK:
+            self._check()
+
+    def add_joined(self, blob: bytes) -> None:
+        """Payloads of `size` bytes each, back to back (Batch.joined())."""
+        if self.np is None or len(blob) % self.size:
+            self.add([blob[i : i + self.size] for i in range(0, len(blob), self.size)])
+            return
+        self.pending.append(blob)  # the vectorized check joins its input anyway
+        self.pending_count += len(blob) // self.size
+        if self.pending_count >= self.CHUNK:
             self._check()
 
     def finish(self) -> int:
@@ -56,12 +68,13 @@ class BatchCheck:
 
     def _check(self) -> None:
         ds, self.pending = self.pending, []
+        count, self.pending_count = self.pending_count, 0
         if not ds:
             return
         if self.np is None:
             self._check_each(ds)
         else:
-            self._check_vectorized(ds)
+            self._check_vectorized(ds, count)
 
     def _check_each(self, ds: list[bytes]) -> None:
         seen, high, size, unpack, mid = self.seen, self.high, self.size, HDR.unpack_from, 24
@@ -76,11 +89,16 @@ class BatchCheck:
                 high[p] = i
         self.count += len(ds)
 
-    def _check_vectorized(self, ds: list[bytes]) -> None:
-        np, size, k = self.np, self.size, len(ds)
+    def _check_vectorized(self, ds: list[bytes], k: int) -> None:
+        """ds: k messages, some entries holding several back to back (add_joined)."""
+        np, size = self.np, self.size
         blob = b"".join(ds)
         if len(blob) != k * size:
-            raise bad_payload(self.system, next(d for d in ds if len(d) != size), size)
+            raise bad_payload(self.system, next((d for d in ds if len(d) != size), blob), size)
+
+        def message(i: int) -> bytes:
+            return blob[i * size : (i + 1) * size]
+
         # A payload as little-endian words: [index] [producer | 4 fill] [8 fill] ...
         # [7 fill | check byte]; see payload.
         u64 = np.uint64
@@ -93,10 +111,10 @@ class BatchCheck:
         ok &= (w[:, -1] & u64(0x00FFFFFFFFFFFFFF)) == (fill >> u64(8))
         ok &= (w[:, -1] >> u64(56)) == (idx & u64(0xFF))
         if not ok.all():
-            raise bad_payload(self.system, ds[int(np.argmin(ok))], size)
+            raise bad_payload(self.system, message(int(np.argmin(ok))), size)
         flat = (prod * u64(self.n) + idx).astype(np.int64)
         if self.seen_np[flat].any():
-            raise bad_payload(self.system, ds[int(np.argmax(self.seen_np[flat]))], size)
+            raise bad_payload(self.system, message(int(np.argmax(self.seen_np[flat]))), size)
         self.seen_np[flat] = True
         for p in range(self.nprod):
             sub = (idx if self.nprod == 1 else idx[prod == p]).astype(np.int64)

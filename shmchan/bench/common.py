@@ -33,6 +33,13 @@ class Sizes:
     latency_samples: int  # pings per repetition
     latency_gap: float  # seconds between pings: long enough for the consumer to sleep
     producers: tuple[int, ...]
+    # pressure.py: a ring that fills, a channel of many slots, an idle receiver
+    fill_messages: int = 400_000  # 64 B messages per repetition into a ring that fills
+    fill_capacity: int = 8 << 20
+    fill_producers: tuple[int, ...] = (1, 2, 4, 8)
+    big_capacity: int = 1 << 30  # the large channel, against a fill_capacity one
+    big_messages: int = 50_000  # fit in either ring: the receiver's cost is compared
+    idle_seconds: float = 2.0  # one idle receiver's measuring period
 
 
 FULL = Sizes(
@@ -60,6 +67,12 @@ QUICK = Sizes(
     latency_samples=50,
     latency_gap=0.001,
     producers=(1, 2, 4),
+    fill_messages=6_000,
+    fill_capacity=128 << 10,
+    fill_producers=(1, 8),
+    big_capacity=128 << 20,
+    big_messages=4_000,
+    idle_seconds=0.3,
 )
 
 SHMCHAN = "shmchan"

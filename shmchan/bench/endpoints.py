@@ -68,6 +68,15 @@ class ShmchanEnd(Endpoint):
         # The peers hand out bytes objects: the like-for-like call is h.payload (a copy).
         # The zero-copy view h.data is what 1 MiB payloads are read with.
         zero_copy = mode == "mib"
+        if mode == "batchapi":  # recv_batch: one object per batch, payloads joined
+            recv_batch = self.rx.recv_batch
+            check = BatchCheck(self.system, n, nprod, size)
+            while got < total:
+                b = recv_batch(batch, TIMEOUT)
+                check.add_joined(b.joined())
+                b.release()
+                got += len(b)
+            return check.finish()
         if mode == "batch":
             recv_many, release_many = self.rx.recv_many, self.rx.release_many
             check = BatchCheck(self.system, n, nprod, size)
@@ -106,6 +115,11 @@ class ShmchanEnd(Endpoint):
                 raise BenchError(f"{self.system}: ping {j} arrived, expected {k}")
             out.append((t1 - t0) / 1e3)
         return out
+
+    def sender_posts(self) -> int:
+        """How often this receiver woke a sender waiting for space (all runs so far)."""
+        seg = self.rx._seg
+        return 0 if seg is None else int(seg.tx_posts)
 
     def close(self) -> None:
         try:

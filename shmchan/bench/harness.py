@@ -11,6 +11,7 @@ from typing import Any
 
 import shmchan
 from shmchan.bench.common import (
+    CAPACITY,
     COPY,
     MIB,
     NAIVE,
@@ -39,14 +40,14 @@ class Run:
     quick: bool = False  # a --quick run: groups with their own sizes pick the small ones
 
 
-def endpoint(run: Run, system: str, mode: str) -> Endpoint:
+def endpoint(run: Run, system: str, mode: str, capacity: int = CAPACITY) -> Endpoint:
     if system == SHMCHAN:
-        return ShmchanEnd()
+        return ShmchanEnd(capacity)
     if system == NAIVE:
         return NaiveEnd(run.ctx)
     if system == SEMAPHORE:
         return SemaphoreEnd(run.ctx)
-    return QueueEnd(system, run.ctx)
+    return QueueEnd(system, run.ctx, capacity)
 
 
 def throughput(
@@ -64,6 +65,8 @@ def throughput(
     notes: dict[str, str] | None = None,
     ceiling: Callable[[int], float] | None = None,
     warmup: int | None = None,
+    capacity: int = CAPACITY,
+    after: Callable[[dict[str, Endpoint]], dict[str, str]] | None = None,
 ) -> None:
     """Run one throughput workload on every system, repetitions interleaved."""
     notes = notes or {}
@@ -75,7 +78,7 @@ def throughput(
         ends: dict[str, Endpoint] = {}
         groups: dict[str, Producers] = {}
         for s in systems:
-            end = endpoint(run, s, mode)
+            end = endpoint(run, s, mode, capacity)
             stack.callback(end.close)
             ends[s] = end
         for s in systems:
@@ -117,6 +120,8 @@ def throughput(
                 if rep >= 0:
                     copy_samples.append(rate)
                 run.progress.step(f"{label}: {COPY}")
+        if after is not None:  # notes from the endpoints' own counters, before they close
+            notes = {**notes, **after(ends)}
     for s in systems:
         run.results.append(
             Result(

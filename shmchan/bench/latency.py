@@ -27,7 +27,7 @@ from shmchan.bench.endpoints import Endpoint
 from shmchan.bench.harness import Run, endpoint
 from shmchan.bench.producers import Job, Producers
 from shmchan.bench.registry import register
-from shmchan.bench.report import Result
+from shmchan.bench.report import Result, Target, find_result
 
 
 def _run_latency(run: Run) -> None:
@@ -99,4 +99,19 @@ def _steps(sizes: Sizes, nsys: int) -> int:
     return 1 + (sizes.reps + 1) * (min(nsys, 3) + 1)
 
 
-register("latency", _run_latency, steps=_steps, order=50)
+def _targets(results: list[Result]) -> list[Target]:
+    shm = find_result(results, "latency_p99", SHMCHAN)
+    sem = find_result(results, "latency_p99", SEMAPHORE)
+    return [
+        Target(
+            "idle wake-up p99: shmchan / semaphore",
+            None if shm is None or sem is None else shm.median / sem.median,
+            2.0,
+            "<=",
+            "send->recv of an idle consumer vs a bare posix_ipc semaphore ping-pong, p99",
+            source="issue #10",
+        )
+    ]
+
+
+register("latency", _run_latency, steps=_steps, order=50, targets=_targets)

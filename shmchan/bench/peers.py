@@ -81,12 +81,12 @@ class NaiveKeyedDispatcher:
 class QueueEnd(Endpoint):
     """multiprocessing.Queue or faster-fifo: the consumer gets and verifies."""
 
-    def __init__(self, system: str, ctx: Any) -> None:
+    def __init__(self, system: str, ctx: Any, capacity: int = CAPACITY) -> None:
         self.system = system
         if system == FFIFO:
             import faster_fifo
 
-            self.q = faster_fifo.Queue(max_size_bytes=CAPACITY)
+            self.q = faster_fifo.Queue(max_size_bytes=capacity)
         else:
             self.q = ctx.Queue()
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from shmchan.bench.common import COPY, FFIFO, MPQ, NAIVE, SEMAPHORE, SHMCHAN
 from shmchan.bench.registry import groups
+from shmchan.bench.report import target_text
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -104,12 +105,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         if t["measured"] is None:
             text.append(f"{t['name']}: not measured")
             continue
-        shown = (
-            f"{t['measured'] / 1e6:.2f} M/s"
-            if t["name"].endswith("msg/s")
-            else f"{t['measured']:.2f}x"
-        )
-        goal = f"{t['target'] / 1e6:g} M/s" if t["name"].endswith("msg/s") else f"{t['target']:g}x"
+        shown, goal = target_text(t, compact=True)
         text.append(
             f"{t['name']}: {shown} ({t['comparison']} {goal}) {'met' if t['met'] else 'NOT met'}"
         )

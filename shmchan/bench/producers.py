@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import time
@@ -24,6 +25,7 @@ from shmchan.bench.common import (
     MIB,
     MPQ,
     NAIVE,
+    PAYLOAD,
     READY_TIMEOUT,
     SEMAPHORE,
     SHMCHAN,
@@ -146,6 +148,23 @@ def _make_producer(job: Job, transport: Any) -> Callable[[int], None]:
         items = [(payloads[i], i % KEY_SPACE) for i in range(job.count)]
     else:
         items = payloads
+
+    if mode == "batchapi":  # shmchan's send_batch: one buffer, its lengths, the keys
+        b = job.batch
+        tx = transport
+        lens = array.array("Q", [PAYLOAD]) * b
+        prebuilt = [
+            (b"".join(payloads[i : i + b]), lens, [k % KEY_SPACE for k in range(i, i + b)])
+            for i in range(0, job.count, b)
+        ]
+
+        def send_prebuilt(n: int) -> None:
+            send_batch = tx.send_batch
+            for j in range(n // b):
+                data, lengths, keys = prebuilt[j]
+                send_batch(data, lengths, keys, TIMEOUT)
+
+        return send_prebuilt
 
     if mode == "batch":
         b = job.batch

@@ -203,6 +203,23 @@ def _num(value: float, unit: str) -> str:
     return f"{value:.2f}"
 
 
+def target_text(t: dict[str, Any], compact: bool = False) -> tuple[str, str]:
+    """A target's measured value and goal as shown: a rate for names ending in "msg/s",
+    a percentage for names ending in "%", microseconds for " us", else a ratio."""
+
+    def show(v: float, fmt: str) -> str:
+        if t["name"].endswith("msg/s"):
+            return f"{v / 1e6:{fmt}} M/s" if compact else _num(v, "msg/s") + " msg/s"
+        if t["name"].endswith("%"):
+            return f"{v:{fmt}} %"
+        if t["name"].endswith(" us"):  # an absolute latency
+            return _num(v, "us") + " us"
+        return f"{v:{fmt}}x"
+
+    measured = "not measured" if t["measured"] is None else show(t["measured"], ".2f")
+    return measured, show(t["target"], "g")
+
+
 def _ratio(value: float | None) -> str:
     if value is None:
         return "-"
@@ -288,24 +305,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append("Targets (ratios of medians from this run):")
     tw = max(len(t["name"]) for t in report["targets"]) if report["targets"] else 0
     for t in report["targets"]:
-        if t["measured"] is None:
-            value, verdict = "not measured", ""
-        elif t["name"].endswith("msg/s"):
-            value = _num(t["measured"], "msg/s") + " msg/s"
-            verdict = "met" if t["met"] else "NOT met"
-        elif t["name"].endswith(" us"):  # an absolute latency
-            value = _num(t["measured"], "us") + " us"
-            verdict = "met" if t["met"] else "NOT met"
-        else:
-            value = f"{t['measured']:.2f}x"
-            verdict = "met" if t["met"] else "NOT met"
-        goal = (
-            _num(t["target"], "msg/s") + " msg/s"
-            if t["name"].endswith("msg/s")
-            else _num(t["target"], "us") + " us"
-            if t["name"].endswith(" us")
-            else f"{t['target']:g}x"
-        )
+        value, goal = target_text(t)
+        verdict = "" if t["measured"] is None else "met" if t["met"] else "NOT met"
         lines.append(
             f"  {t['name']:<{tw}}  {value:>13}  target {t['comparison']} {goal:<12} {verdict:<8}"
             f"  ({t['source']}: {t['detail']})"

@@ -1,0 +1,68 @@
+"""The batch API (Sender.send_batch, Receiver.recv_batch): 64 B messages in prebuilt
+batches -- one buffer, its lengths and the keys per send -- received as one Batch object,
+read with joined() and released whole. The same payload check as every batched workload."""
+
+from __future__ import annotations
+
+from shmchan.bench.common import PAYLOAD, SHMCHAN, Sizes
+from shmchan.bench.harness import Run, throughput
+from shmchan.bench.registry import register
+from shmchan.bench.report import Result, Target, find_result
+
+
+def _run_batchapi(run: Run) -> None:
+    b = run.sizes.batch
+    throughput(
+        run,
+        workload="batch_api",
+        label=f"64 B batch API ({b}), 1 producer",
+        mode="batchapi",
+        systems=[SHMCHAN],
+        nprod=1,
+        per_producer=run.sizes.batched_messages // b * b,
+        batch=b,
+        size=PAYLOAD,
+        unit="msg/s",
+        notes={SHMCHAN: "send_batch(buffer, lengths, keys) / recv_batch / joined / release"},
+    )
+
+
+def _steps(sizes: Sizes, nsys: int) -> int:
+    return 1 + (sizes.reps + 1)
+
+
+def _targets(results: list[Result]) -> list[Target]:
+    def med(workload: str) -> float | None:
+        r = find_result(results, workload, SHMCHAN)
+        return None if r is None else r.median
+
+    api, many, one = med("batch_api"), med("batched"), med("unbatched_p1")
+    return [
+        Target(
+            "64 B batch API: shmchan msg/s",
+            api,
+            5e6,
+            ">=",
+            "prebuilt send_batch batches, recv_batch, cross-process",
+            source="issue #10",
+        ),
+        Target(
+            "64 B batch API / unbatched",
+            None if api is None or one is None else api / one,
+            2.0,
+            ">=",
+            "the batch API vs send/recv/release of the same messages, same run",
+            source="issue #10",
+        ),
+        Target(
+            "64 B send_many/recv_many: msg/s",
+            many,
+            3e6,
+            ">=",
+            "the Handle-per-message batch calls",
+            source="issue #10",
+        ),
+    ]
+
+
+register("batchapi", _run_batchapi, steps=_steps, order=25, targets=_targets)
