@@ -23,7 +23,8 @@
  *   consumer   -- everything under "consumer state" below, the message table's
  *                 non-inflight transitions, node and key tables, head
  *   holders    -- an in-flight slot's state word (release / nack by CAS), its holder
- *                 word (hand-over) and lease deadline, and the release stack
+ *                 word and hand-over deadline (pickling, adoption), its lease deadline,
+ *                 and the release stack
  * Cross-process words are accessed only with the atomics below; each use names its
  * ordering and the access it pairs with.
  */
@@ -80,6 +81,9 @@
  * bit 0 clear (see ring.c). */
 #define TOKEN_MAX (1ull << 63)
 #define HOLDER_REVOKED 1ull /* a slot's holder word after revocation: never a token (>= 1 << 40) */
+/* A slot's holder word while the handle is in transit (pickled, not yet adopted): the
+ * token of the process that pickled it with this bit set (handles.c, hand-over). */
+#define HOLDER_TRANSIT (1ull << 63)
 
 /* ---- the header --------------------------------------------------------------------- */
 typedef struct {
@@ -186,6 +190,8 @@ typedef struct {
     uint64_t seq;
     uint64_t pos;      /* ring position of the message's record                  */
     uint64_t deadline; /* lease end, CLOCK_MONOTONIC ns; 0 = none               */
+    uint64_t handover; /* while holder has HOLDER_TRANSIT: adopt before this     */
+                       /* (CLOCK_MONOTONIC ns), or the handle is taken back      */
     uint32_t first_node; /* the message's key nodes, chained by node.sibling     */
     uint32_t next;     /* the free list                                          */
     uint32_t rel_next; /* release stack link, written by the releasing process   */
@@ -196,7 +202,8 @@ typedef struct {
     uint32_t pin;      /* PIN_*: may the consumer move this message's record?     */
     uint32_t newer, older; /* the window's messages in order of taking in (window.c) */
     uint32_t out_next, out_prev; /* the handed-out list while INFLIGHT ... DISCARD (handles.c) */
-    uint32_t pad;
+    uint32_t lost_gen; /* generation last taken back in transit: late adopters of it  */
+                       /* get SHM_LOST rather than a silent no-op (recovery.c)       */
     uint64_t handed_ns; /* when it was last handed out, coarse CLOCK_MONOTONIC ns (inspect.c) */
 } shm_slot;
 

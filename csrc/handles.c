@@ -226,6 +226,7 @@ static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     sl->attempt++;
     sl->holder = c->token;
     sl->handed_ns = now;
+    sl->handover = 0;
     sl->deadline = c->cfg.lease_ns ? now_ns() + c->cfg.lease_ns : 0;
     STORE_RELAXED(&sl->pin, PIN_FREE); /* a former holder's views ended with its handle */
     /* release: a holder that sees INFLIGHT (its CAS, or shm_handle_info's acquire) sees
@@ -536,16 +537,58 @@ int shm_unmoved(shm_chan *c, uint32_t s, uint64_t word, uint64_t pos) {
     return SHM_OK;
 }
 
-/* Hand-over: the calling process becomes the handle's holder. */
+/* ---- hand-over: a handle pickled to another process ----------------------------------
+ * A handle in transit names nobody who can release it: the process that pickled it may
+ * have dropped the pickle, and the one meant to unpickle it may die first. So pickling
+ * bounds the trip (shm_handle_send):
+ *
+ *     holder word:  T (a token)  --pickle-->  T | TRANSIT, handover = now + handover_ns
+ *                   T | TRANSIT  --adopt-->   U (the unpickling process's token)
+ *                   T | TRANSIT  --revoke-->  REVOKED   (maintenance, once handover passed)
+ *
+ * Adoption and revocation are CASes on the holder word from the same value, so exactly
+ * one wins: an adopter that loses finds REVOKED and reports SHM_LOST (the message is on
+ * its way back, with attempt + 1); a revoker that loses finds a plain token and leaves
+ * the handle to its new holder, whose death is then noticed as usual. The deadline is
+ * stored before the TRANSIT bit is set, so whoever sees the bit sees a deadline at least
+ * that new. Pickling an already pickled handle again only moves its deadline later.
+ * A process killed at any instruction leaves either its token (not yet marked; the
+ * handle is its own and goes back when it dies) or the marked word (taken back at the
+ * deadline). */
+int shm_handle_send(shm_chan *c, uint32_t s, uint32_t gen) {
+    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    shm_slot *sl = &c->slots[s];
+    if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE; /* pairs with hand_out */
+    /* seq_cst: before the TRANSIT bit below; pairs with the revoker's seq_cst loads of
+     * holder then handover (shm_revoke, shm_holders). */
+    STORE_SEQCST(&sl->handover, now_ns() + c->cfg.handover_ns);
+    uint64_t cur = LOAD_ACQUIRE(&sl->holder); /* pairs with adopt / revoke CASes */
+    do {
+        if (cur == HOLDER_REVOKED) return SHM_STALE;
+        /* seq_cst: pairs with the CASes in shm_handle_adopt and shm_revoke. */
+    } while (!CAS_SEQCST(&sl->holder, &cur, cur | HOLDER_TRANSIT));
+    if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    return SHM_OK;
+}
+
+/* Adoption: the calling process (token) becomes the holder of a handle in transit.
+ * SHM_STALE: the message was released or redelivered meanwhile (a no-op handle);
+ * SHM_LOST: taken back at its deadline, or adopted by another process first. */
 int shm_handle_adopt(shm_chan *c, uint32_t s, uint32_t gen, uint64_t token) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
     shm_slot *sl = &c->slots[s];
-    if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
-    uint64_t cur = LOAD_ACQUIRE(&sl->holder);
-    do {
-        if (cur == HOLDER_REVOKED) return SHM_STALE;
+    /* acquire: pairs with hand_out's release store and with the revoker's CAS, which
+     * follows its store of lost_gen. */
+    if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT))
+        return LOAD_RELAXED(&sl->lost_gen) == gen ? SHM_LOST : SHM_STALE;
+    uint64_t cur = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_send's CAS */
+    for (;;) {
+        if (cur == HOLDER_REVOKED) return SHM_LOST;
+        if (!(cur & HOLDER_TRANSIT)) /* adopted already: by us (the same pickle twice) or not */
+            return cur == token ? SHM_OK : SHM_LOST;
         /* seq_cst: pairs with the revoking CAS in shm_revoke: one of the two wins. */
-    } while (!CAS_SEQCST(&sl->holder, &cur, token));
+        if (CAS_SEQCST(&sl->holder, &cur, token)) break;
+    }
     if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
     return SHM_OK;
 }

@@ -202,6 +202,8 @@ static int slot_view(shm_chan *c, uint32_t s, uint64_t w, uint64_t hash, shm_vie
     v->attempt = LOAD_RELAXED(&sl->attempt);
     if (v->state == SHM_VIEW_INFLIGHT) {
         v->holder = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_adopt's CAS */
+        /* in transit (pickled, not yet adopted: handles.c): report who pickled it */
+        if (v->holder != HOLDER_REVOKED) v->holder &= ~HOLDER_TRANSIT;
         v->age_ns = age_since(LOAD_RELAXED(&sl->handed_ns));
     }
     uint64_t used = b->used;

@@ -12,7 +12,9 @@
  * stays, or loses and finds it revoked; then the state word moves INFLIGHT -> NACKED by
  * the same CAS a holder's nack uses, so a late release and the revocation cannot both
  * win. A late holder's release afterwards is a no-op: the redelivery has a new
- * generation.
+ * generation. A handle in transit (pickled, not yet adopted: handles.c) is revoked the
+ * same way once its hand-over deadline passes, whoever pickled it; its generation is
+ * remembered in lost_gen so that a late unpickling is told so (SHM_LOST).
  *
  * Releaser died between its CAS and its push onto the release stack: its slot is
  * RELEASED (or NACKED) but nobody told the receiver. Maintenance finishes slots it found
@@ -51,9 +53,13 @@ static void holder_note(shm_slot *sl, uint64_t *tokens, uint32_t max, uint32_t *
     /* acquire: pairs with hand_out's release store; holder was written before it. */
     if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) return;
     uint64_t dl = LOAD_ACQUIRE(&sl->deadline); /* pairs with shm_handle_extend */
-    uint64_t t = LOAD_ACQUIRE(&sl->holder);     /* pairs with shm_handle_adopt */
+    uint64_t t = LOAD_SEQCST(&sl->holder);      /* pairs with adopt / send's CAS */
     /* a revocation a dead receiver left half done counts as work to do */
     if ((dl && dl < now_ns) || t == HOLDER_REVOKED) (*late)++;
+    if (t != HOLDER_REVOKED && (t & HOLDER_TRANSIT)) { /* in transit: only its deadline counts */
+        if (LOAD_SEQCST(&sl->handover) < now_ns) (*late)++; /* pairs with shm_handle_send */
+        return;
+    }
     uint32_t i = 0;
     while (i < *count && tokens[i] != t) i++;
     if (i == *count && *count < max) tokens[(*count)++] = t;
@@ -116,15 +122,22 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
             continue;
         }
         if (st != SLOT_INFLIGHT) continue;
-        uint64_t holder = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_adopt */
+        /* seq_cst, holder then handover: pair with shm_handle_send's stores (deadline
+         * first, then the TRANSIT bit), so a marked word comes with its deadline. */
+        uint64_t holder = LOAD_SEQCST(&sl->holder);
         uint64_t dl = LOAD_ACQUIRE(&sl->deadline);   /* pairs with shm_handle_extend */
         int late = dl && dl < now_ns;
+        int transit = (holder & HOLDER_TRANSIT) != 0 && holder != HOLDER_REVOKED;
+        if (transit) late |= LOAD_SEQCST(&sl->handover) < now_ns; /* nobody adopted it in time */
         /* HOLDER_REVOKED while still INFLIGHT: a receiver died between the two CASes
          * below; finish its revocation. */
         if (holder != HOLDER_REVOKED) {
-            if (!late && !in_set(dead, ndead, holder)) continue;
+            if (!late && (transit || !in_set(dead, ndead, holder))) continue;
             /* seq_cst: fence off a concurrent hand-over; pairs with the CAS in adopt. */
             if (!CAS_SEQCST(&sl->holder, &holder, HOLDER_REVOKED)) continue;
+            /* late adopters of this generation learn it was taken back (adopt reads it
+             * after seeing the state CAS below) */
+            if (transit) STORE_RELAXED(&sl->lost_gen, SLOT_GEN(w));
         }
         /* seq_cst: the same transition a nack makes; pairs with the holder's CAS. */
         if (!CAS_SEQCST(&sl->state, &w, SLOT_WORD(SLOT_GEN(w), SLOT_NACKED))) continue;

@@ -44,6 +44,7 @@ static int config_ok(const shm_config *cfg) {
     if (cfg->order > SHM_ORDER_EAGER) return 0;
     if (cfg->flags & ~(uint32_t)(SHM_CFG_RAW_ONLY | SHM_CFG_DURABLE)) return 0;
     if (cfg->max_producers < 1 || cfg->max_producers > 65536) return 0;
+    if (cfg->handover_ns < 1000000ull || cfg->handover_ns > 3600000000000ull) return 0; /* 1 ms..1 h */
     return 1;
 }
 

@@ -21,6 +21,7 @@
 #define SHM_REMOVED       7   /* the channel was removed (unlinked): sends refused */
 #define SHM_AGAIN         8   /* recv: nothing yet, records that arrived during the
                                  call wait to be looked at: call again at once */
+#define SHM_LOST          9   /* a handle in transit was taken back, or adopted elsewhere */
 #define SHM_E_TOO_LARGE  -1
 #define SHM_E_TOO_MANY_KEYS -2
 #define SHM_E_CORRUPT    -3
@@ -52,6 +53,7 @@ typedef struct {
     uint64_t lease_ns;      /* 0 = no lease                                      */
     uint32_t flags;         /* SHM_CFG_*                                         */
     uint32_t max_producers; /* producer registry slots                          */
+    uint64_t handover_ns;   /* a pickled handle's time to be adopted (handles.c) */
 } shm_config;
 
 /* --- what the receiver hands out ---------------------------------------
@@ -184,6 +186,7 @@ int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
 int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_handle_view(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_unmoved(shm_chan *c, uint32_t slot, uint64_t word, uint64_t pos);
+int  shm_handle_send(shm_chan *c, uint32_t slot, uint32_t gen);
 int  shm_handle_adopt(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t token);
 int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadline_ns);
 

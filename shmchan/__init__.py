@@ -29,6 +29,7 @@ from .errors import (
     Empty,
     Error,
     Full,
+    HandoverExpired,
     InvalidArgument,
     LayoutMismatch,
     MessageTooLarge,
@@ -101,4 +102,5 @@ __all__ = [
     "ExchangeExists",
     "unlink_exchange",
     "list_exchanges",
+    "HandoverExpired",
 ]

@@ -155,6 +155,7 @@ class _Segment(_hot.SegmentBase):
         self.chan_id = int(ident[0])  # which channel this is (see csrc/segment.c)
         self.created_ns = int(ident[1])
         self._next_name_check = 0.0
+        self.handover_ns = int(cfg.handover_ns)
         # The whole mapping as one buffer; handle views are slices of it. The buffer keeps
         # `base` alive, and `base` unmaps the segment when the last slice is gone.
         size = lib.shm_mapped_size(ptr)
@@ -405,6 +406,7 @@ class Channel:
         max_messages: int | None = None,
         max_attempts: int | None = None,
         lease: float | None = None,
+        handover: float = 2.0,
         serializer: str = "pickle",
         mode: int = 0o600,
         path: str | os.PathLike[str] | None = None,
@@ -438,6 +440,13 @@ class Channel:
         if lease_s != math.inf and lease_s * 1e9 >= 2**62:
             raise errors.InvalidArgument(f"lease must be < 2**62 ns, inf or None, got {lease!r}")
         cfg.lease_ns = 0 if lease_s == math.inf else max(1, int(lease_s * 1e9))
+        # a pickled handle's time to be unpickled (csrc/handles.c, hand-over)
+        handover_s = _seconds("handover", handover)
+        if not 0.001 <= handover_s <= 3600:
+            raise errors.InvalidArgument(
+                f"handover must be between 0.001 and 3600 seconds, got {handover!r}"
+            )
+        cfg.handover_ns = int(handover_s * 1e9)
         if serializer not in _SERIALIZERS:
             raise errors.InvalidArgument(
                 f"serializer must be 'pickle' or 'raw', not {serializer!r}"
@@ -496,6 +505,11 @@ class Channel:
     @property
     def capacity(self) -> int:
         return self._live().capacity
+
+    @property
+    def handover(self) -> float:
+        """Seconds a pickled handle has to be unpickled before it is taken back."""
+        return self._live().handover_ns / 1e9
 
     def stats(self) -> Stats:
         seg = self._live()
@@ -1428,8 +1442,13 @@ class Handle(_hot.HandleBase):
 
     def __reduce__(self) -> tuple[Any, ...]:
         seg = self._check()
-        # Hand-over: from now on the unpickling process holds it; we no longer release
-        # it when garbage-collected.
+        # Hand-over: the handle is in transit until a process unpickles it (which then
+        # holds it) or the channel's `handover` seconds pass (then it is taken back and
+        # redelivered; csrc/handles.c). We no longer release it when garbage-collected.
+        # A handle already released or taken back pickles to a no-op one.
+        rc = lib.shm_handle_send(seg.ptr, self._slot, self._gen)
+        if rc not in (lib.SHM_OK, lib.SHM_STALE):
+            raise_for(rc, "pickle handle")
         self._pid = -1
         return (_adopt_handle, (seg.name, seg.path, self._slot, self._gen, seg.chan_id))
 
@@ -1444,6 +1463,11 @@ def _adopt_handle(name: str, path: str | None, slot: int, gen: int, chan_id: int
     m = ffi.new("shm_msg *")
     if rc == lib.SHM_OK:
         rc = lib.shm_handle_info(seg.ptr, slot, gen, m)
+    if rc == lib.SHM_LOST:
+        raise errors.HandoverExpired(
+            f"channel {name!r}: this handle was not unpickled within the channel's hand-over "
+            "time (its message was taken back and redelivered), or another process adopted it"
+        )
     if rc == lib.SHM_STALE:
         m.slot, m.gen = slot, gen
         h = Handle._from_msg(seg, m)

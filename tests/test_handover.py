@@ -1,0 +1,124 @@
+"""A pickled handle is in transit until some process unpickles it (adopts it): bounded.
+
+Pickling marks the handle in transit with a deadline (the channel's `handover=`); the
+process that unpickles it in time becomes its holder. A handle nobody adopts in time --
+its worker died before unpickling, or the pickle was simply dropped -- is taken back
+and redelivered with attempt + 1, keeping its place in key order; unpickling it after
+that raises HandoverExpired.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import time
+
+import pytest
+from procs import CTX, WAIT, running
+
+import shmchan
+
+
+def keep_blob_unread(blob: bytes, results) -> None:
+    """A worker that got a pickled handle and never unpickles it (then gets killed)."""
+    results.put(len(blob))
+    time.sleep(WAIT * 4)
+
+
+def adopt_and_report(blob: bytes, results) -> None:
+    h = pickle.loads(blob)
+    results.put((h.seq, h.attempt, h.payload))
+    h.release()
+    results.put("released")
+
+
+def test_handover_defaults_to_two_seconds_and_is_configurable(make_channel):
+    with pytest.raises(ValueError):
+        make_channel(handover=0)
+    with pytest.raises(ValueError):
+        make_channel(handover=-1.0)
+    with pytest.raises(TypeError):
+        make_channel(handover="2")
+    assert make_channel().handover == 2.0
+    assert make_channel(handover=0.25).handover == 0.25
+
+
+@pytest.mark.timeout(60)
+def test_handle_pickled_to_a_worker_killed_before_unpickling_comes_back(make_channel):
+    ch = make_channel(handover=0.5)
+    tx, rx = ch.sender(), ch.receiver()
+    seq = tx.send(b"lost", keys="k")
+    tx.send(b"next", keys="k")
+    blob = pickle.dumps(rx.recv(timeout=5))
+    results = CTX.Queue()
+    worker = CTX.Process(target=keep_blob_unread, args=(blob, results))
+    with running(worker):
+        assert results.get(timeout=WAIT) == len(blob)
+        worker.kill()
+        worker.join(WAIT)
+        h = rx.recv(timeout=WAIT)  # comes back first: it keeps its place on "k"
+        assert (h.seq, h.payload, h.attempt) == (seq, b"lost", 2)
+        h.release()
+        assert rx.recv(timeout=WAIT).payload == b"next"
+    stats = ch.stats()
+    assert stats.redelivered == 1 and stats.inflight == 0
+
+
+def test_handle_pickled_and_never_unpickled_comes_back(make_channel):
+    ch = make_channel(handover=0.2)
+    tx, rx = ch.sender(), ch.receiver()
+    seq = tx.send(b"logged", keys="k")
+    h = rx.recv(timeout=5)
+    pickle.dumps(h)  # e.g. pickled for a log line, and dropped
+    del h
+    gc.collect()
+    again = rx.recv(timeout=WAIT)
+    assert (again.seq, again.attempt) == (seq, 2)
+
+
+def test_unpickling_after_the_deadline_raises_handover_expired(make_channel):
+    ch = make_channel(handover=0.2)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"late", keys="k")
+    blob = pickle.dumps(rx.recv(timeout=5))
+    again = rx.recv(timeout=WAIT)  # the hand-over ran out: redelivered
+    assert again.attempt == 2
+    with pytest.raises(shmchan.HandoverExpired) as info:
+        pickle.loads(blob)
+    assert isinstance(info.value, shmchan.Error)
+    again.release()  # the redelivered handle is unaffected
+
+
+def test_handle_adopted_in_time_is_not_taken_back(make_channel):
+    ch = make_channel(handover=0.2)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"kept", keys="k")
+    tx.send(b"next", keys="k")
+    copy = pickle.loads(pickle.dumps(rx.recv(timeout=5)))
+    with pytest.raises(shmchan.Empty):
+        rx.recv(timeout=0.6)  # well past the deadline: still held by the adopter
+    assert copy.payload == b"kept"
+    copy.release()
+    assert rx.recv(timeout=WAIT).payload == b"next"
+
+
+@pytest.mark.timeout(60)
+def test_handle_handed_to_a_worker_in_time_is_held_there(make_channel):
+    ch = make_channel(handover=2.0)
+    tx, rx = ch.sender(), ch.receiver()
+    seq = tx.send(b"work", keys="k")
+    tx.send(b"next", keys="k")
+    h = rx.recv(timeout=5)
+    blob = pickle.dumps(h)
+    del h
+    gc.collect()  # the original no longer releases on collection
+    assert rx.try_recv() is None
+    results = CTX.Queue()
+    worker = CTX.Process(target=adopt_and_report, args=(blob, results))
+    with running(worker):
+        assert results.get(timeout=WAIT) == (seq, 1, b"work")
+        assert results.get(timeout=WAIT) == "released"
+        assert rx.recv(timeout=WAIT).payload == b"next"
+        worker.join(WAIT)
+        assert worker.exitcode == 0
+    assert ch.stats().redelivered == 0
