@@ -1,4 +1,4 @@
-/* compact.c -- no head-of-line blocking of space: sliding pinned records forward.
+/* compact.c -- no head-of-line blocking of space: sliding long-lived records forward.
  *
  * The ring frees space only at its head, in order. A message that stays in the channel
  * for long -- a handle held for hours, a message waiting behind it on the same key, a
@@ -6,33 +6,51 @@
  * bytes' messages are long released. So when the head is pinned and the ring is more
  * than half used, the receiver compacts (an idea from copying garbage collectors):
  *
- *     head                                       L
- *     | P1 | P2 | done | done | done | done | ... | (next live record or scan_pos)
- *       pinned block B          gap G >= B
+ *     head                                                   end
+ *     | L1 | done | L2 | L3 | done | ... | done done done done | (live, or ingest_pos)
+ *       the block: live records and short finished     the gap G: a finished run
+ *       runs between them                              >= longest Li + a header
  *
- *  => | filler (G bytes, DONE)            | P1' | P2' |
- *                                          ^ new head after the filler is passed
+ *  => | filler (DONE)                                 | L1' | L2' | L3' |
+ *                                                       ^ head after the filler is passed
  *
- * The pinned block (records from head up to the first finished one) is copied, record
- * by record, to the end of the gap that follows it, only if the gap is at least as large
- * as the block (so the copy never overlaps the original); each slot's pos is switched to
- * the copy with a release store (a record parked in key chains has no slot: its chains
- * follow it, window_moved); then a DONE filler header covers the old block and head
- * moves past it (release store). Everything here lies before scan_pos, in space only
- * the receiver writes, so producers are not involved.
+ * The live records Li are moved one at a time, last first, each to the end of the
+ * finished stretch that follows it; that stretch starts as G and only grows (it takes in
+ * the record's old place and the short runs before it), so no step needs more room than
+ * one record plus a header, and long-lived records scattered among released ones --
+ * dead letters every tenth message -- are gathered at the front of the free space
+ * instead of each pinning the ring. One step, for the record L at `at`:
+ *   1. one DONE header at at + len(L) covers everything up to the stretch's end (one
+ *      store: the chain stays whole);
+ *   2. L is copied to the end of that stretch (inside a finished record: invisible);
+ *   3. its slot's pos is switched to the copy (release store);
+ *   4. one DONE header at `at` covers [at, copy): the chain now runs through the copy.
+ * Finally head moves past the filler (release store). Everything here lies before
+ * ingest_pos, in space only the receiver writes, so producers are not involved, and the
+ * records' order in the ring (= their seq order) is kept.
+ *
+ * When the slide finds nothing to do, the block at head -- live records up to the first
+ * finished one, parked records (window.c) included -- is moved in one piece to the end of
+ * the gap after it, if that gap is at least as large (try_compact): parked records have
+ * no slot, and their key chains follow them as one block (window_moved). Everything up
+ * to scan_pos is the receiver's alone.
  *
  * Readers of a moved record are never exposed to reused bytes:
  *   - copies (payload, keys, dead letters) follow a seqlock: read pos, copy, and accept
- *     only if pos and the slot's state word are unchanged afterwards (shm_unmoved). The
- *     old bytes are reused only after head passes them, which is after pos changed.
+ *     only if pos and the slot's state word are unchanged afterwards (shm_unmoved). A
+ *     record's old bytes are overwritten (by a later step's copy, or after head passed
+ *     them) only after its pos changed, with a release fence in between.
  *   - zero-copy views pin the record: a holder CASes slot.pin FREE -> VIEWED; the
  *     receiver moves an in-flight record only after CASing FREE -> MOVING, and puts FREE
  *     back when the copy and pos are in place. A pinned record stops compaction at it.
- * A receiver killed mid-compaction leaves both copies intact (the filler is written only
- * after every pos switched); recovery uses each slot's pos and skips the stale copy.
+ * A receiver killed mid-compaction leaves the chain whole and every slot's pos on a
+ * whole copy: a moved record's old copy is either still in the chain (then recovery
+ * skips it as stale: its slot points at the other copy) or inside a filler.
  *
- * Cost: each compaction copies B bytes to free G >= B, so at most one extra copy per
- * byte freed, and only while something is pinned and the ring is filling up.
+ * Cost: a slide copies the live bytes of the block to free G. While free space is
+ * plentiful and nobody waits for it, a slide waits for G to reach the block's size (or a
+ * sixteenth of the ring), so each byte freed costs at most about one byte copied; when
+ * space runs low any G that makes progress is used.
  */
 #include "core.h"
 
@@ -68,6 +86,99 @@ static uint64_t rec_len(shm_chan *c, uint64_t pos) {
 static int finished(shm_chan *c, uint64_t pos) {
     uint32_t st = META_STATE(LOAD_RELAXED(&rec_at(c, pos)->meta));
     return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED;
+}
+
+/* The slide: one try at the records at head, up to stop (<= ingest_pos: every record
+ * before it has a slot, so each one's pos is all that follows it); *looked counts the
+ * records it visited, and *watch is the record that ended the look (whose finishing may
+ * change the answer). */
+static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
+                     uint32_t *looked, uint64_t *watch) {
+    /* The block: live records from head on, with the short finished runs between them,
+     * up to the first finished run G long enough to take the longest of them. */
+    uint32_t slots[COMPACT_MAX_RECORDS];
+    uint64_t poss[COMPACT_MAX_RECORDS], lens[COMPACT_MAX_RECORDS];
+    uint64_t pos = head, live = 0, longest = 0, run = 0, run_start = head;
+    uint32_t n = 0;
+    while (pos < stop) {
+        (*looked)++;
+        *watch = pos;
+        uint64_t len = rec_len(c, pos);
+        if (!len || len > stop - pos) return 0;
+        if (finished(c, pos)) {
+            if (run == 0) run_start = pos;
+            run += len;
+        } else {
+            if (n > 0 && run >= longest + REC_HDR) break; /* the gap G: [run_start, pos) */
+            if (n == COMPACT_MAX_RECORDS || !movable(c, pos, len, &slots[n]) || slots[n] == NIL)
+                return 0;
+            poss[n] = pos;
+            lens[n++] = len;
+            live += len;
+            if (len > longest) longest = len;
+            run = 0;
+        }
+        pos += len;
+    }
+    /* pos: where the gap ends (the next live record, or stop) */
+    if (n == 0 || run < longest + REC_HDR) return 0;
+    uint64_t gap = run, end = pos;
+    (void)run_start;
+    /* Each step moves one record to the end of the gap that follows it, which keeps a
+     * header in front: G must hold the longest record plus a header (the gap only grows
+     * from step to step). A gap smaller than the live bytes (each slide copies them all)
+     * is worth a slide only once free space runs low or a sender waits for space; until
+     * then let it grow, up to a sixteenth of the ring. */
+    uint64_t worth = live < c->limit / 16 ? live : c->limit / 16;
+    if (gap < worth && tail - head < c->limit - c->limit / 4 &&
+        LOAD_RELAXED(&c->hdr->space_waiters) == 0) /* a hint: pairs with nothing */
+        return 0;
+
+    /* 0. in-flight records: stop holders from taking views until we are done */
+    uint32_t pinned = 0;
+    for (; pinned < n; pinned++) {
+        shm_slot *sl = &c->slots[slots[pinned]];
+        if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue;
+        uint32_t free_ = PIN_FREE;
+        /* seq_cst: pairs with the holder's CAS FREE -> VIEWED in shm_handle_view. */
+        if (!CAS_SEQCST(&sl->pin, &free_, PIN_MOVING)) break;
+    }
+    if (pinned < n) { /* someone took a view just now: undo and give up */
+        for (uint32_t i = 0; i < pinned; i++) {
+            shm_slot *sl = &c->slots[slots[i]];
+            if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE);
+        }
+        return 0;
+    }
+    /* Last record first: each moves to the end of the gap that follows it. */
+    uint64_t gap_end = end;
+    for (uint32_t i = n; i-- > 0;) {
+        uint64_t at = poss[i], after = at + lens[i];
+        /* 1. what follows the record up to gap_end -- finished records, the previous
+         * step's filler -- becomes one finished record (one store: the chain stays whole;
+         * receiver-only region behind ingest_pos) */
+        STORE_RELEASE(&rec_at(c, after)->meta, META(gap_end - after, REC_DONE));
+        /* 2. the copy at the end of that record: invisible to the chain. dst >= after +
+         * REC_HDR, so it overlaps neither the original nor that header; the ring is
+         * mapped twice, so both are contiguous. */
+        uint64_t dst = gap_end - lens[i];
+        memcpy(ring_at(c, dst), ring_at(c, at), lens[i]);
+        /* 3. switch the message over. release: pairs with readers' acquire of pos
+         * (msg_fill) and the fence in shm_unmoved. */
+        shm_slot *sl = &c->slots[slots[i]];
+        STORE_RELEASE(&sl->pos, dst);
+        if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE); /* pairs with shm_handle_view */
+        /* 4. one store re-links the chain: [at, dst) is finished, then the copy */
+        STORE_RELEASE(&rec_at(c, at)->meta, META(dst - at, REC_DONE));
+        /* release fence: the next step's copy may overwrite this record's old bytes;
+         * it is ordered after the pos store above. Pairs with the acquire fence in
+         * shm_unmoved: a reader that copied any overwritten byte sees the new pos. */
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        gap_end = dst;
+    }
+    /* 5. free the space (release store of head inside) */
+    ring_advance_head(c);
+    return 1;
 }
 
 /* One try at the pinned block at head; *looked counts the records it visited, and
@@ -172,6 +283,10 @@ int compact(shm_chan *c) {
         return 0;
     uint32_t looked = 0;
     uint64_t watch = head;
+    /* First the slide, over what was taken in; then the whole block at head, which may
+     * also carry parked records (their chains follow them: window_moved). */
+    uint64_t taken = h->ingest_pos < stop ? h->ingest_pos : stop;
+    if (try_slide(c, head, taken, tail, &looked, &watch)) return 1;
     if (try_compact(c, head, stop, &looked, &watch)) return 1;
     c->compact_retry_at = c->done_count + 1 + looked / 4;
     c->compact_watch_end = watch;

@@ -158,13 +158,22 @@ int shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint3
                   uint32_t *next) {
     uint32_t count = 0, s = start ? start : 1;
     for (; s <= c->cfg.max_messages && count < max; s++) {
-        uint64_t w = LOAD_ACQUIRE(&c->slots[s].state); /* pairs with handles_finish */
-        if (SLOT_STATE(w) != SLOT_DEAD) continue;
-        if (msg_fill(c, s, SLOT_GEN(w), &out[count]) != SHM_OK) continue;
-        shm_record *r = rec_at(c, out[count].pos);
-        if (!rec_checksum_ok(c, r, META_LEN(LOAD_ACQUIRE(&r->meta)))) continue; /* torn */
-        if (LOAD_ACQUIRE(&c->slots[s].state) != w) continue; /* moved on while we read */
-        count++;
+        /* The receiver may move the record while we read it (compact.c): read again
+         * until the slot's word and position held still around the read. */
+        for (int tries = 0; tries < 1000; tries++) {
+            uint64_t w = LOAD_ACQUIRE(&c->slots[s].state); /* pairs with handles_finish */
+            if (SLOT_STATE(w) != SLOT_DEAD) break;
+            uint64_t pos = LOAD_ACQUIRE(&c->slots[s].pos); /* pairs with compact's store */
+            int rc = msg_fill(c, s, SLOT_GEN(w), &out[count]);
+            int whole = 0;
+            if (rc == SHM_OK) {
+                shm_record *r = rec_at(c, out[count].pos);
+                whole = rec_checksum_ok(c, r, META_LEN(LOAD_ACQUIRE(&r->meta)));
+            }
+            if (shm_unmoved(c, s, w, pos) != SHM_OK) continue; /* moved or dropped: again */
+            if (whole) count++; /* a torn one is left out */
+            break;
+        }
     }
     *n = count;
     *next = s <= c->cfg.max_messages ? s : 0;

@@ -544,14 +544,17 @@ class Channel:
         n = ffi.new("uint32_t *")
         nxt = ffi.new("uint32_t *")
         start = 1
+        retries = 0
         while True:
             lib.shm_dead_list(seg.ptr, start, msgs, 64, n, nxt)
+            moved = 0
             for i in range(n[0]):
                 m = msgs[i]
                 raw = bytes(seg.mem[m.data_off : m.data_off + m.data_len])
                 blob = bytes(seg.mem[m.keys_off : m.keys_off + m.keys_len])
                 if lib.shm_unmoved(seg.ptr, m.slot, m.word, m.pos) != lib.SHM_OK:
-                    continue  # moved or dropped while we read; the next call will see it
+                    moved = int(m.slot)  # moved (csrc/compact.c) or dropped while we read
+                    break
                 out.append(
                     DeadLetter(
                         seq=int(m.seq),
@@ -563,6 +566,10 @@ class Channel:
                         _gen=int(m.gen),
                     )
                 )
+            if moved and retries < 1000:
+                retries += 1
+                start = moved  # read it again from where it is now
+                continue
             if nxt[0] == 0:
                 break
             start = int(nxt[0])
