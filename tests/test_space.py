@@ -65,9 +65,7 @@ def test_dead_letters_under_chaos_keep_only_their_own_space(make_channel):
     ch = make_channel(capacity=1 << 20, max_attempts=1)
     rx = ch.receiver()
     per = 2500
-    procs = [
-        CTX.Process(target=chaos_producer, args=(ch.name, p, per, 1000 + p)) for p in range(2)
-    ]
+    procs = [CTX.Process(target=chaos_producer, args=(ch.name, p, per, 1000 + p)) for p in range(2)]
     rng = random.Random(7)
     seen: set[int] = set()
     nacked: set[int] = set()
