@@ -139,6 +139,8 @@ class TaskTimeout(WorkerDied):
 class TaskNotPicklable(Error, pickle.PicklingError, TypeError):
     """A task's function, arguments or result cannot be pickled, so it cannot travel
     between processes (define functions at module level; pass picklable arguments)."""
+
+
 class HandoverExpired(Error):
     """A pickled handle was unpickled too late: nobody adopted it within the channel's
     `handover` seconds, so its message was taken back and redelivered (attempt + 1).
