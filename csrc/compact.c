@@ -91,7 +91,7 @@ static int finished(shm_chan *c, uint64_t pos) {
 /* The slide: one try at the records at head, up to stop (<= ingest_pos: every record
  * before it has a slot, so each one's pos is all that follows it); *looked counts the
  * records it visited, and *watch is the record that ended the look (whose finishing may
- * change the answer). */
+ * change the answer). 1: slid; 0: cannot now; -1: can, but not worth it yet. */
 static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
                      uint32_t *looked, uint64_t *watch) {
     /* The block: live records from head on, with the short finished runs between them,
@@ -132,7 +132,7 @@ static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
     uint64_t worth = live < c->limit / 16 ? live : c->limit / 16;
     if (gap < worth && tail - head < c->limit - c->limit / 4 &&
         LOAD_RELAXED(&c->hdr->space_waiters) == 0) /* a hint: pairs with nothing */
-        return 0;
+        return -1; /* not yet: no failure, look again at the next call */
 
     /* 0. in-flight records: stop holders from taking views until we are done */
     uint32_t pinned = 0;
@@ -286,7 +286,9 @@ int compact(shm_chan *c) {
     /* First the slide, over what was taken in; then the whole block at head, which may
      * also carry parked records (their chains follow them: window_moved). */
     uint64_t taken = h->ingest_pos < stop ? h->ingest_pos : stop;
-    if (try_slide(c, head, taken, tail, &looked, &watch)) return 1;
+    int slid = try_slide(c, head, taken, tail, &looked, &watch);
+    if (slid > 0) return 1;
+    if (slid < 0) return 0; /* worth it soon: no wait before the next try */
     if (try_compact(c, head, stop, &looked, &watch)) return 1;
     c->compact_retry_at = c->done_count + 1 + looked / 4;
     c->compact_watch_end = watch;
