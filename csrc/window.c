@@ -395,11 +395,17 @@ static int window_writing(shm_chan *c, int *moved) {
     return SHM_OK;
 }
 
-/* The record at scan_pos is being written: can the scan move past it (placeholder)? */
+/* The record at scan_pos is being written: can the scan move past it (placeholder)?
+ * Only a plain record: its length must be exactly what its published fixed fields give.
+ * A record longer than that ends in a gate trailer (an exchange's publish, ring.c) that is
+ * not written yet -- the bytes there may still hold an older lap's trailer, which would
+ * pass ring_validate_body -- and it will end GATED, not COMMITTED: it stops the scan like
+ * a claim (ring_peek's stall) and is settled through the exchange's gate. */
 static int placeholder_ok(shm_chan *c, shm_record *r, uint64_t meta) {
     uint64_t len = META_LEN(meta);
     return META_STATE(meta) == REC_WRITING && c->hdr->writing_n < SHM_WRITING_MAX &&
            len >= REC_BODY && (len & 7u) == 0 && len <= c->cap - REC_HDR &&
+           r->nkeys <= c->cfg.max_keys && len == rec_size(r->nkeys, r->keys_len, r->data_len) &&
            ring_validate_body(c, r, len) == SHM_OK;
 }
 
