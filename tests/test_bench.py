@@ -222,6 +222,7 @@ def test_help_exits_zero_and_describes_options(capsys: pytest.CaptureFixture[str
 def test_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--only", "no-such-workload"]) == 2
     assert bench.main(["--reps", "0"]) == 2
+    assert bench.main(["--runs", "0"]) == 2
     capsys.readouterr()
 
 
@@ -254,6 +255,45 @@ def test_a_registered_group_is_selected_by_only_and_reported(
     assert [r["workload"] for r in report["results"]] == ["extra_w"]
     assert report["targets"][-1]["name"] == "extra target"
     assert report["targets"][-1]["met"] is True
+
+
+def test_runs_report_the_spread_of_every_figure_and_target(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    values = iter([3.0, 1.0, 2.0])  # one figure per run: the spread is 1.0 - 3.0
+
+    def run_group(run: Any) -> None:
+        run.results.append(
+            bench.Result("extra_w", "an extra group", bench.SHMCHAN, "us", False, [next(values)])
+        )
+        run.progress.step("extra: done")
+
+    def targets(results: list[bench.Result]) -> list[bench.Target]:
+        return [bench.Target("extra target", results[0].median, 2.0, "<=", "test")]
+
+    bench.register(
+        "extra-test", run_group, steps=lambda sizes, nsys: 1, default=False, targets=targets
+    )
+    try:
+        argv = ["--only", "extra-test", "--quick", "--reps", "1", "--runs", "3"]
+        assert bench.main([*argv, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        values = iter([3.0, 1.0, 2.0])
+        assert bench.main(argv) == 0
+        text = capsys.readouterr().out
+    finally:
+        registry.unregister("extra-test")
+    assert [r["results"][0]["median"] for r in report["runs"]] == [3.0, 1.0, 2.0]
+    (row,) = report["spread"]["rows"]
+    assert row["medians"] == [3.0, 1.0, 2.0]
+    target = next(t for t in report["spread"]["targets"] if t["name"] == "extra target")
+    assert target["measured"] == [3.0, 1.0, 2.0]
+    assert target["met"] == [False, True, True]
+    assert "Spread over 3 runs" in text
+    after = text.split("Spread over 3 runs", 1)[1]
+    line = next(x for x in after.splitlines() if x.startswith("an extra group"))
+    assert line.split()[-4:] == ["2.00", "1.00", "3.00", "us"]  # median, min, max
+    assert "met in 2 of 3" in text
 
 
 def test_registering_a_name_twice_is_refused() -> None:

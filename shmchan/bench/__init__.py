@@ -41,6 +41,7 @@ The package, one concern per module:
 * throughput.py, dispatch.py, latency.py, ...  workload groups, one family per module
 * registry.py  how a module registers a group that `--only NAME` selects (read it first)
 * report.py    result rows, ranking, targets, the table; plot.py the chart
+* spread.py    --runs N: the spread of every figure and target over N runs
 * runner.py    one run: machine description, the selected groups, the report
 
 Every module of the package is imported here, so a new workload group is one new module
@@ -74,6 +75,7 @@ from shmchan.bench.plot import plot
 from shmchan.bench.registry import default_workloads, groups, register
 from shmchan.bench.report import Result, Target, format_table
 from shmchan.bench.runner import machine, run
+from shmchan.bench.spread import format_spread, spread
 
 __all__ = [
     "main",
@@ -136,6 +138,14 @@ def _parser() -> argparse.ArgumentParser:
         "--reps", type=int, metavar="N", help="repetitions per figure (default 5, quick 3)"
     )
     p.add_argument(
+        "--runs",
+        type=int,
+        metavar="N",
+        default=1,
+        help="run the whole selection N times; print the last run, then the spread of every "
+        "figure and target over the N runs (default 1)",
+    )
+    p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress display (default: on when stderr is a terminal)",
@@ -152,23 +162,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps is not None and args.reps < 1:
         print("bench: --reps must be >= 1", file=sys.stderr)
         return 2
+    if args.runs < 1:
+        print("bench: --runs must be >= 1", file=sys.stderr)
+        return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("bench: --plot needs matplotlib (pip install 'shmchan[bench]')", file=sys.stderr)
         return 2
     workloads = [g.name for g in groups() if g.name in args.only] if args.only else WORKLOADS
     show = not args.no_progress and sys.stderr.isatty()
+    reports = []
     try:
-        report = run(quick=args.quick, workloads=workloads, reps=args.reps, progress=show)
+        for _ in range(args.runs):
+            reports.append(
+                run(quick=args.quick, workloads=workloads, reps=args.reps, progress=show)
+            )
     except BenchError as e:
         print(f"bench: failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130
+    report = reports[-1]
     if args.json:
-        print(json.dumps(report, indent=2))
+        # One run: its report. Several: {"runs": [report, ...], "spread": ...}.
+        shown = report if len(reports) == 1 else {"runs": reports, "spread": spread(reports)}
+        print(json.dumps(shown, indent=2))
     else:
         print(format_table(report))
+        if len(reports) > 1:
+            print("\n" + format_spread(spread(reports)))
     if args.plot:
         plot(report, args.plot)
         if not args.json:

@@ -187,7 +187,7 @@ def core_targets(results: list[Result]) -> list[Target]:
     return out
 
 
-def _num(value: float, unit: str) -> str:
+def number(value: float, unit: str) -> str:
     if unit == "msg/s":
         if value >= 1e6:
             return f"{value / 1e6:.2f} M"
@@ -209,11 +209,11 @@ def target_text(t: dict[str, Any], compact: bool = False) -> tuple[str, str]:
 
     def show(v: float, fmt: str) -> str:
         if t["name"].endswith("msg/s"):
-            return f"{v / 1e6:{fmt}} M/s" if compact else _num(v, "msg/s") + " msg/s"
+            return f"{v / 1e6:{fmt}} M/s" if compact else number(v, "msg/s") + " msg/s"
         if t["name"].endswith("%"):
             return f"{v:{fmt}} %"
         if t["name"].endswith(" us"):  # an absolute latency
-            return _num(v, "us") + " us"
+            return number(v, "us") + " us"
         return f"{v:{fmt}}x"
 
     measured = "not measured" if t["measured"] is None else show(t["measured"], ".2f")
@@ -256,9 +256,9 @@ def format_table(report: dict[str, Any]) -> str:
             (
                 label,
                 r["system"] + (" (ref)" if r["reference"] else ""),
-                _num(r["median"], r["unit"]),
-                _num(r["min"], r["unit"]),
-                _num(r["max"], r["unit"]),
+                number(r["median"], r["unit"]),
+                number(r["min"], r["unit"]),
+                number(r["max"], r["unit"]),
                 r["unit"],
                 _ratio(r["vs_best_peer"]),
                 r["note"],
