@@ -16,6 +16,7 @@ SOURCES = [
     "window.c",
     "recovery.c",
     "compact.c",
+    "islands.c",
     "segment.c",
     "hash.c",
     "crc32c.c",

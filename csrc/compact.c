@@ -42,7 +42,10 @@
  *     them) only after its pos changed, with a release fence in between.
  *   - zero-copy views pin the record: a holder CASes slot.pin FREE -> VIEWED; the
  *     receiver moves an in-flight record only after CASing FREE -> MOVING, and puts FREE
- *     back when the copy and pos are in place. A pinned record stops compaction at it.
+ *     back when the copy and pos are in place. A pinned record stops compaction at it;
+ *     once it reaches head it becomes an island instead (islands.c): head passes it and
+ *     it stays where it is. A SKIP record (the producers' step over an island's bytes)
+ *     is never copied over or into: like a record that cannot move, it ends a block.
  * A receiver killed mid-compaction leaves the chain whole and every slot's pos on a
  * whole copy: a moved record's old copy is either still in the chain (then recovery
  * skips it as stale: its slot points at the other copy) or inside a filler.
@@ -271,6 +274,9 @@ int compact(shm_chan *c) {
     /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
     if (tail - head <= c->limit / 2) return 0;
+    /* A record pinned by a zero-copy view at head cannot move: the ring flows around it
+     * instead (islands.c). Head passes it; producers step over its bytes. */
+    if (island_make_at_head(c, head)) return 1;
     /* After a failed try, wait before the next: without this a long unfinished backlog
      * would be walked on every poll. Try again once the record that ended the look
      * finishes (the gap may now be long enough: ring_mark_done watches for it), or

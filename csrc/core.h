@@ -85,6 +85,13 @@
  * token of the process that pickled it with this bit set (handles.c, hand-over). */
 #define HOLDER_TRANSIT (1ull << 63)
 
+/* ---- islands: records pinned by a zero-copy view that head has passed (islands.c) ---- */
+#define SHM_ISLANDS 32u
+typedef struct {
+    uint64_t end; /* position just past the record; 0 = free entry (the entry's seqlock word) */
+    uint64_t len; /* the record's length                                                    */
+} shm_island;
+
 /* ---- the header --------------------------------------------------------------------- */
 typedef struct {
     /* -- written once by the creator, before the segment is published -- */
@@ -118,6 +125,13 @@ typedef struct {
 
     /* -- who is the receiver: a token, 0 = nobody (handles.c) -- */
     _Alignas(SHM_CACHELINE) uint64_t receiver;
+
+    /* -- islands (islands.c): written by the receiver, read by producers -- */
+    _Alignas(SHM_CACHELINE) uint32_t island_count; /* entries in use: 0 lets claims skip the table */
+    uint32_t pad_islands;
+    uint64_t island_bytes; /* receiver-only: bytes of the islands (stats)                */
+    uint64_t skip_bytes;   /* receiver-only: bytes of SKIP records in [head, scan_pos)     */
+    shm_island islands[SHM_ISLANDS];
 
     /* -- consumer state: written only by the receiver process -- */
     _Alignas(SHM_CACHELINE) uint64_t ingest_pos; /* first record not yet taken in (window.c) */
@@ -257,6 +271,7 @@ enum {
     REC_CANCELLED = 5, /* claimed by a send that then saw shutdown          */
     REC_GATED = 6,     /* whole, but waits on a transaction of an exchange: it ends
                           COMMITTED or DISCARDED/CANCELLED (ring.c, exchange.c) */
+    REC_SKIP = 7,      /* steps over an island's bytes (islands.c): never holds data */
 };
 #define REC_HDR 24u   /* owner + meta + seq: the part a successor pre-writes */
 #define REC_BODY 56u  /* fixed part of a committed record                   */
@@ -427,6 +442,13 @@ shm_key *sched_key_get(shm_chan *c, uint64_t hash);
 void sched_key_tidy(shm_chan *c, uint64_t hash);
 /* compact.c */
 int compact(shm_chan *c);
+/* islands.c */
+uint64_t island_skip(shm_chan *c, uint64_t a, uint64_t b, uint64_t *first_out);
+int island_find(shm_chan *c, uint64_t pos);
+int island_add(shm_chan *c, uint64_t pos, uint64_t len);
+void island_remove(shm_chan *c, int i);
+int island_make_at_head(shm_chan *c, uint64_t head);
+int island_rebuild(shm_chan *c, const uint64_t *kept_pos, uint32_t nkept);
 /* handles.c */
 int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m);
 int handles_drain(shm_chan *c);

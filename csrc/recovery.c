@@ -288,9 +288,24 @@ int recovery_rebuild(shm_chan *c) {
             shm_record *r = rec_at(c, sl->pos);
             uint64_t meta = LOAD_ACQUIRE(&r->meta);
             uint32_t rs = META_STATE(meta);
-            sl->pin = PIN_FREE; /* a move in progress is void: the slot's pos is a whole copy */
-            if ((rs != REC_COMMITTED && rs != REC_DONE) || sl->pos < h->head ||
-                sl->pos - h->head >= c->cap || r->seq != sl->seq) {
+            /* Behind head: an island (islands.c), which stays pinned where it is; or, if
+             * its message was being finished, a record whose island was already given
+             * back (ring_mark_done): its bytes are no longer ours, the slot only needs
+             * freeing. */
+            int island = sl->pos < h->head && island_find(c, sl->pos) >= 0;
+            int behind = sl->pos < h->head && !island;
+            if (behind && (st == SLOT_RELEASED || st == SLOT_DISCARD)) {
+                STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w) + 1, SLOT_FREE));
+                sl->next = h->free_slots;
+                h->free_slots = s;
+                continue;
+            }
+            /* a move in progress is void: the slot's pos is a whole copy */
+            if (!island) sl->pin = PIN_FREE;
+            if ((rs != REC_COMMITTED && rs != REC_DONE) || behind ||
+                (sl->pos >= h->head && sl->pos - h->head >= c->cap) ||
+                (island && rs != REC_COMMITTED) || /* an island may lie laps behind head */
+                r->seq != sl->seq) {
                 free(kept);
                 return SHM_E_CORRUPT;
             }
@@ -330,7 +345,8 @@ int recovery_rebuild(shm_chan *c) {
     h->dead_letters = dead;
     h->held_keys = 0;
 
-    /* 3. handed-out messages rejoin their lines first, in seq order */
+    /* 3. handed-out messages rejoin their lines first, in seq order; then the islands
+     * that wait for their redelivery (islands.c), older than anything after head */
     qsort(kept, nkept, sizeof *kept, by_seq);
     int rc = SHM_OK;
     for (uint32_t i = 0; i < nkept && rc == SHM_OK; i++) {
@@ -345,6 +361,13 @@ int recovery_rebuild(shm_chan *c) {
         rc = sched_relink(c, kept[i].slot, rec_at(c, sl->pos));
         h->held_keys += sl->nkeys;
     }
+    if (rc == SHM_OK) {
+        uint64_t *kept_pos = malloc(sizeof(uint64_t) * (nkept + 1));
+        if (kept_pos == NULL) rc = SHM_E_NOMEM;
+        for (uint32_t i = 0; kept_pos && i < nkept; i++) kept_pos[i] = kept[i].pos;
+        if (kept_pos) rc = island_rebuild(c, kept_pos, nkept);
+        free(kept_pos);
+    }
 
     /* 4. everything else in the ring is looked at again in ring order, as the scan
      * would (window.c): taken in or parked. Where the window is full the scan stops and
@@ -356,6 +379,7 @@ int recovery_rebuild(shm_chan *c) {
     h->writing_n = 0; /* the scan finds unfinished records again */
     h->skip_keys = 0;
     h->ingest_pos = h->scan_pos = h->head;
+    h->skip_bytes = 0; /* SKIP records in [head, scan_pos): counted again by the walk */
     uint64_t pos = h->head;
     uint32_t k = 0;
     int full = 0;
@@ -396,7 +420,11 @@ int recovery_rebuild(shm_chan *c) {
                 }
             }
         }
-        if (!full) h->scan_pos = pos + len;
+        if (!full) {
+            if (p == SHM_CLOSED && META_STATE(LOAD_RELAXED(&rec_at(c, pos)->meta)) == REC_SKIP)
+                h->skip_bytes += len; /* an island's bytes (islands.c) */
+            h->scan_pos = pos + len;
+        }
         pos += len;
     }
     free(kept);

@@ -25,6 +25,10 @@
  *      dead, repair it (below).
  *   2. space: pos + n + REC_HDR <= head + capacity (room for the record and for the
  *      next tail's header). head only grows, so a stale head is merely conservative.
+ *      If an island (a record pinned by a view, which head passed: islands.c) lies in
+ *      [pos, pos + n + REC_HDR), pos is claimed for a SKIP record over it instead (steps
+ *      3-5 with that length and state, the seq passed on unchanged), and the walk goes
+ *      on from the island's end.
  *   3. claim: CAS owner EMPTY(pos) -> token << 1. EMPTY(pos) encodes the full 64-bit
  *      position, so a walker holding a stale position from an earlier lap cannot
  *      match (no ABA), and the winner is recorded in the same instruction.
@@ -65,8 +69,10 @@
  * (shm_gate_read, then shm_gate_resolve: COMMITTED or DISCARDED).
  *
  * The consumer frees space by advancing head over records it has finished (DONE,
- * DISCARDED, CANCELLED), in order, with a release store that producers pair with
- * their acquire load in step 2.
+ * DISCARDED, CANCELLED, SKIP), in order, with a release store that producers pair with
+ * their acquire load in step 2. Head also passes an island: a record in flight pinned
+ * by a zero-copy view, which stays where it is (islands.c); producers step over its
+ * bytes (step 2) until its message is finished.
  */
 #include <errno.h>
 #include <sched.h>
@@ -144,18 +150,37 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
          * claimant's CAS (token), so meta and seq read below are at least as new. */
         uint64_t owner = LOAD_ACQUIRE(&r->owner);
         if (owner == OWNER_EMPTY(pos)) {
-            if (pos + n + REC_HDR > head + c->limit) {
-                head = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
-                c->cached_head = head;
-                if (pos < head) continue; /* we were stale after all */
-                if (pos + n + REC_HDR > head + c->limit) return SHM_FULL;
+            /* An island in the way is stepped over (islands.c). The ones that can be
+             * were published before the head we acquired: the room check below uses
+             * that head, and a fresher head is looked at with the islands read again. */
+            uint64_t first = 0;
+            uint64_t skip = island_skip(c, pos, pos + n + REC_HDR, &first);
+            if (UNLIKELY(skip) && first < pos + REC_HDR) return SHM_E_CORRUPT; /* tail on an island */
+            uint64_t need = (skip ? skip : pos + n) + REC_HDR;
+            if (need > head + c->limit) {
+                uint64_t fresh = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
+                c->cached_head = fresh;
+                if (fresh == head) return SHM_FULL;
+                head = fresh; /* we may be stale, or fit now: look again */
+                continue;
             }
             /* seq_cst: the claim. Pairs with other claimants' CAS on the same word and
              * with the release in prepare_successor (the EMPTY we expect). It is also
              * ordered before the shutdown check in send_one. */
             if (CAS_SEQCST(&r->owner, &owner, mine)) {
+                uint64_t seq = LOAD_RELAXED(&r->seq); /* ordered by the CAS's acquire */
+                if (UNLIKELY(skip)) { /* a SKIP record over the island; claim again after it */
+                    prepare_successor(c, skip, seq); /* the seq passes on unchanged */
+                    /* release: pairs with walkers' and ring_peek's acquire load of meta. */
+                    STORE_RELEASE(&r->meta, META(skip - pos, REC_SKIP));
+                    hint_raise(c, skip);
+                    pos = skip;
+                    hops++;
+                    spins = 0;
+                    continue;
+                }
                 *pos_out = pos;
-                *seq_out = LOAD_RELAXED(&r->seq); /* ordered by the CAS's acquire */
+                *seq_out = seq;
                 return SHM_OK;
             }
             continue; /* lost the race: owner now holds the winner; look again */
@@ -460,15 +485,26 @@ int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
     /* acquire: pairs with the claimant's release of meta; we must not repair a record
      * whose length is already published. */
     if (META_STATE(LOAD_ACQUIRE(&r->meta)) != REC_CLAIMED) return SHM_STALE;
+    /* The claimant may have been about to step over an island (islands.c): the discard
+     * record then reaches past it too, so that the next header lands in free space. The
+     * islands that can be in the way were made before head passed them: acquire a head
+     * at least as new as the claimant's (pairs with ring_advance_head's release store).
+     * The skip can only be shorter than the claimant's, whose room it checked. */
+    (void)LOAD_ACQUIRE(&c->hdr->head);
+    uint64_t first = 0;
+    uint64_t skip = island_skip(c, pos, pos + 2u * REC_HDR, &first);
+    if (skip && first < pos + REC_HDR) return SHM_E_CORRUPT; /* a claim on an island */
+    uint64_t len = skip ? skip - pos : REC_HDR;
+    if (!len_ok(c, len)) return SHM_E_CORRUPT;
     /* seq_cst: elects one repairer; pairs with the same CAS in other repairers. A
      * repairer that dies after it is itself repaired by the next one. */
     if (!CAS_SEQCST(&r->owner, &expect, OWNER_CLAIM(c->token))) return SHM_STALE;
     if (META_STATE(LOAD_ACQUIRE(&r->meta)) != REC_CLAIMED) return SHM_STALE;
     uint64_t seq = LOAD_RELAXED(&r->seq);
-    prepare_successor(c, pos + REC_HDR, seq); /* seq unused: passes on unchanged */
+    prepare_successor(c, pos + len, seq); /* seq unused: passes on unchanged */
     /* release: pairs with walkers' and ring_peek's acquire load of meta. */
-    STORE_RELEASE(&r->meta, META(REC_HDR, REC_DISCARDED));
-    hint_raise(c, pos + REC_HDR);
+    STORE_RELEASE(&r->meta, META(len, skip ? REC_SKIP : REC_DISCARDED));
+    hint_raise(c, pos + len);
     return SHM_OK;
 }
 
@@ -496,7 +532,7 @@ int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_st
     if (!len_ok(c, l)) return SHM_E_CORRUPT;
     *len = l;
     *rec = r;
-    if (st == REC_DISCARDED || st == REC_CANCELLED) return SHM_CLOSED;
+    if (st == REC_DISCARDED || st == REC_CANCELLED || st == REC_SKIP) return SHM_CLOSED;
     if (st != REC_COMMITTED) return SHM_E_CORRUPT;
     int rc = ring_validate_body(c, r, l);
     /* A record recovered from a durable channel's file may be torn (crc32c.c). */
@@ -529,6 +565,12 @@ int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
 void ring_mark_done(shm_chan *c, uint64_t pos) {
     c->done_count++;
     if (pos == c->compact_watch_end) c->compact_watch_hit = 1; /* compact.c may try again */
+    int island = island_find(c, pos);
+    if (UNLIKELY(island >= 0)) {
+        /* the ring flowed around it (islands.c): its bytes go back to the producers */
+        island_remove(c, island);
+        if (pos < c->hdr->head) return; /* head passed it: nobody walks to it any more */
+    }
     shm_record *r = rec_at(c, pos);
     uint64_t meta = LOAD_RELAXED(&r->meta);
     /* release: pairs with producers' acquire load in claim(), which only reads the length
@@ -544,9 +586,13 @@ int ring_advance_head(shm_chan *c) {
         shm_record *r = rec_at(c, head);
         uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned by now */
         uint32_t st = META_STATE(meta);
-        if (st != REC_DONE && st != REC_DISCARDED && st != REC_CANCELLED) break;
+        /* an island stays where it is, and head passes it (islands.c) */
+        if (st != REC_DONE && st != REC_DISCARDED && st != REC_CANCELLED && st != REC_SKIP &&
+            (st != REC_COMMITTED || island_find(c, head) < 0))
+            break;
         uint64_t len = META_LEN(meta);
         if (!len_ok(c, len) || len > stop - head) break; /* corrupt: never move past it */
+        if (st == REC_SKIP) h->skip_bytes = h->skip_bytes >= len ? h->skip_bytes - len : 0;
         head += len;
     }
     if (head == start) return 0;

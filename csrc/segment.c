@@ -364,7 +364,10 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     uint64_t head = LOAD_ACQUIRE(&h->head);      /* pairs with ring_advance_head */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
     o->capacity = c->limit;
-    o->used_bytes = tail > head ? tail - head : 0;
+    /* Live bytes: head to tail, less the SKIP records over islands the receiver has seen
+     * there, plus the islands head passed (islands.c). Receiver-written: a snapshot. */
+    uint64_t span = tail > head ? tail - head : 0, skips = LOAD_RELAXED(&h->skip_bytes);
+    o->used_bytes = (span > skips ? span - skips : 0) + LOAD_RELAXED(&h->island_bytes);
     if (o->used_bytes > c->limit) o->used_bytes = c->limit;
     /* Counters written by the consumer are read without synchronization: a snapshot. */
     uint64_t in_window = LOAD_RELAXED(&h->queued_in_window);

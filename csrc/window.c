@@ -69,7 +69,7 @@ void window_unlink(shm_chan *c, uint32_t s) {
 }
 
 static int finished_state(uint32_t st) {
-    return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED;
+    return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED || st == REC_SKIP;
 }
 
 /* Index of the first hash of r equal to hash (its link slot), or -1. */
@@ -491,8 +491,10 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
                 if (rc) return rc;
             }
             h->writing[h->writing_n++] = pos;
-        } else if (rc == SHM_CLOSED) { /* discarded or cancelled: nothing to take in */
-            if (META_STATE(LOAD_RELAXED(&r->meta)) == REC_DISCARDED) h->discarded++;
+        } else if (rc == SHM_CLOSED) { /* discarded, cancelled, a skip: nothing to take in */
+            uint32_t st = META_STATE(LOAD_RELAXED(&r->meta));
+            if (st == REC_DISCARDED) h->discarded++;
+            if (st == REC_SKIP) h->skip_bytes += len; /* an island's bytes (islands.c) */
         } else if (rc) {
             return rc;
         } else if (!window_taken(c, r, pos)) {

@@ -7,6 +7,7 @@ accepting messages while the bytes it holds fit, whatever is pinned where.
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import time
@@ -104,3 +105,325 @@ def test_dead_letters_under_chaos_keep_only_their_own_space(make_channel):
             assert p.exitcode == 0  # no send stayed Full for WAIT seconds
     assert {struct.unpack_from("<Q", d.payload)[0] for d in ch.dead_letters()} == nacked
     assert ch.stats().dead_letters == len(nacked)
+
+
+# ---- zero-copy views: pinned records become islands (csrc/islands.c) ----------------------
+
+
+def island_producer(name: str, count: int, size: int) -> None:
+    """Send `count` messages of `size` bytes; message i carries key "pinned" (i == 0) or
+    k<i % 3>. A send that stays Full for WAIT seconds fails the process."""
+    with shmchan.Channel.open(name) as ch:
+        tx = ch.sender()
+        for i in range(count):
+            tx.send(payload(i, size), keys=("pinned" if i == 0 else f"k{i % 3}",), timeout=WAIT)
+
+
+def drain_in_key_order(rx: shmchan.Receiver, proc, want: int, first: int = 1) -> None:
+    """Receive messages first..want-1 (releasing each), checking every one arrives once and
+    each key's messages in order; fail if the producer died or nothing came for WAIT."""
+    seen: set[int] = set()
+    last_per_key: dict[tuple[object, ...], int] = {}
+    last = time.monotonic()
+    while len(seen) < want - first:
+        try:
+            h = rx.recv(timeout=0.5)
+        except shmchan.Empty:
+            assert proc.exitcode in (None, 0), f"the producer failed (Full?): {proc.exitcode}"
+            assert time.monotonic() - last < WAIT, f"stuck at {len(seen)}"
+            continue
+        last = time.monotonic()
+        with h:
+            i = struct.unpack_from("<Q", h.data)[0]  # a view of its own, released at once
+            assert first <= i < want and i not in seen
+            seen.add(i)
+            assert last_per_key.get(h.keys, -1) < i  # per-key order
+            last_per_key[h.keys] = i
+
+
+@pytest.mark.timeout(180)
+def test_a_zero_copy_view_held_while_10_mb_flow_does_not_stop_the_channel(make_channel):
+    # The reproduction of issue #8 item 3: one handle held with h.data read, in a 1 MiB
+    # channel, made 100 KB sends raise Full forever after 10 messages (used_bytes 1 001 552,
+    # queued=0). Here 10 MB flow past it from another process.
+    ch = make_channel(capacity=1 << 20)
+    rx = ch.receiver()
+    count, size = 101, 100_000
+    proc = CTX.Process(target=island_producer, args=(ch.name, count, size))
+    with running(proc):
+        held = rx.recv(timeout=WAIT)
+        view = held.data  # pins the record where it is, for the whole test
+        assert bytes(view) == payload(0, size)
+        drain_in_key_order(rx, proc, count)
+        proc.join(WAIT)
+        assert proc.exitcode == 0  # no send stayed Full
+    assert bytes(view) == payload(0, size)  # the view still reads its own bytes
+    assert [(k.key, k.seq) for k in ch.held()] == [("pinned", 1)]  # operators see it
+    stats = ch.stats()
+    assert (stats.queued, stats.inflight, stats.sent, stats.released) == (0, 1, count, count - 1)
+    assert stats.used_bytes < 2 * (size + 512)  # live bytes: the held message, a frame at most
+    del view
+    held.release()
+    rx.try_recv()  # the receiver takes the release in
+    assert ch.stats().used_bytes < size + 512
+
+
+def test_many_pinned_views_at_once_keep_the_channel_flowing(make_channel):
+    # Twenty views (up to 40 KB each, about half the ring pinned at times) held across many
+    # laps, scattered among 10 MB of messages of mixed sizes, released oldest first.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    rng = random.Random(3)
+    pinned: list[tuple[shmchan.Handle, memoryview, bytes]] = []
+    most = 0
+    sent = 0
+    i = 0
+    while sent < 10_000_000:
+        size = rng.randrange(1000, 40_000)
+        body = payload(i, size)
+        tx.send(body, keys=(f"m{i}",), timeout=2)  # Full after 2 s fails the test
+        sent += size
+        h = rx.recv(timeout=2)
+        assert h.seq == i + 1
+        if i % 9 == 4:
+            pinned.append((h, h.data, body))  # h.data pins the record where it lies
+            most = max(most, len(pinned))
+        else:
+            assert h.data == body
+            h.release()
+        if len(pinned) > 20:  # release the oldest now and then: its space comes back
+            h, view, want = pinned.pop(0)
+            assert view == want  # never overwritten while it was an island
+            h.release()
+        i += 1
+    assert most == 21
+    for h, view, want in pinned:
+        assert view == want
+        h.release()
+    rx.try_recv()
+    stats = ch.stats()
+    assert (stats.inflight, stats.queued, stats.released) == (0, 0, i)
+    assert stats.used_bytes < 64 << 10
+
+
+def test_past_32_islands_the_next_pinned_record_waits_until_a_view_is_released(make_channel):
+    # The bound README states: at most 32 islands at once. A 33rd pinned record at head
+    # stops the ring there (sends then raise Full once it is full); releasing any view
+    # lets it become an island, and the channel flows again. Nothing is lost.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    pinned: list[tuple[shmchan.Handle, memoryview, bytes]] = []
+    i = 0
+
+    def one(pin: bool, timeout: float = 2) -> None:
+        nonlocal i
+        body = payload(i, 10_000)
+        tx.send(body, keys=(f"k{i}",), timeout=timeout)
+        h = rx.recv(timeout=2)
+        assert h.seq == i + 1
+        if pin:
+            pinned.append((h, h.data, body))
+        else:
+            assert h.data == body
+            h.release()
+        i += 1
+
+    for _ in range(32):  # 32 views, each followed by more than a ring of traffic
+        one(pin=True)
+        for _ in range(120):
+            one(pin=False)  # Full after 2 s fails the test
+    one(pin=True)  # the 33rd
+    with pytest.raises(shmchan.Full):
+        for _ in range(200):  # the ring fills behind it: 1 MiB holds about 100 of these
+            one(pin=False, timeout=0.05)
+    h, view, want = pinned.pop(5)  # any island's view: its table entry frees
+    assert view == want
+    h.release()
+    for _ in range(300):  # three rings of traffic flow again
+        one(pin=False)
+    for h, view, want in pinned:
+        assert view == want
+        h.release()
+    rx.try_recv()
+    assert (ch.stats().inflight, ch.stats().queued) == (0, 0)
+
+
+def adopt_and_view(handles, ready) -> None:
+    """Adopt a pickled handle, pin its record with a view, and sit on it."""
+    h = handles.get(timeout=WAIT)
+    view = h.data
+    ready.put(bytes(view[:8]))
+    time.sleep(WAIT * 4)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_viewer_gives_its_island_back(make_channel):
+    # The holder of a zero-copy view is SIGKILLed while its record is an island: the
+    # message comes back (attempt 2) from where it lies, and its space once released.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    first = payload(0, 100_000)
+    tx.send(first, keys=("pinned",))
+    handles, ready = CTX.Queue(), CTX.Queue()
+    viewer = CTX.Process(target=adopt_and_view, args=(handles, ready))
+    with running(viewer):
+        h = rx.recv(timeout=WAIT)
+        handles.put(h)  # pickling hands it over
+        del h
+        assert ready.get(timeout=WAIT) == first[:8]
+        for i in range(1, 31):  # 3 MB: head must pass the pinned record
+            tx.send(payload(i, 100_000), keys=(f"k{i % 3}",), timeout=WAIT)
+            with rx.recv(timeout=WAIT) as h:
+                assert h.seq == i + 1 and h.data == payload(i, 100_000)
+        assert ch.stats().inflight == 1
+        viewer.kill()
+        viewer.join(WAIT)
+        h = rx.recv(timeout=WAIT)  # the dead holder's message, redelivered
+        assert (h.seq, h.attempt) == (1, 2) and h.data == first
+        for i in range(31, 61):  # and the channel flows on meanwhile
+            tx.send(payload(i, 100_000), keys=(f"k{i % 3}",), timeout=WAIT)
+            with rx.recv(timeout=WAIT) as h2:
+                assert h2.seq == i + 1 and h2.data == payload(i, 100_000)
+        h.release()
+    rx.try_recv()
+    stats = ch.stats()
+    assert (stats.inflight, stats.queued, stats.redelivered) == (0, 0, 1)
+    assert stats.used_bytes < 100_000  # the island's space is back
+
+
+def receive_view_and_die(name: str, nack: bool, ready) -> None:
+    """As a receiver: pin the first message with a view, let 3 MB flow past it (head
+    passes it: an island), nack it if asked, then report and wait to be killed."""
+    with shmchan.Channel.open(name) as ch:
+        rx = ch.receiver()
+        h = rx.recv(timeout=WAIT)
+        view = h.data
+        ready.put(bytes(view[:8]))
+        for i in range(1, 31):
+            with rx.recv(timeout=WAIT) as h2:
+                assert h2.data == payload(i, 100_000)
+        if nack:
+            del view
+            h.nack()  # waits for its redelivery where it lies, behind head
+        ready.put(ch.stats().inflight)
+        time.sleep(WAIT * 4)
+
+
+def feed(name: str, start: int, stop: int) -> None:
+    with shmchan.Channel.open(name) as ch:
+        tx = ch.sender()
+        for i in range(start, stop):
+            tx.send(payload(i, 100_000), keys=(f"k{i % 3}",), timeout=WAIT)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nack", [False, True], ids=["held", "nacked"])
+def test_islands_survive_a_receiver_that_dies_inside_an_update(make_channel, nack):
+    # The receiver dies with an island in the ring (held by its own view, or nacked and
+    # waiting behind head for its redelivery) and its dirty flag up, so its successor
+    # rebuilds (recovery.c, islands.c): the message comes back once, from its island.
+    from test_crash import DIRTY_OFFSET
+
+    ch = make_channel(capacity=1 << 20)
+    ch.sender().send(payload(0, 100_000), keys=("pinned",))
+    ready = CTX.Queue()
+    child = CTX.Process(target=receive_view_and_die, args=(ch.name, nack, ready))
+    producer = CTX.Process(target=feed, args=(ch.name, 1, 31))
+    with running(child, producer):
+        assert ready.get(timeout=WAIT) == payload(0, 8)
+        assert ready.get(timeout=WAIT) == (0 if nack else 1)
+        producer.join(WAIT)
+        assert producer.exitcode == 0
+        child.kill()
+        child.join(WAIT)
+    fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDWR)
+    try:  # as if it died inside an update: the next receiver must rebuild
+        os.pwrite(fd, (1).to_bytes(4, "little"), DIRTY_OFFSET)
+    finally:
+        os.close(fd)
+    rx = ch.receiver()
+    producer = CTX.Process(target=feed, args=(ch.name, 31, 61))
+    with running(producer):
+        h = rx.recv(timeout=WAIT)
+        # held: the dead receiver's handle, revoked (attempt 2). nacked: a rebuild takes
+        # every message no handle holds in afresh (recovery.c), so its count starts again.
+        assert (h.seq, h.attempt) == (1, 1 if nack else 2) and h.data == payload(0, 100_000)
+        drain_in_key_order(rx, producer, 61, first=31)  # 3 MB more flow past it
+        producer.join(WAIT)
+        assert producer.exitcode == 0
+        h.release()
+    rx.try_recv()
+    stats = ch.stats()
+    assert (stats.inflight, stats.queued) == (0, 0)
+    assert stats.used_bytes < 100_000
+
+
+def produce_logged(name: str, me: int, log_path: str) -> None:
+    """Send 50-100 KB messages until killed; log each n once its send returned."""
+    rng = random.Random(me)
+    with shmchan.Channel.open(name) as ch, open(log_path, "a") as log:
+        tx = ch.sender()
+        for n in range(1 << 30):
+            tx.send(
+                payload(me << 32 | n, rng.randrange(50_000, 100_000)),
+                keys=(f"k{n % 3}",),
+                timeout=WAIT,
+            )
+            log.write(f"{n}\n")
+            log.flush()
+
+
+@pytest.mark.timeout(180)
+def test_producers_killed_while_stepping_over_islands_lose_nothing(make_channel, tmp_path):
+    # Producers SIGKILLed at random moments while two views pin islands in a 1 MiB ring
+    # (so claims keep stepping over them, lap after lap; a claim cut short is repaired by
+    # the next walker, csrc/islands.c): every send that returned is delivered, once, and
+    # no message is torn; the islands' bytes are never written over.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    rng = random.Random(11)
+    views = []
+    for i in range(2):
+        tx.send(payload(i, 60_000 + 30_000 * i), keys=(f"pinned{i}",))
+    for i in range(2):
+        h = rx.recv(timeout=WAIT)
+        views.append((h, h.data, payload(i, 60_000 + 30_000 * i)))
+    delivered: dict[int, set[int]] = {}
+    logs = {}
+
+    def take(timeout: float) -> bool:
+        try:
+            h = rx.recv(timeout=timeout)
+        except shmchan.Empty:
+            return False
+        with h:
+            ident = struct.unpack_from("<Q", h.data)[0]
+            me, n = ident >> 32, ident & 0xFFFFFFFF
+            assert h.data == payload(ident, len(h.data))  # whole, never torn
+            assert n not in delivered.setdefault(me, set())
+            delivered[me].add(n)
+        return True
+
+    for me in range(1, 9):
+        logs[me] = tmp_path / f"p{me}.log"
+        proc = CTX.Process(target=produce_logged, args=(ch.name, me, str(logs[me])))
+        with running(proc):
+            end = time.monotonic() + rng.uniform(0.1, 0.6)
+            while time.monotonic() < end:
+                take(0.05)
+            proc.kill()
+            proc.join(WAIT)
+    while take(1.0):
+        pass
+    for me, path in logs.items():
+        logged = {int(x) for x in path.read_text().split()}
+        got = delivered.get(me, set())
+        assert logged <= got  # every send that returned
+        assert got == set(range(len(got)))  # and nothing but its sends, in one piece
+    for h, view, want in views:
+        assert view == want
+        h.release()
+    rx.try_recv()
+    stats = ch.stats()
+    assert (stats.inflight, stats.queued) == (0, 0)
+    assert stats.used_bytes < 64 << 10
