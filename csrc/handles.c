@@ -555,19 +555,32 @@ int shm_unmoved(shm_chan *c, uint32_t s, uint64_t word, uint64_t pos) {
  * A process killed at any instruction leaves either its token (not yet marked; the
  * handle is its own and goes back when it dies) or the marked word (taken back at the
  * deadline). */
-int shm_handle_send(shm_chan *c, uint32_t s, uint32_t gen) {
+static int handle_send(shm_chan *c, uint32_t s, uint32_t gen, uint64_t deadline) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
     shm_slot *sl = &c->slots[s];
     if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE; /* pairs with hand_out */
     /* seq_cst: before the TRANSIT bit below; pairs with the revoker's seq_cst loads of
      * holder then handover (shm_revoke, shm_holders). */
-    STORE_SEQCST(&sl->handover, now_ns() + c->cfg.handover_ns);
+    STORE_SEQCST(&sl->handover, deadline);
     uint64_t cur = LOAD_ACQUIRE(&sl->holder); /* pairs with adopt / revoke CASes */
     do {
         if (cur == HOLDER_REVOKED) return SHM_STALE;
         /* seq_cst: pairs with the CASes in shm_handle_adopt and shm_revoke. */
     } while (!CAS_SEQCST(&sl->holder, &cur, cur | HOLDER_TRANSIT));
     if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    return SHM_OK;
+}
+
+int shm_handle_send(shm_chan *c, uint32_t s, uint32_t gen) {
+    return handle_send(c, s, gen, now_ns() + c->cfg.handover_ns);
+}
+
+/* A batch in one call: each handle exactly as shm_handle_send, with one deadline for all
+ * (the clock is read once). status[i] is handle i's status; returns SHM_OK. */
+int shm_handle_send_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
+                         int32_t *status) {
+    const uint64_t deadline = now_ns() + c->cfg.handover_ns;
+    for (uint32_t i = 0; i < n; i++) status[i] = handle_send(c, slots[i], gens[i], deadline);
     return SHM_OK;
 }
 
@@ -590,6 +603,21 @@ int shm_handle_adopt(shm_chan *c, uint32_t s, uint32_t gen, uint64_t token) {
         if (CAS_SEQCST(&sl->holder, &cur, token)) break;
     }
     if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    return SHM_OK;
+}
+
+/* A batch in one call: each handle exactly as shm_handle_adopt, then, once adopted,
+ * described into out[i] as shm_handle_info does. status[i] is handle i's status (SHM_OK,
+ * SHM_STALE, SHM_LOST, or an error); out[i] is filled only where it is SHM_OK. A process
+ * killed part-way holds the handles adopted so far (they go back when it is seen dead)
+ * and leaves the rest in transit (taken back at their deadline). Returns SHM_OK. */
+int shm_handle_adopt_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
+                          uint64_t token, shm_msg *out, int32_t *status) {
+    for (uint32_t i = 0; i < n; i++) {
+        int rc = shm_handle_adopt(c, slots[i], gens[i], token);
+        if (rc == SHM_OK) rc = shm_handle_info(c, slots[i], gens[i], &out[i]);
+        status[i] = rc;
+    }
     return SHM_OK;
 }
 

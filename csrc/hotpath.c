@@ -50,6 +50,10 @@ typedef int (*release_many_fn)(shm_chan *, const uint32_t *, const uint32_t *, u
 typedef int (*unmoved_fn)(shm_chan *, uint32_t, uint64_t, uint64_t);
 typedef int (*rx_spin_fn)(shm_chan *, uint32_t);
 typedef int (*view_fn)(shm_chan *, uint32_t, uint32_t, shm_msg *);
+typedef int (*send_many_handles_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t,
+                                    int32_t *);
+typedef int (*adopt_many_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t, uint64_t,
+                             shm_msg *, int32_t *);
 typedef int (*send_many_fn)(shm_chan *, uint32_t, const uint32_t *, const char *, uint64_t,
                             const uint64_t *, const char *, uint64_t, const uint32_t *,
                             const uint32_t *, uint64_t *, uint32_t *, shm_stall *, int *);
@@ -63,6 +67,8 @@ static struct {
     rx_spin_fn rx_spin;
     send_many_fn send_many;
     view_fn handle_view;
+    send_many_handles_fn handle_send_many;
+    adopt_many_fn handle_adopt_many;
 } core;
 
 static PyTypeObject *handle_type;   /* shmchan.Handle (a subclass of HandleBase)      */
@@ -1913,9 +1919,10 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
         return PyErr_Format(PyExc_TypeError, "batch type must subclass BatchBase");
     static const char *const fnames[] = {"shm_send",    "shm_recv",    "shm_release",
                                          "shm_release_many", "shm_unmoved", "shm_rx_spin",
-                                         "shm_send_many", "shm_handle_view"};
-    void *fp[8];
-    for (int i = 0; i < 8; i++) {
+                                         "shm_send_many", "shm_handle_view",
+                                         "shm_handle_send_many", "shm_handle_adopt_many"};
+    void *fp[10];
+    for (int i = 0; i < 10; i++) {
         PyObject *v = PyDict_GetItemString(addrs, fnames[i]);
         if (v == NULL) return PyErr_Format(PyExc_KeyError, "no address for %s", fnames[i]);
         fp[i] = PyLong_AsVoidPtr(v);
@@ -1932,6 +1939,8 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     core.rx_spin = (rx_spin_fn)fp[5];
     core.send_many = (send_many_fn)fp[6];
     core.handle_view = (view_fn)fp[7];
+    core.handle_send_many = (send_many_handles_fn)fp[8];
+    core.handle_adopt_many = (adopt_many_fn)fp[9];
     Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(htype));
     Py_INCREF(btype); /* held for good: the module's types outlive every batch */
     batch_type = (PyTypeObject *)btype;
@@ -1942,6 +1951,122 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------------------------
+ * hand-over of a batch of handles (shmchan.hand_over / shmchan.adopt)
+ *
+ * The batch twin of pickling handles one by one: one core call marks every handle in
+ * transit (shm_handle_send_many) and one adopts them all on the other side
+ * (shm_handle_adopt_many). What travels is (slot, gen) per handle, two uint32 each, in
+ * this machine's byte order; the Python layer adds which channel they belong to.
+ * --------------------------------------------------------------------------------- */
+
+/* hand_over(seg, handles) -> (pairs, worst): marks the handles (all of `seg`) in
+ * transit; they no longer release when collected here. `worst` is the first status
+ * that is neither SHM_OK nor SHM_STALE (a stale handle travels as a no-op one), or 0. */
+static PyObject *hand_over(PyObject *mod, PyObject *args) {
+    PyObject *seg, *list;
+    if (!PyArg_ParseTuple(args, "O!O!", &SegmentType, &seg, &PyList_Type, &list)) return NULL;
+    SegmentObject *sg = (SegmentObject *)seg;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (sg->c == NULL || seg_detached(sg))
+        return PyErr_Format(EXC_INVALID, "hand_over: the channel is closed in this process");
+    if (n > (Py_ssize_t)MAX_BATCH)
+        return PyErr_Format(EXC_INVALID, "hand_over: at most %u handles at once", MAX_BATCH);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyList_GET_ITEM(list, i);
+        if (!PyObject_TypeCheck(o, &HandleType))
+            return PyErr_Format(EXC_TYPE, "hand_over: not a Handle: %s", Py_TYPE(o)->tp_name);
+        if (((HandleObject *)o)->seg != sg)
+            return PyErr_Format(EXC_INVALID, "hand_over: handles of more than one channel");
+    }
+    PyObject *pairs = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (pairs == NULL) return NULL;
+    uint32_t *mem = PyMem_Malloc((size_t)(n ? n : 1) * 3 * sizeof(uint32_t));
+    if (mem == NULL) {
+        Py_DECREF(pairs);
+        return PyErr_NoMemory();
+    }
+    uint32_t *slots = mem, *gens = mem + n;
+    int32_t *status = (int32_t *)(mem + 2 * n);
+    char *out = PyBytes_AS_STRING(pairs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        HandleObject *h = (HandleObject *)PyList_GET_ITEM(list, i);
+        slots[i] = h->slot;
+        gens[i] = h->gen;
+        memcpy(out + 8 * i, &h->slot, 4);
+        memcpy(out + 8 * i + 4, &h->gen, 4);
+    }
+    if (n) core.handle_send_many(sg->c, slots, gens, (uint32_t)n, status);
+    int worst = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        HandleObject *h = (HandleObject *)PyList_GET_ITEM(list, i);
+        h->pid = -1; /* handed over (or gone): never released by this process's GC */
+        if (!worst && status[i] != SHM_OK && status[i] != SHM_STALE) worst = status[i];
+    }
+    PyMem_Free(mem);
+    return Py_BuildValue("(Ni)", pairs, worst);
+}
+
+/* adopt_many(seg, pairs, token) -> (handles, worst): this process (token) adopts the
+ * handles `pairs` names. A handle released, redelivered or taken back meanwhile comes
+ * back as a no-op (released) Handle. `worst` is the first error status, or 0. */
+static PyObject *adopt_many(PyObject *mod, PyObject *args) {
+    PyObject *seg;
+    Py_buffer buf;
+    unsigned long long token;
+    if (!PyArg_ParseTuple(args, "O!y*K", &SegmentType, &seg, &buf, &token)) return NULL;
+    SegmentObject *sg = (SegmentObject *)seg;
+    PyObject *res = NULL, *list = NULL;
+    Py_ssize_t n = buf.len / 8;
+    uint32_t *mem = NULL;
+    shm_msg *msgs = NULL;
+    if (sg->c == NULL || seg_detached(sg)) {
+        PyErr_Format(EXC_INVALID, "adopt: the channel is closed in this process");
+        goto out;
+    }
+    if (buf.len % 8 || n > (Py_ssize_t)MAX_BATCH) {
+        PyErr_Format(EXC_INVALID, "adopt: not a hand-over of at most %u handles", MAX_BATCH);
+        goto out;
+    }
+    mem = PyMem_Malloc((size_t)(n ? n : 1) * 3 * sizeof(uint32_t));
+    msgs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(shm_msg));
+    if (mem == NULL || msgs == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint32_t *slots = mem, *gens = mem + n;
+    int32_t *status = (int32_t *)(mem + 2 * n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(&slots[i], (const char *)buf.buf + 8 * i, 4);
+        memcpy(&gens[i], (const char *)buf.buf + 8 * i + 4, 4);
+    }
+    if (n) core.handle_adopt_many(sg->c, slots, gens, (uint32_t)n, (uint64_t)token, msgs, status);
+    list = PyList_New(n);
+    if (list == NULL) goto out;
+    int worst = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* not ours: released, redelivered or taken back meanwhile, or never valid */
+        int gone = status[i] == SHM_STALE || status[i] == SHM_LOST || status[i] == SHM_E_INVALID;
+        if (status[i] != SHM_OK) { /* a handle that still says which slot it was */
+            memset(&msgs[i], 0, sizeof(shm_msg));
+            msgs[i].slot = slots[i];
+            msgs[i].gen = gens[i];
+            if (!worst && status[i] != SHM_STALE && status[i] != SHM_LOST) worst = status[i];
+        }
+        HandleObject *h = (HandleObject *)make_handle(sg, &msgs[i]);
+        if (h == NULL) goto out;
+        h->done = (char)gone; /* adopted but not described (an error): still ours to nack */
+        PyList_SET_ITEM(list, i, (PyObject *)h);
+    }
+    res = Py_BuildValue("(Oi)", list, worst);
+out:
+    Py_XDECREF(list);
+    PyMem_Free(mem);
+    PyMem_Free(msgs);
+    PyBuffer_Release(&buf);
+    return res;
+}
+
 static PyMethodDef module_methods[] = {
     {"bind", bind, METH_VARARGS,
      "bind(addresses, handle_type, encode_payload, encode_keys[, batch_type,\n"
@@ -1950,6 +2075,10 @@ static PyMethodDef module_methods[] = {
      "handles_from(seg, address, n): Handles for n shm_msg structs at address"},
     {"batch_from_handles", batch_from_handles, METH_VARARGS,
      "batch_from_handles(seg, handles): a Batch taking over held Handles' messages"},
+    {"hand_over", hand_over, METH_VARARGS,
+     "hand_over(seg, handles) -> (pairs, worst): mark a batch of handles in transit"},
+    {"adopt_many", adopt_many, METH_VARARGS,
+     "adopt_many(seg, pairs, token) -> (handles, worst): adopt a batch handed over"},
     {NULL},
 };
 

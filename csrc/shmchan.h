@@ -188,6 +188,11 @@ int  shm_handle_view(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_unmoved(shm_chan *c, uint32_t slot, uint64_t word, uint64_t pos);
 int  shm_handle_send(shm_chan *c, uint32_t slot, uint32_t gen);
 int  shm_handle_adopt(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t token);
+/* the two above for a batch, in one call: status[i] per handle (handles.c) */
+int  shm_handle_send_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
+                          uint32_t n, int32_t *status);
+int  shm_handle_adopt_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
+                           uint32_t n, uint64_t token, shm_msg *out, int32_t *status);
 int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadline_ns);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */

@@ -17,6 +17,8 @@ from .channel import (
     Receiver,
     Sender,
     Stats,
+    adopt,
+    hand_over,
     list_channels,
     unlink,
 )
@@ -70,6 +72,8 @@ __all__ = [
     "WaitChain",
     "unlink",
     "list_channels",
+    "hand_over",
+    "adopt",
     "Error",
     "Full",
     "Empty",

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import errors, liveness
-from .channel import Handle, Sender
+from .channel import Handle, Sender, adopt
 
 __all__ = [
     "SLOT",
@@ -99,7 +99,7 @@ class _Inbox:
                 data = self._conn.recv_bytes()
                 if not data:  # the manager's stop mark: finish what is here, then exit
                     break
-                handles = pickle.loads(data)  # adopts them: we hold them from here on
+                handles = adopt(data)  # we hold them from here on
                 with self._cond:
                     self._queue.extend(handles)
                     self._cond.notify()

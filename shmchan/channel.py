@@ -8,11 +8,13 @@ with timeouts, deciding liveness (shmchan.liveness) and (de)serialization
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import numbers
 import os
 import re
+import struct
 import threading
 import time
 import weakref
@@ -36,6 +38,8 @@ __all__ = [
     "DeadLetter",
     "unlink",
     "list_channels",
+    "hand_over",
+    "adopt",
 ]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
@@ -156,6 +160,7 @@ class _Segment(_hot.SegmentBase):
         self.created_ns = int(ident[1])
         self._next_name_check = 0.0
         self.handover_ns = int(cfg.handover_ns)
+        self.handover_prefix = _handover_prefix(name, path, self.chan_id)  # see hand_over()
         # The whole mapping as one buffer; handle views are slices of it. The buffer keeps
         # `base` alive, and `base` unmaps the segment when the last slice is gone.
         size = lib.shm_mapped_size(ptr)
@@ -1485,6 +1490,68 @@ def _adopt_handle(name: str, path: str | None, slot: int, gen: int, chan_id: int
     return Handle._from_msg(seg, m)
 
 
+# hand_over()'s bytes: this header, the channel's name and path (UTF-8), then (slot, gen)
+# per handle as two uint32 in this machine's byte order (csrc/hotpath.c).
+_HANDOVER = struct.Struct("<4sQHH")  # magic, chan_id, name length, path length (or _NO_PATH)
+_HANDOVER_MAGIC = b"shHO"
+_NO_PATH = 0xFFFF
+
+
+def _handover_prefix(name: str, path: str | None, chan_id: int) -> bytes:
+    name_b = name.encode()
+    path_b = b"" if path is None else os.fsencode(path)
+    plen = _NO_PATH if path is None else len(path_b)
+    return _HANDOVER.pack(_HANDOVER_MAGIC, chan_id, len(name_b), plen) + name_b + path_b
+
+
+def hand_over(handles: Iterable[Handle]) -> bytes:
+    """Hand a batch of handles (of one channel) over to another process with one core
+    call: what pickling each handle does, for many at once. Returns bytes to carry there
+    (a pipe, a socket, a file) and pass to `adopt`. From now on each handle is in
+    transit: this process no longer releases it when it is collected, and a handle not
+    adopted within the channel's `handover` seconds is taken back and redelivered
+    (attempt + 1). A handle already released travels as a no-op one."""
+    hs = list(handles)
+    if not hs:
+        return _HANDOVER.pack(_HANDOVER_MAGIC, 0, 0, _NO_PATH)
+    seg = getattr(hs[0], "_seg", None)
+    if not isinstance(seg, _Segment):
+        raise errors.UnsupportedType(f"hand_over: not a handle: {hs[0]!r}")
+    pairs, worst = _hot.hand_over(seg, hs)
+    if worst:
+        raise_for(worst, "hand over")
+    return seg.handover_prefix + pairs
+
+
+def adopt(data: bytes | bytearray | memoryview) -> list[Handle]:
+    """Take over, in this process, the handles `hand_over` handed over, with one core
+    call: this process holds them from now on (its death sends them back with attempt
+    + 1). A handle released, redelivered or taken back at its hand-over deadline meanwhile
+    comes back already released, as a no-op one (its `data` and `payload` raise Closed);
+    handing one over twice or adopting it twice never gives two processes one message."""
+    view = memoryview(data).cast("B")
+    size = _HANDOVER.size
+    if len(view) < size or bytes(view[:4]) != _HANDOVER_MAGIC:
+        raise errors.InvalidArgument("adopt: not the bytes of a hand_over()")
+    _, chan_id, nlen, plen = _HANDOVER.unpack_from(view)
+    end = size + nlen + (0 if plen == _NO_PATH else plen)
+    if len(view) < end or (len(view) - end) % 8:
+        raise errors.InvalidArgument("adopt: a truncated or malformed hand_over()")
+    if len(view) == end:
+        return []
+    name = bytes(view[size : size + nlen]).decode()
+    path = None if plen == _NO_PATH else os.fsdecode(bytes(view[size + nlen : end]))
+    seg = _attachment_of(name, path, chan_id)
+    hs: list[Handle]
+    hs, worst = _hot.adopt_many(seg, view[end:], liveness.current_token())
+    if worst:
+        for h in hs:  # ours, but the batch failed: give them back rather than drop them
+            with contextlib.suppress(errors.Error):
+                h.nack()
+        raise_for(worst, "adopt")
+    return hs
+
+
 def _attachment_of(name: str, path: str | None, chan_id: int) -> _Segment:
     """This process's attachment to channel `chan_id`, named `name`: the channel under
     the name now, if it is that one, else one this process still has (the channel was
@@ -1546,6 +1613,8 @@ _hot.bind(
             "shm_rx_spin",
             "shm_send_many",
             "shm_handle_view",
+            "shm_handle_send_many",
+            "shm_handle_adopt_many",
         )
     },
     Handle,

@@ -58,7 +58,7 @@ from typing import Any
 
 from . import _worker, errors, liveness
 from ._worker import FINISHED, RAISED, RESULT_HEADER, RUNNING, SLOT, STARTED, TASK_HEADER
-from .channel import Channel, Handle, list_channels, unlink
+from .channel import Channel, Handle, hand_over, list_channels, unlink
 
 __all__ = [
     "KeyedExecutor",
@@ -369,7 +369,7 @@ class _Workers:
     def _send(self, w: _Worker, items: list[tuple[Handle, int]]) -> None:
         w.given.extend(items)
         w.taken += len(items)
-        data = pickle.dumps([h for h, _ in items], protocol=5)  # hands them over
+        data = hand_over([h for h, _ in items])  # one core call for the batch
         try:
             w.conn.send_bytes(data)
         except OSError:

@@ -122,3 +122,126 @@ def test_handle_handed_to_a_worker_in_time_is_held_there(make_channel):
         worker.join(WAIT)
         assert worker.exitcode == 0
     assert ch.stats().redelivered == 0
+
+
+# -- a batch of handles: shmchan.hand_over / shmchan.adopt (one core call each) ---------
+
+
+def adopt_batch_and_report(data: bytes, results) -> None:
+    hs = shmchan.adopt(data)
+    results.put([(h.seq, h.attempt, h.payload) for h in hs])
+    for h in hs:
+        h.release()
+    results.put("released")
+
+
+def keep_batch_unread(data: bytes, results) -> None:
+    results.put(len(data))
+    time.sleep(WAIT * 4)
+
+
+@pytest.mark.timeout(60)
+def test_batch_handed_to_a_worker_is_held_there_then_released(make_channel):
+    ch = make_channel(handover=2.0)
+    tx, rx = ch.sender(), ch.receiver()
+    seqs = [tx.send(b"job%d" % i, keys=f"k{i}") for i in range(5)]
+    tx.send(b"next", keys="k0")
+    hs = rx.recv_many(5, timeout=5)
+    assert [h.seq for h in hs] == seqs
+    data = shmchan.hand_over(hs)
+    del hs
+    gc.collect()  # the originals no longer release on collection
+    assert rx.try_recv() is None  # "next" waits: k0 is held by the batch in transit
+    results = CTX.Queue()
+    worker = CTX.Process(target=adopt_batch_and_report, args=(data, results))
+    with running(worker):
+        got = results.get(timeout=WAIT)
+        assert got == [(s, 1, b"job%d" % i) for i, s in enumerate(seqs)]
+        assert results.get(timeout=WAIT) == "released"
+        assert rx.recv(timeout=WAIT).payload == b"next"
+        worker.join(WAIT)
+        assert worker.exitcode == 0
+    st = ch.stats()
+    assert st.redelivered == 0 and st.released == 6  # the five, then "next"
+
+
+@pytest.mark.timeout(60)
+def test_batch_whose_worker_dies_before_adopting_comes_back_in_key_order(make_channel):
+    ch = make_channel(handover=0.5)
+    tx, rx = ch.sender(), ch.receiver()
+    seqs = [tx.send(b"lost%d" % i, keys="k") if i == 0 else tx.send(b"lost%d" % i, keys=f"j{i}")
+            for i in range(3)]  # fmt: skip
+    tx.send(b"next", keys="k")
+    data = shmchan.hand_over(rx.recv_many(3, timeout=5))
+    results = CTX.Queue()
+    worker = CTX.Process(target=keep_batch_unread, args=(data, results))
+    with running(worker):
+        assert results.get(timeout=WAIT) == len(data)
+        worker.kill()
+        worker.join(WAIT)
+        back = []
+        while len(back) < 3:
+            back += rx.recv_many(3, timeout=WAIT)
+        assert sorted((h.seq, h.attempt) for h in back) == [(s, 2) for s in seqs]
+        for h in back:
+            h.release()
+        assert rx.recv(timeout=WAIT).payload == b"next"  # only after "lost0" on "k"
+
+
+def test_batch_adopted_late_comes_back_as_released_handles(make_channel):
+    ch = make_channel(handover=0.2)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"late", keys="k")
+    data = shmchan.hand_over([rx.recv(timeout=5)])
+    again = rx.recv(timeout=WAIT)  # the hand-over ran out: redelivered
+    assert again.attempt == 2
+    (h,) = shmchan.adopt(data)
+    with pytest.raises(shmchan.Closed):
+        _ = h.data
+    h.release()  # a no-op: never a release of the redelivered message
+    assert ch.stats().inflight == 1
+    again.release()
+    assert ch.stats().inflight == 0
+
+
+def test_batch_adopted_in_time_is_not_taken_back(make_channel):
+    ch = make_channel(handover=0.2)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"kept", keys="k")
+    tx.send(b"next", keys="k")
+    (copy,) = shmchan.adopt(shmchan.hand_over([rx.recv(timeout=5)]))
+    with pytest.raises(shmchan.Empty):
+        rx.recv(timeout=0.6)  # well past the deadline: held by the adopter
+    assert copy.payload == b"kept"
+    copy.release()
+    assert rx.recv(timeout=WAIT).payload == b"next"
+
+
+def test_batch_with_a_released_handle_hands_it_over_as_a_no_op(make_channel):
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"a", keys="a")
+    tx.send(b"b", keys="b")
+    first, second = rx.recv_many(2, timeout=5)
+    first.release()
+    a, b = shmchan.adopt(shmchan.hand_over([first, second]))
+    assert a._done and not b._done
+    assert b.payload == b"b"
+    b.release()
+    assert ch.stats().released == 2
+
+
+def test_hand_over_and_adopt_refuse_what_they_cannot_take(make_channel):
+    ch, other = make_channel(), make_channel()
+    ch.sender().send(b"x")
+    other.sender().send(b"y")
+    h, g = ch.receiver().recv(timeout=5), other.receiver().recv(timeout=5)
+    with pytest.raises(shmchan.InvalidArgument):
+        shmchan.hand_over([h, g])  # one channel per batch
+    with pytest.raises(shmchan.UnsupportedType):
+        shmchan.hand_over([b"not a handle"])
+    with pytest.raises(shmchan.InvalidArgument):
+        shmchan.adopt(b"junk")
+    with pytest.raises(shmchan.InvalidArgument):
+        shmchan.adopt(shmchan.hand_over([h])[:-3])  # truncated
+    assert shmchan.adopt(shmchan.hand_over([])) == []
