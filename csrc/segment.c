@@ -152,16 +152,28 @@ static void init_segment(shm_chan *c, const layout *L) {
     STORE_RELEASE(&h->magic, SHM_MAGIC);
 }
 
+/* Read the header of the file `fd` refers to with pread (no mapping): SHM_OK if it is a
+ * complete channel of this layout version, SHM_EMPTY while its creator is still
+ * initializing it, SHM_E_LAYOUT otherwise.
+ * acquire-like: pread copies the header in one go, and the creator stored every other
+ * field before it published the magic (release in init_segment), so the fields of a
+ * header read with the right magic are final. */
+static int read_header(int fd, shm_header *hd) {
+    ssize_t got = pread(fd, hd, sizeof *hd, 0);
+    if (got < 0) return SHM_E_SYS;
+    if ((size_t)got < sizeof *hd) return SHM_E_LAYOUT;
+    /* The creator stores the magic last; an all-zero header is one being created. */
+    if (hd->magic == 0 && hd->layout_version == 0) return SHM_EMPTY;
+    if (hd->magic != SHM_MAGIC || hd->layout_version != SHM_LAYOUT_VERSION ||
+        hd->header_bytes != sizeof(shm_header))
+        return SHM_E_LAYOUT;
+    return SHM_OK;
+}
+
 static int validate_header(shm_chan *c, int fd, layout *L) {
     shm_header hd;
-    ssize_t got = pread(fd, &hd, sizeof hd, 0);
-    if (got < 0) return SHM_E_SYS;
-    if ((size_t)got < sizeof hd) return SHM_E_LAYOUT;
-    /* The creator stores the magic last; an all-zero header is one being created. */
-    if (hd.magic == 0 && hd.layout_version == 0) return SHM_EMPTY;
-    if (hd.magic != SHM_MAGIC || hd.layout_version != SHM_LAYOUT_VERSION ||
-        hd.header_bytes != sizeof(shm_header))
-        return SHM_E_LAYOUT;
+    int rc = read_header(fd, &hd);
+    if (rc) return rc;
     if (!config_ok(&hd.cfg)) return SHM_E_CORRUPT;
     c->cfg = hd.cfg;
     compute_layout(&c->cfg, L);
@@ -243,16 +255,8 @@ int shm_identity(shm_chan *c, uint64_t *chan_id, uint64_t *created_ns) {
  * channel of this layout version. */
 int shm_read_identity(int fd, uint64_t *chan_id) {
     shm_header hd;
-    ssize_t got = pread(fd, &hd, sizeof hd, 0);
-    if (got < 0) return SHM_E_SYS;
-    if ((size_t)got < sizeof hd) return SHM_E_LAYOUT;
-    /* acquire-like: pread copies magic and id in one go; the creator stored the id before
-     * it published the magic (release in init_segment), so an id read with the right
-     * magic is the final one. */
-    if (hd.magic == 0 && hd.layout_version == 0) return SHM_EMPTY;
-    if (hd.magic != SHM_MAGIC || hd.layout_version != SHM_LAYOUT_VERSION ||
-        hd.header_bytes != sizeof(shm_header))
-        return SHM_E_LAYOUT;
+    int rc = read_header(fd, &hd); /* the id it reads with the right magic is final */
+    if (rc) return rc;
     *chan_id = hd.chan_id;
     return SHM_OK;
 }

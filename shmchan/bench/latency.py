@@ -27,7 +27,7 @@ from shmchan.bench.endpoints import Endpoint
 from shmchan.bench.harness import Run, endpoint
 from shmchan.bench.producers import Job, Producers
 from shmchan.bench.registry import register
-from shmchan.bench.report import Result, Target, find_result
+from shmchan.bench.report import Result, Target, median_ratio
 
 
 def _run_latency(run: Run) -> None:
@@ -100,12 +100,10 @@ def _steps(sizes: Sizes, nsys: int) -> int:
 
 
 def _targets(results: list[Result]) -> list[Target]:
-    shm = find_result(results, "latency_p99", SHMCHAN)
-    sem = find_result(results, "latency_p99", SEMAPHORE)
     return [
         Target(
             "idle wake-up p99: shmchan / semaphore",
-            None if shm is None or sem is None else shm.median / sem.median,
+            median_ratio(results, ("latency_p99", SHMCHAN), ("latency_p99", SEMAPHORE)),
             2.0,
             "<=",
             "send->recv of an idle consumer vs a bare posix_ipc semaphore ping-pong, p99",

@@ -9,6 +9,43 @@ from shmchan.bench.common import COPY, FFIFO, MPQ, NAIVE, SEMAPHORE, SHMCHAN
 from shmchan.bench.registry import groups
 from shmchan.bench.report import target_text
 
+COLORS = {
+    SHMCHAN: "#1f77b4",
+    MPQ: "#ff7f0e",
+    FFIFO: "#2ca02c",
+    NAIVE: "#d62728",
+    COPY: "#7f7f7f",
+    SEMAPHORE: "#7f7f7f",
+}
+
+
+def curve(ax: Any, rows: list[dict[str, Any]], prefix: str) -> bool:
+    """Draw the rows whose workload is `prefix` + a number as one line per system, x being
+    that number (median, with min - max as error bars); False if there is none."""
+    lines: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for r in rows:
+        if r["workload"].startswith(prefix):
+            lines.setdefault(r["system"], []).append((int(r["workload"][len(prefix) :]), r))
+    for system, pts in lines.items():
+        pts.sort()
+        ax.errorbar(
+            [p for p, _ in pts],
+            [r["median"] for _, r in pts],
+            yerr=[
+                [r["median"] - r["min"] for _, r in pts],
+                [r["max"] - r["median"] for _, r in pts],
+            ],
+            marker="o",
+            capsize=3,
+            label=system,
+            color=COLORS.get(system),
+        )
+    if lines:
+        ax.set_xticks(sorted({p for pts in lines.values() for p, _ in pts}))
+        ax.legend(fontsize=8)
+        ax.set_yscale("log")
+    return bool(lines)
+
 
 def plot(report: dict[str, Any], path: str) -> None:
     """A PNG with one panel per workload family (matplotlib, Agg backend)."""
@@ -18,14 +55,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = [r for r in report["results"]]
-    colors = {
-        SHMCHAN: "#1f77b4",
-        MPQ: "#ff7f0e",
-        FFIFO: "#2ca02c",
-        NAIVE: "#d62728",
-        COPY: "#7f7f7f",
-        SEMAPHORE: "#7f7f7f",
-    }
+    colors = COLORS
 
     def rows(pred: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
         return [r for r in results if pred(r)]
@@ -59,27 +89,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     bars(ax, sel, "64 B payloads, 1 producer (msg/s)", "messages / s", log=True)
 
     ax = axes[0][1]
-    curve: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-    for r in rows(lambda r: r["workload"].startswith("unbatched_p")):
-        curve.setdefault(r["system"], []).append((int(r["workload"][len("unbatched_p") :]), r))
-    for system, pts in curve.items():
-        pts.sort()
-        ax.errorbar(
-            [p for p, _ in pts],
-            [r["median"] for _, r in pts],
-            yerr=[
-                [r["median"] - r["min"] for _, r in pts],
-                [r["max"] - r["median"] for _, r in pts],
-            ],
-            marker="o",
-            capsize=3,
-            label=system,
-            color=colors.get(system),
-        )
-    if curve:
-        ax.set_xticks(sorted({p for pts in curve.values() for p, _ in pts}))
-        ax.legend(fontsize=8)
-        ax.set_yscale("log")
+    curve(ax, results, "unbatched_p")
     ax.set_title("64 B unbatched: aggregate rate vs producers", fontsize=10)
     ax.set_xlabel("producer processes")
     ax.set_ylabel("messages / s")

@@ -22,8 +22,9 @@ import shmchan
 from shmchan.bench.common import FFIFO, MIB, PAYLOAD, SHMCHAN, Sizes, no_gc, unique
 from shmchan.bench.endpoints import Endpoint, ShmchanEnd
 from shmchan.bench.harness import Run, throughput
+from shmchan.bench.plot import curve
 from shmchan.bench.registry import register
-from shmchan.bench.report import Result, Target, find_result
+from shmchan.bench.report import Result, Target, find_result, median_ratio
 
 
 def _mib(n: int) -> str:
@@ -97,27 +98,7 @@ def _targets_fill(results: list[Result]) -> list[Target]:
 
 
 def _panel_fill(ax: Any, rows: list[dict[str, Any]]) -> None:
-    curve: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-    for r in rows:
-        if r["workload"].startswith("fill_p"):
-            curve.setdefault(r["system"], []).append((int(r["workload"][len("fill_p") :]), r))
-    for system, pts in curve.items():
-        pts.sort()
-        ax.errorbar(
-            [p for p, _ in pts],
-            [r["median"] for _, r in pts],
-            yerr=[
-                [r["median"] - r["min"] for _, r in pts],
-                [r["max"] - r["median"] for _, r in pts],
-            ],
-            marker="o",
-            capsize=3,
-            label=system,
-        )
-    if curve:
-        ax.set_xticks(sorted({p for pts in curve.values() for p, _ in pts}))
-        ax.legend(fontsize=8)
-        ax.set_yscale("log")
+    curve(ax, rows, "fill_p")
     ax.set_title("64 B unbatched into a ring that fills", fontsize=10)
     ax.set_xlabel("producer processes")
     ax.set_ylabel("messages / s")
@@ -156,12 +137,10 @@ def _steps_big(sizes: Sizes, nsys: int) -> int:
 
 
 def _targets_big(results: list[Result]) -> list[Target]:
-    small = find_result(results, "channel_small", SHMCHAN)
-    big = find_result(results, "channel_big", SHMCHAN)
     return [
         Target(
             "big channel / small channel",
-            None if small is None or big is None else big.median / small.median,
+            median_ratio(results, ("channel_big", SHMCHAN), ("channel_small", SHMCHAN)),
             0.95,
             ">=",
             "1-producer rate of a channel with millions of slots vs a small one",

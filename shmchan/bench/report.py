@@ -112,6 +112,13 @@ def find_result(results: list[Result], workload: str, system: str) -> Result | N
     return None
 
 
+def median_ratio(results: list[Result], a: tuple[str, str], b: tuple[str, str]) -> float | None:
+    """The median of row a = (workload, system) over that of row b; None if either is
+    missing (not measured in this run)."""
+    ra, rb = find_result(results, *a), find_result(results, *b)
+    return None if ra is None or rb is None or rb.median == 0 else ra.median / rb.median
+
+
 def core_targets(results: list[Result]) -> list[Target]:
     def med(workload: str, system: str) -> float | None:
         r = find_result(results, workload, system)
