@@ -27,7 +27,7 @@ from typing import Any
 from shmchan.bench.common import SHMCHAN, BenchError
 from shmchan.bench.harness import Run
 from shmchan.bench.registry import register
-from shmchan.bench.report import Result, Target, find_result
+from shmchan.bench.report import Result, Target, median_ratio
 
 RECIPE = "Spark recipe"
 SLEEP = 0.002  # seconds of waiting per row: an I/O-bound function
@@ -43,7 +43,7 @@ class _Sizes:
 
 
 _QUICK = _Sizes(rows=2_000, keys=400, graph_rows=100_000, reps=1)
-_FULL = _Sizes(rows=20_000, keys=4_000, graph_rows=1_000_000, reps=3)
+_FULL = _Sizes(rows=40_000, keys=8_000, graph_rows=1_000_000, reps=3)
 
 
 class Position:
@@ -220,9 +220,7 @@ def _run_spark(run: Run) -> None:
 
 
 def _targets(results: list[Result]) -> list[Target]:
-    keyed = find_result(results, "spark_keyed", SHMCHAN)
-    recipe = find_result(results, "spark_keyed", RECIPE)
-    ratio = None if keyed is None or recipe is None else keyed.median / recipe.median
+    ratio = median_ratio(results, ("spark_keyed", SHMCHAN), ("spark_keyed", RECIPE))
     return [
         Target(
             "spark: process_keyed / Spark recipe",
