@@ -497,7 +497,14 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
             if (st == REC_SKIP) h->skip_bytes += len; /* an island's bytes (islands.c) */
         } else if (rc) {
             return rc;
+        } else if (h->writing_n && (rc = window_writing(c, moved)) != SHM_OK) {
+            return rc;
         } else if (!window_taken(c, r, pos)) {
+            /* (Above: placeholders first. ring_peek's acquire of r's commit makes visible
+             * every commit its producer made before it, so an earlier message of that
+             * producer still on the writing list is promoted now, before r is taken in:
+             * a producer's messages keep their order whenever their keys allow it, also
+             * when one of them was first seen unfinished.) */
             uint64_t blocker = 0;
             int d = decide(c, r, &blocker);
             if (d == ADMIT_STOP) break; /* the window is full: a release brings us back */

@@ -977,7 +977,7 @@ class Sender(_hot.SenderBase):
         s = seg.scratch()
 
         def attempt() -> int:
-            return int(
+            rc = int(
                 lib.shm_send_many(
                     seg.ptr,
                     n,
@@ -995,17 +995,19 @@ class Sender(_hot.SenderBase):
                     s.wake,
                 )
             )
+            # Wake a sleeping receiver after every call, also one that stopped part-way
+            # (FULL): the messages it committed are what the receiver must take to free
+            # the space we are about to wait for.
+            if s.wake[0]:
+                seg.post(_RX, 1)
+            return rc
 
         try:
             rc = attempt()
-            if s.wake[0]:
-                seg.post(_RX, 1)
             if rc < 0:
                 _refuse_batch(seg, rc, packed)
             if rc:
                 rc = self._wait_and_retry(seg, rc, deadline, attempt, "send_many")
-                if s.wake[0]:
-                    seg.post(_RX, 1)
         except (errors.Full, errors.Closed) as e:
             e.seqs = list(ffi.unpack(seqs, done[0]))  # the prefix that went in
             raise
