@@ -153,7 +153,11 @@ static int decide(shm_chan *c, shm_record *r, uint64_t *blocker) {
     for (uint32_t i = 0; i < r->nkeys && !parks; i++) {
         shm_key *k = sched_key_find(c, r->hashes[i]);
         if (k == NULL) continue;
-        parks = fifo ? (k->head != NIL || k->skipped != 0) : k->held != NIL;
+        /* eager parks behind a chain too, not only behind a holder: between a release and
+         * the wake of the key's chain (next poll), a newcomer on that key would otherwise
+         * go before the messages parked there, and one producer's messages on one key
+         * would come out of order (seen: 196 before 189 on key 0, one producer). */
+        parks = fifo ? (k->head != NIL || k->skipped != 0) : (k->held != NIL || k->skipped != 0);
         if (parks) *blocker = r->hashes[i];
     }
     if (parks) return fifo && !park_room(c, r) ? ADMIT_STOP : ADMIT_PARK;
@@ -346,16 +350,18 @@ int window_discard(shm_chan *c, shm_record *r, uint64_t pos) {
     return SHM_STALE;
 }
 
-static int window_writing(shm_chan *c, int *moved) {
+/* One pass over the writing list; *promoted: some record left it, *unfinished: some record
+ * was still WRITING when looked at. */
+static int writing_pass(shm_chan *c, int *promoted, int *unfinished) {
     shm_header *h = c->hdr;
     int fifo = c->cfg.order == SHM_ORDER_FIFO;
-    if (h->writing_n > SHM_WRITING_MAX) return SHM_E_CORRUPT;
     for (uint32_t i = 0; i < h->writing_n;) {
         uint64_t pos = h->writing[i];
         shm_record *r = rec_at(c, pos);
         uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
         uint32_t st = META_STATE(meta);
         if (st == REC_WRITING) {
+            *unfinished = 1;
             i++;
             continue;
         }
@@ -390,8 +396,28 @@ static int window_writing(shm_chan *c, int *moved) {
         }
         if (rc) return rc;
         h->writing[i] = h->writing[--h->writing_n];
-        *moved = 1;
+        *promoted = 1;
     }
+    return SHM_OK;
+}
+
+/* Promote the placeholders whose producers committed them. The list is in no particular
+ * order, and a producer may have several records on it (a batch claims ahead): a pass can
+ * see a later record committed after it saw an earlier one of the same producer still
+ * WRITING, though that one was committed first. So after a pass that promoted something
+ * while something stayed WRITING, look again: the acquire of the later commit made the
+ * earlier one visible, and both are in the ready heap (by seq) before anything is handed
+ * out. Each further pass promotes at least one record or is the last. */
+static int window_writing(shm_chan *c, int *moved) {
+    shm_header *h = c->hdr;
+    if (h->writing_n > SHM_WRITING_MAX) return SHM_E_CORRUPT;
+    int promoted, unfinished;
+    do {
+        promoted = unfinished = 0;
+        int rc = writing_pass(c, &promoted, &unfinished);
+        if (rc) return rc;
+        if (promoted) *moved = 1;
+    } while (promoted && unfinished);
     return SHM_OK;
 }
 

@@ -23,6 +23,14 @@ def _send(tx: Any, payloads: list[bytes], keys: list[Any] | None) -> list[int]:
     return list(tx.send_batch(b"".join(payloads), [len(p) for p in payloads], keys, WAIT))
 
 
+def _drain(rx: Any, n: int, got: list[bytes]) -> None:
+    """Receive n messages in batches of up to 64 into `got`, releasing each batch."""
+    while len(got) < n:
+        b = rx.recv_batch(64, timeout=WAIT)
+        got.extend(b.payloads())
+        b.release()
+
+
 def test_send_batch_and_recv_batch_round_trip(tx: Any, rx: Any) -> None:
     payloads = [b"a", b"", b"ccc", b"dd" * 50]
     keys = [1, b"k", "s", ("x", 7)]
@@ -173,14 +181,7 @@ def test_one_producers_messages_keep_their_order_also_when_seen_unfinished(
         tx, rx = ch.sender(), ch.receiver()
         payloads = [i.to_bytes(2, "little") * 50 for i in range(200)]
         got: list[bytes] = []
-
-        def drain() -> None:
-            while len(got) < len(payloads):
-                b = rx.recv_batch(64, timeout=WAIT)
-                got.extend(b.payloads())
-                b.release()
-
-        t = threading.Thread(target=drain)
+        t = threading.Thread(target=_drain, args=(rx, len(payloads), got))
         t.start()
         _send(tx, payloads, [i % 7 for i in range(200)])  # nothing is held: keys allow
         t.join(WAIT)
