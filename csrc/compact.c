@@ -45,7 +45,10 @@
  *     back when the copy and pos are in place. A pinned record stops compaction at it;
  *     once it reaches head it becomes an island instead (islands.c): head passes it and
  *     it stays where it is. A SKIP record (the producers' step over an island's bytes)
- *     is never copied over or into: like a record that cannot move, it ends a block.
+ *     ends a gap, and nothing is ever copied into it; the records before it slide past
+ *     it only when G takes all of them at once, and the fillers then cover it (its
+ *     header is the ring's, the rest the island's: neither is read again). The block
+ *     move below stops at it.
  * A receiver killed mid-compaction leaves the chain whole and every slot's pos on a
  * whole copy: a moved record's old copy is either still in the chain (then recovery
  * skips it as stale: its slot points at the other copy) or inside a filler.
@@ -91,6 +94,20 @@ static int finished(shm_chan *c, uint64_t pos) {
     return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED;
 }
 
+/* A SKIP record: its header is the ring's, the bytes after it an island's (islands.c). */
+static int is_skip(shm_chan *c, uint64_t pos) {
+    return META_STATE(LOAD_RELAXED(&rec_at(c, pos)->meta)) == REC_SKIP;
+}
+
+/* The gap G a slide needs. Each step moves one record to the end of the finished stretch
+ * after it, which keeps a header in front, so G must hold the longest record plus a
+ * header (the stretch only grows from step to step) -- unless a skip lies in the block:
+ * a stretch across it holds island bytes that no copy may land on, so then G must hold
+ * every copy at once. */
+static uint64_t slide_room(uint64_t longest, uint64_t live, uint64_t skips) {
+    return (skips ? live : longest) + REC_HDR;
+}
+
 /* The slide: one try at the records at head, up to stop (<= ingest_pos: every record
  * before it has a slot, so each one's pos is all that follows it); *looked counts the
  * records it visited, and *watch is the record that ended the look (whose finishing may
@@ -101,7 +118,7 @@ static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
      * up to the first finished run G long enough to take the longest of them. */
     uint32_t slots[COMPACT_MAX_RECORDS];
     uint64_t poss[COMPACT_MAX_RECORDS], lens[COMPACT_MAX_RECORDS];
-    uint64_t pos = head, live = 0, longest = 0, run = 0, run_start = head;
+    uint64_t pos = head, live = 0, longest = 0, run = 0, run_start = head, skips = 0;
     uint32_t n = 0;
     while (pos < stop) {
         (*looked)++;
@@ -111,8 +128,15 @@ static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
         if (finished(c, pos)) {
             if (run == 0) run_start = pos;
             run += len;
+        } else if (is_skip(c, pos)) {
+            /* a step over an island's bytes (islands.c): no copy may land on them, so a
+             * gap never spans one; the records before it may still slide past it (the
+             * skip ends inside a filler), but only all of them into G at once */
+            if (n > 0 && run >= slide_room(longest, live, skips)) break;
+            skips += len;
+            run = 0;
         } else {
-            if (n > 0 && run >= longest + REC_HDR) break; /* the gap G: [run_start, pos) */
+            if (n > 0 && run >= slide_room(longest, live, skips)) break; /* the gap G: [run_start, pos) */
             if (n == COMPACT_MAX_RECORDS || !movable(c, pos, len, &slots[n]) || slots[n] == NIL)
                 return 0;
             poss[n] = pos;
@@ -123,8 +147,8 @@ static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
         }
         pos += len;
     }
-    /* pos: where the gap ends (the next live record, or stop) */
-    if (n == 0 || run < longest + REC_HDR) return 0;
+    /* pos: where the gap ends (the next live record, a skip, or stop) */
+    if (n == 0 || run < slide_room(longest, live, skips)) return 0;
     uint64_t gap = run, end = pos;
     (void)run_start;
     /* Each step moves one record to the end of the gap that follows it, which keeps a
@@ -179,6 +203,8 @@ static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
         __atomic_thread_fence(__ATOMIC_RELEASE);
         gap_end = dst;
     }
+    /* the skips in the block are inside fillers now, which head passes as finished */
+    c->hdr->skip_bytes = c->hdr->skip_bytes >= skips ? c->hdr->skip_bytes - skips : 0;
     /* 5. free the space (release store of head inside) */
     ring_advance_head(c);
     return 1;
@@ -276,7 +302,7 @@ int compact(shm_chan *c) {
     if (tail - head <= c->limit / 2) return 0;
     /* A record pinned by a zero-copy view at head cannot move: the ring flows around it
      * instead (islands.c). Head passes it; producers step over its bytes. */
-    if (island_make_at_head(c, head)) return 1;
+    if (island_make_at_head(c, head, 1)) return 1;
     /* After a failed try, wait before the next: without this a long unfinished backlog
      * would be walked on every poll. Try again once the record that ended the look
      * finishes (the gap may now be long enough: ring_mark_done watches for it), or
@@ -296,6 +322,11 @@ int compact(shm_chan *c) {
     if (slid > 0) return 1;
     if (slid < 0) return 0; /* worth it soon: no wait before the next try */
     if (try_compact(c, head, stop, &looked, &watch)) return 1;
+    /* Neither could move the handle at head -- a pinned record right behind it, or an
+     * island's skip: it stays where it is too, as an island, once space runs short. */
+    if ((tail - head >= c->limit - c->limit / 4 || LOAD_RELAXED(&h->space_waiters)) &&
+        island_make_at_head(c, head, 0)) /* space_waiters: a hint, pairs with nothing */
+        return 1;
     c->compact_retry_at = c->done_count + 1 + looked / 4;
     c->compact_watch_end = watch;
     c->compact_watch_hit = 0;

@@ -447,7 +447,7 @@ uint64_t island_skip(shm_chan *c, uint64_t a, uint64_t b, uint64_t *first_out);
 int island_find(shm_chan *c, uint64_t pos);
 int island_add(shm_chan *c, uint64_t pos, uint64_t len);
 void island_remove(shm_chan *c, int i);
-int island_make_at_head(shm_chan *c, uint64_t head);
+int island_make_at_head(shm_chan *c, uint64_t head, int viewed);
 int island_rebuild(shm_chan *c, const uint64_t *kept_pos, uint32_t nkept);
 /* handles.c */
 int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m);

@@ -17,8 +17,10 @@
  * readers check end before and after reading len (a seqlock on end, island_read).
  *
  * Receiver:
- *   make    (compact.c, when the record at head is in flight and pinned by a view:
- *           island_make_at_head) len, then end (release), then island_count (release);
+ *   make    (compact.c, island_make_at_head: when the record at head is in flight and
+ *           pinned by a view; or in flight, when space runs short and compaction cannot
+ *           slide it -- a pinned record or an island's skip right behind it) len, then
+ *           end (release), then island_count (release);
  *           then head passes the record (ring_advance_head's release store of head). So a
  *           producer that acquired a head beyond the island also sees its entry.
  *   remove  (ring_mark_done, when the message is finished: released, or a dead letter
@@ -178,9 +180,9 @@ void island_remove(shm_chan *c, int i) {
     h->island_bytes = h->island_bytes >= len ? h->island_bytes - len : 0;
 }
 
-/* Receiver: the record at head is in flight and pinned by a zero-copy view: make it an
- * island and let head pass it. 1 if head moved. */
-int island_make_at_head(shm_chan *c, uint64_t head) {
+/* Receiver: the record at head is in flight (viewed: and pinned by a zero-copy view):
+ * make it an island and let head pass it. 1 if head moved. */
+int island_make_at_head(shm_chan *c, uint64_t head, int viewed) {
     shm_record *r = rec_at(c, head);
     uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned: behind ingest_pos */
     uint64_t len = META_LEN(meta);
@@ -196,7 +198,7 @@ int island_make_at_head(shm_chan *c, uint64_t head) {
     if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) return 0;
     /* acquire: pairs with the holder's CAS FREE -> VIEWED (shm_handle_view); a pin is
      * only undone when the message is handed out again, by us. */
-    if (LOAD_ACQUIRE(&sl->pin) != PIN_VIEWED) return 0;
+    if (viewed && LOAD_ACQUIRE(&sl->pin) != PIN_VIEWED) return 0;
     if (!island_add(c, head, len)) return 0;
     return ring_advance_head(c); /* passes it: island_find says so */
 }
