@@ -215,7 +215,8 @@ int island_rebuild(shm_chan *c, const uint64_t *kept_pos, uint32_t nkept) {
     uint64_t order[SHM_ISLANDS];
     uint32_t norder = 0, count = 0;
     h->island_bytes = 0;
-    STORE_RELEASE(&h->island_count, SHM_ISLANDS); /* islands_skip reads every entry meanwhile */
+    /* release: pairs with island_skip's acquire load; it reads every entry meanwhile */
+    STORE_RELEASE(&h->island_count, SHM_ISLANDS);
     for (uint32_t i = 0; i < SHM_ISLANDS; i++) {
         shm_island *e = &h->islands[i];
         uint64_t end = LOAD_RELAXED(&e->end), len = LOAD_RELAXED(&e->len);
