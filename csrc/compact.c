@@ -48,7 +48,8 @@
  *     ends a gap, and nothing is ever copied into it; the records before it slide past
  *     it only when G takes all of them at once, and the fillers then cover it (its
  *     header is the ring's, the rest the island's: neither is read again). The block
- *     move below stops at it.
+ *     move below carries the block past skips the same way, into the finished run
+ *     after the last of them.
  * A receiver killed mid-compaction leaves the chain whole and every slot's pos on a
  * whole copy: a moved record's old copy is either still in the chain (then recovery
  * skips it as stale: its slot points at the other copy) or inside a filler.
@@ -97,6 +98,11 @@ static int finished(shm_chan *c, uint64_t pos) {
 /* A SKIP record: its header is the ring's, the bytes after it an island's (islands.c). */
 static int is_skip(shm_chan *c, uint64_t pos) {
     return META_STATE(LOAD_RELAXED(&rec_at(c, pos)->meta)) == REC_SKIP;
+}
+
+/* Does ingest_pos (window.c) lie strictly inside [from, to)? */
+static int h_ingest_inside(shm_chan *c, uint64_t from, uint64_t to) {
+    return c->hdr->ingest_pos > from && c->hdr->ingest_pos < to;
 }
 
 /* The gap G a slide needs. Each step moves one record to the end of the finished stretch
@@ -219,7 +225,7 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
     uint64_t lens[COMPACT_MAX_RECORDS];
     uint64_t pos = head, block = 0;
     uint32_t n = 0;
-    while (pos < stop && n < COMPACT_MAX_RECORDS && !finished(c, pos)) {
+    while (pos < stop && n < COMPACT_MAX_RECORDS && !finished(c, pos) && !is_skip(c, pos)) {
         (*looked)++;
         *watch = pos;
         uint64_t len = rec_len(c, pos);
@@ -230,18 +236,26 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
     }
     *watch = pos;
     if (n == 0 || pos >= stop) return 0;
-    /* the gap after it, [head + block, end) */
-    uint64_t gap = 0, end = pos;
-    while (end < stop && finished(c, end)) {
+    /* the gap after it, [head + block, end): finished records, and skips over islands
+     * (islands.c), which the filler covers; the copies go after the last skip */
+    uint64_t gap = 0, end = pos, skips = 0;
+    while (end < stop && (finished(c, end) || is_skip(c, end))) {
         (*looked)++;
         uint64_t len = rec_len(c, end);
         if (!len) return 0;
+        if (is_skip(c, end)) {
+            skips += len;
+            gap = 0;
+        } else {
+            gap += len;
+        }
         end += len;
-        gap += len;
     }
     *watch = end;
     /* The gap keeps its own header while the copies sit at its end: room for both. */
     if (gap < block + REC_HDR) return 0;
+    /* ingest_pos must stay on a record boundary: not inside the filler */
+    if (skips && h_ingest_inside(c, pos, end)) return 0;
 
     /* 0. in-flight records: stop holders from taking views until we are done */
     uint32_t pinned = 0;
@@ -263,7 +277,7 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
     }
     /* 1. the gap becomes one finished record (one store: the chain stays whole) */
     shm_record *g = rec_at(c, head + block);
-    STORE_RELEASE(&g->meta, META(gap, REC_DONE)); /* receiver-only region; see below */
+    STORE_RELEASE(&g->meta, META(end - head - block, REC_DONE)); /* receiver-only region; see below */
     /* 2. copies at the end of the gap, inside that record: invisible to the chain */
     uint64_t dst = end - block;
     memcpy(ring_at(c, dst), ring_at(c, head), block); /* contiguous: the ring is mapped twice */
@@ -284,6 +298,8 @@ static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *look
     }
     /* 4. one store re-links the chain: filler [head, dst) then the copies */
     STORE_RELEASE(&rec_at(c, head)->meta, META(dst - head, REC_DONE));
+    /* the skips passed are inside the filler now, which head passes as finished */
+    c->hdr->skip_bytes = c->hdr->skip_bytes >= skips ? c->hdr->skip_bytes - skips : 0;
     /* 5. free the space (release store of head inside) */
     ring_advance_head(c);
     return 1;

@@ -454,3 +454,31 @@ def test_handles_held_next_to_a_pinned_view_do_not_stop_the_channel(make_channel
         h.release()
     rx.try_recv()
     assert ch.stats().used_bytes < 64 << 10
+
+
+def test_messages_waiting_for_a_held_key_next_to_an_island_do_not_stop_the_channel(make_channel):
+    # Messages parked behind a held key (window.c) move as a block (compact.c); the skip
+    # over an island right after them must not stop that block. (Under order="eager"
+    # parked records never move: README, Known limitations.)
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(payload(0, 30_000), keys=("a",))
+    held = rx.recv(timeout=2)  # holds key "a", no view
+    tx.send(payload(1, 50_000), keys=("p",))
+    pinned = rx.recv(timeout=2)
+    view = pinned.data
+    for j in range(2, 5):
+        tx.send(payload(j, 20_000), keys=("a",))  # wait for "a": parked
+    for i in range(5, 130):  # 12.5 MB
+        tx.send(payload(i, 100_000), keys=(f"k{i % 3}",), timeout=2)
+        with rx.recv(timeout=2) as h:
+            assert h.seq == i + 1 and h.data == payload(i, 100_000)
+    held.release()
+    for j in range(2, 5):
+        with rx.recv(timeout=2) as h:
+            assert h.seq == j + 1 and h.data == payload(j, 20_000)
+    assert view == payload(1, 50_000)
+    del view
+    pinned.release()
+    rx.try_recv()
+    assert ch.stats().used_bytes < 64 << 10
