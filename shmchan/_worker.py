@@ -52,6 +52,11 @@ __all__ = [
     "FINISHED",
     "FAILED",
     "TASK_HEADER",
+    "CALL",
+    "ONE",
+    "STAR",
+    "CHUNK",
+    "CHUNK_STAR",
     "RESULT_HEADER",
     "OK",
     "RAISED",
@@ -61,13 +66,23 @@ __all__ = [
 
 SLOT, RUNNING, STARTED, FINISHED, FAILED = 4, 0, 1, 2, 3
 
-# A task message: TASK_HEADER (the executor's task id, n) + pickle(fn) (n bytes) +
-# pickle((args, kwargs)). The function is pickled apart so that a worker unpickles each
-# function once (map sends the same one many times).
-TASK_HEADER = struct.Struct("<QI")
+# A task message: TASK_HEADER (the executor's task id, the function's id, n, kind) +
+# pickle(fn) (n bytes) + the body, by kind:
+#     CALL        pickle((args, kwargs))   fn(*args, **kwargs)        (submit)
+#     ONE         pickle(x)                fn(x)                      (map of one iterable)
+#     STAR        pickle(args)             fn(*args)                  (map of several)
+#     CHUNK       pickle([x, ...])         [fn(x), ...]               (map in chunks)
+#     CHUNK_STAR  pickle([args, ...])      [fn(*args), ...]
+# The function is pickled apart with an id, so that a worker unpickles each function
+# once: the executor keeps one id per function whose pickle cannot change (a plain
+# function pickles by reference) and gives every other pickle a new one.
+TASK_HEADER = struct.Struct("<QQIB")
+CALL, ONE, STAR, CHUNK, CHUNK_STAR = 0, 1, 2, 3, 4
 _FUNCTIONS = 64  # unpickled functions a worker keeps
 # A result message: RESULT_HEADER (task id, seq of the task's message, worker pid,
 # FINISHED including this one, OK | RAISED) + pickle(value) or pickle((exception, text)).
+# A chunk's value is (values, failed): values[i] is item i's result, or its exception
+# where failed (None, or {i: the traceback's text}) says so.
 RESULT_HEADER = struct.Struct("<QQIQB")
 OK, RAISED = 0, 1
 
@@ -148,6 +163,30 @@ def _picklable_exception(exc: BaseException, text: str) -> bytes:
         return pickle.dumps((stand_in, text), protocol=5)
 
 
+def _run_chunk(
+    fn: Callable[..., Any], items: list[Any], star: bool
+) -> tuple[list[Any], dict[int, str] | None]:
+    """A map chunk: (values, failed), values[i] the result of item i or, where failed
+    says so, its exception (failed maps i to the traceback's text; None if none
+    raised). Each item runs once, in order, whatever the others did."""
+    values: list[Any] = []
+    append = values.append
+    failed: dict[int, str] | None = None
+    for item in items:
+        try:
+            append(fn(*item) if star else fn(item))
+        except Exception as e:
+            if failed is None:
+                failed = {}
+            failed[len(values)] = traceback.format_exc()
+            append(e)
+    if failed is not None:  # an exception that cannot be pickled travels as a stand-in
+        for i, text in failed.items():
+            exc, _ = pickle.loads(_picklable_exception(values[i], text))
+            values[i] = exc
+    return values, failed
+
+
 def executor_worker(
     conn: Any,
     words: Any,
@@ -164,7 +203,7 @@ def executor_worker(
     pid = os.getpid()
     finished = 0
     clock = time.monotonic_ns
-    functions: dict[bytes, Callable[..., Any]] = {}
+    functions: dict[int, Callable[..., Any]] = {}
     for h in _Inbox(conn, parent_token):
         finished += 1
         try:
@@ -173,22 +212,30 @@ def executor_worker(
             words[base + FINISHED] = finished
             continue
         seq = h.seq
-        tid, n = TASK_HEADER.unpack_from(view)
+        tid, fid, n, kind = TASK_HEADER.unpack_from(view)
         words[base + STARTED] = clock()
         words[base + RUNNING] = seq + 1
         fn: Any = None
         try:
             start = TASK_HEADER.size
-            blob = bytes(view[start : start + n])
-            fn = functions.get(blob)
+            fn = functions.get(fid)
             if fn is None:
-                fn = pickle.loads(blob)
-                if len(functions) >= _FUNCTIONS:
-                    functions.clear()
-                functions[blob] = fn
-            args, kwargs = pickle.loads(view[start + n :])
+                fn = pickle.loads(view[start : start + n])
+                if fid:
+                    if len(functions) >= _FUNCTIONS:
+                        functions.clear()
+                    functions[fid] = fn
+            arg = pickle.loads(view[start + n :])
             del view
-            value = fn(*args, **kwargs)
+            if kind == ONE:
+                value = fn(arg)
+            elif kind == CALL:
+                value = fn(*arg[0], **arg[1])
+            elif kind == STAR:
+                value = fn(*arg)
+            else:
+                value = _run_chunk(fn, arg, kind == CHUNK_STAR)
+            del arg
             status = OK
             try:
                 body = pickle.dumps(value, protocol=5)

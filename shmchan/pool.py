@@ -12,7 +12,7 @@ caller's threads only register futures and send task messages):
       task message (task id + pickled fn, args) with the user's keys
         --> [task channel] --recv_many: handles whose keys are free and whose
                                         predecessors on them finished-->
-                                          dispatch: pickled handle references
+                                          dispatch: handle references (hand_over)
                                              --pipe--> reader thread adopts them
                                                        main thread: run fn
         [result channel] <------------------ result message (task id + pickled value)
@@ -48,7 +48,6 @@ import re
 import signal
 import threading
 import time
-import traceback
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -57,7 +56,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _worker, errors, liveness
-from ._worker import FINISHED, RAISED, RESULT_HEADER, RUNNING, SLOT, STARTED, TASK_HEADER
+from ._worker import (
+    CALL,
+    CHUNK,
+    CHUNK_STAR,
+    FINISHED,
+    ONE,
+    RAISED,
+    RESULT_HEADER,
+    RUNNING,
+    SLOT,
+    STAR,
+    STARTED,
+    TASK_HEADER,
+)
 from .channel import Channel, Handle, hand_over, list_channels, unlink
 
 __all__ = [
@@ -451,7 +463,7 @@ class _Workers:
 # ---------------------------------------------------------------------------------------
 
 
-_Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Any]  # fn, args, kwargs, keys
+_ONE_KEY = frozenset({int, str, bytes})  # the types of a value that is one key
 
 
 class _Pending:
@@ -489,23 +501,27 @@ class _MapBatch:
             with self.cond:
                 self.cond.notify()
 
-    def get(self, index: int, deadline: float | None) -> Any:
-        """Caller side: wait for result `index` (TimeoutError past `deadline`)."""
-        value = self.results[index]
-        if value is _PENDING:
+    def resolve_many(self, indices: list[int], values: list[Any]) -> None:
+        """Manager side: result indices[i] is values[i] (a chunk's items)."""
+        results = self.results
+        for index, value in zip(indices, values, strict=True):
+            results[index] = value
+        if self.waiting >= 0:  # (the caller checks again which one it waits for)
             with self.cond:
-                self.waiting = index
-                try:
-                    while (value := self.results[index]) is _PENDING:
-                        left = None if deadline is None else deadline - time.monotonic()
-                        if left is not None and left <= 0:
-                            raise TimeoutError
-                        self.cond.wait(left)
-                finally:
-                    self.waiting = -1
-        self.results[index] = None  # the caller has it: do not keep it alive
-        if isinstance(value, _Raised):
-            raise value.exc
+                self.cond.notify()
+
+    def wait(self, index: int, deadline: float | None) -> Any:
+        """Caller side: wait for result `index` (TimeoutError past `deadline`)."""
+        with self.cond:
+            self.waiting = index
+            try:
+                while (value := self.results[index]) is _PENDING:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError
+                    self.cond.wait(left)
+            finally:
+                self.waiting = -1
         return value
 
 
@@ -561,11 +577,14 @@ class _Task:
             self.future.set_result(value)
         elif self.batch is None:
             pass
-        elif isinstance(self.index, list):  # a chunk: _run_chunk's (ok, value, tb) per item
-            for index, (ok, item, tb) in zip(self.index, value, strict=True):
-                if not ok and tb:
-                    item.__cause__ = RemoteTraceback(tb)
-                self.batch.resolve(index, item if ok else _Raised(item))
+        elif isinstance(self.index, list):  # a chunk: (values, failed), see _worker.py
+            values, failed = value
+            if failed:
+                for i, tb in failed.items():
+                    exc = values[i]
+                    exc.__cause__ = RemoteTraceback(tb)
+                    values[i] = _Raised(exc)
+            self.batch.resolve_many(self.index, values)
         else:
             self.batch.resolve(self.index, value)
 
@@ -606,7 +625,8 @@ class _Core:
         self.done = self.retried = self.failed = self.cancelled = 0
         self.sleeping = False  # the manager waits on the result channel (see wake())
         self.spare: list[tuple[Handle, int]] = []  # taken, but no worker had room yet
-        self.functions: dict[object, bytes] = {}  # see pickled()
+        self.functions: dict[object, tuple[int, bytes]] = {}  # see pickled()
+        self.function_ids = itertools.count(1)
         _reap_dead_executors()
         stem = f"kx-{liveness.current_token():x}-{next(_names)}"
         self.task_ch = Channel.create(f"{stem}-tasks", capacity, max_keys=64, max_messages=16384)
@@ -643,24 +663,25 @@ class _Core:
         if self.shutdown_requested:
             raise RuntimeError("cannot schedule new futures after shutdown")
 
-    def pickled(self, fn: object) -> bytes:
-        """pickle(fn); remembered for plain functions, which pickle by reference (so
-        their pickle never changes), not for objects, which pickle their state."""
+    def pickled(self, fn: object) -> tuple[int, bytes]:
+        """(the function's id, pickle(fn)); remembered for plain functions, which pickle
+        by reference (so their pickle never changes), not for objects, which pickle
+        their state: each of their pickles gets a new id (see _worker.py)."""
         plain = type(fn) in (types.FunctionType, types.BuiltinFunctionType)
-        blob = self.functions.get(fn) if plain else None
-        if blob is None:
-            blob = _dumps(fn, "the function", fn)
+        got = self.functions.get(fn) if plain else None
+        if got is None:
+            got = (next(self.function_ids), _dumps(fn, "the function", fn))
             if plain:
                 if len(self.functions) >= 256:
                     self.functions.clear()
-                self.functions[fn] = blob
-        return blob
+                self.functions[fn] = got
+        return got
 
     def submit(
         self, fn: object, args: tuple[Any, ...], kwargs: dict[str, Any], keys: object
     ) -> Future[Any]:
         """One call: the lean path of KeyedExecutor.submit."""
-        blob = self.pickled(fn)
+        fid, blob = self.pickled(fn)
         body = _dumps((args, kwargs), "the arguments", fn)
         keys = _as_keys(keys)
         future: Future[Any] = Future()
@@ -670,7 +691,7 @@ class _Core:
             self.next_tid = tid + 1
             self.tasks[tid] = _Task(fn, keys, future)
         try:
-            self.tx.send(TASK_HEADER.pack(tid, len(blob)) + blob + body, keys=keys)
+            self.tx.send(TASK_HEADER.pack(tid, fid, len(blob), CALL) + blob + body, keys=keys)
         except BaseException as e:
             self.tasks.pop(tid, None)
             self.explain(e)
@@ -681,44 +702,45 @@ class _Core:
 
     def submit_many(
         self,
-        calls: list[_Call],
-        batch: _MapBatch | None = None,
+        fn: Callable[..., Any],
+        kind: int,
+        args: list[Any],
+        keys: list[tuple[Any, ...]],
+        batch: _MapBatch,
         owners: list[list[int]] | None = None,
     ) -> list[_Task]:
-        """Submit (fn, args, kwargs, keys) calls, one send_many per _BATCH of them:
-        futures for them, or slots of `batch` (call i fills slot i, or the slots
-        owners[i] for a chunk)."""
+        """A map's tasks: fn over each of `args` (the body of a `kind` message, see
+        _worker.py) with keys[i], one send_many per _BATCH of them; task i fills slot i
+        of `batch`, or for a chunk the slots owners[i]."""
         out: list[_Task] = []
-        blobs: dict[int, bytes] = {}  # id(fn) -> pickle(fn): each function pickled once
-        for start in range(0, len(calls), _BATCH):
-            part = calls[start : start + _BATCH]
-            tasks = []
-            items = []
-            for i, (fn, args, kwargs, keys) in enumerate(part, start):
-                blob = blobs.get(id(fn))
-                if blob is None:
-                    blob = blobs[id(fn)] = self.pickled(fn)
-                body = _dumps((args, kwargs), "the arguments", fn)
-                keys = _as_keys(keys)
-                where = owners[i] if owners is not None else i
-                task = _Task(fn, keys, None if batch is not None else Future(), batch, where)
-                tasks.append(task)
-                items.append((blob, body, keys))
+        fid, blob = self.pickled(fn)
+        head = TASK_HEADER.pack
+        nblob = len(blob)
+        dumps = pickle.dumps
+        for start in range(0, len(args), _BATCH):
+            part = args[start : start + _BATCH]
+            part_keys = keys[start : start + _BATCH]
+            try:
+                bodies = [dumps(a, 5) for a in part]
+            except Exception:
+                for a in part:  # which one, said as submit says it
+                    _dumps(a, "the arguments", fn)
+                raise
+            tasks = [
+                _Task(fn, k, None, batch, owners[i] if owners is not None else i)
+                for i, k in enumerate(part_keys, start)
+            ]
             with self.lock:
                 self.check_open()
                 first = self.next_tid
                 self.next_tid += len(tasks)
-                for tid, task in enumerate(tasks, first):
-                    self.tasks[tid] = task
+                self.tasks.update(zip(range(first, first + len(tasks)), tasks, strict=True))
             messages = [
-                (TASK_HEADER.pack(tid, len(blob)) + blob + body, keys)
-                for tid, (blob, body, keys) in enumerate(items, first)
+                (head(tid, fid, nblob, kind) + blob + body, k)
+                for tid, body, k in zip(itertools.count(first), bodies, part_keys)
             ]
             try:
-                if len(messages) == 1:
-                    self.tx.send(messages[0][0], keys=messages[0][1])
-                else:
-                    self.tx.send_many(messages)
+                self.tx.send_many(messages)
             except BaseException as e:
                 for tid in range(first, first + len(tasks)):
                     self.tasks.pop(tid, None)
@@ -1006,16 +1028,29 @@ def _at_exit() -> None:
 getattr(threading, "_register_atexit")(_at_exit)  # noqa: B009 - private, as concurrent.futures
 
 
-def _run_chunk(fn: Callable[..., Any], chunk: list[tuple[Any, ...]]) -> list[tuple[bool, Any, str]]:
-    """A map chunk, in a worker: (True, result, "") or (False, exception, traceback text)
-    per item, so that each item's outcome reaches its own place in the results."""
-    out: list[tuple[bool, Any, str]] = []
-    for args in chunk:
-        try:
-            out.append((True, fn(*args), ""))
-        except Exception as e:
-            out.append((False, e, traceback.format_exc()))
-    return out
+def _key_tuples(raw: list[Any]) -> list[tuple[Any, ...]]:
+    """Each item's keys as a tuple, from what `keys(item)` gave."""
+    if set(map(type, raw)) <= _ONE_KEY:  # the usual case: one key each
+        return [(k,) for k in raw]
+    return [_as_keys(k) for k in raw]
+
+
+def _single_key_chunks(raw: list[Any], size: int) -> list[list[int]] | None:
+    """_chunks for items with one key each (an int, str or bytes; None otherwise): each
+    key's items in input order, cut every `size`, listed round by round (every key's
+    first chunk, then every key's second, ...)."""
+    if not set(map(type, raw)) <= _ONE_KEY:
+        return None
+    groups: dict[Any, list[int]] = {}
+    get = groups.get
+    for i, k in enumerate(raw):
+        group = get(k)
+        if group is None:
+            groups[k] = [i]
+        else:
+            group.append(i)
+    cuts = [[g[j : j + size] for j in range(0, len(g), size)] for g in groups.values()]
+    return [c for rnd in itertools.zip_longest(*cuts) for c in rnd if c is not None]
 
 
 def _chunks(key_lists: list[tuple[Any, ...]], size: int) -> list[list[int]]:
@@ -1134,29 +1169,35 @@ class KeyedExecutor(Executor):
         end = None if timeout is None else time.monotonic() + timeout
         self._core.check_open()
         single = len(iterables) == 1
-        items = list(zip(*iterables, strict=False))
-        if keys is None:
-            key_lists: list[tuple[Any, ...]] = [()] * len(items)
-        elif single:
-            key_lists = [_as_keys(keys(args[0])) for args in items]
-        else:
-            key_lists = [_as_keys(keys(args)) for args in items]
+        items = list(iterables[0]) if single else list(zip(*iterables, strict=False))
+        n = len(items)
+        raw = None if keys is None else list(map(keys, items))
         owners: list[list[int]] | None = None
         if chunksize == 1:
-            calls: list[_Call] = [
-                (fn, args, {}, k) for args, k in zip(items, key_lists, strict=True)
-            ]
+            args: list[Any] = items
+            key_tuples = [()] * n if raw is None else _key_tuples(raw)
+            kind = ONE if single else STAR
         else:
             # Items with the same keys share a chunk, so that chunks of different keys
             # still run in parallel (a chunk holds all its items' keys while it runs).
-            owners = _chunks(key_lists, chunksize)
-            calls = [
-                (_run_chunk, (fn, [items[i] for i in idxs]), {}, key_lists[idxs[0]])
-                for idxs in owners
-            ]
-        batch = _MapBatch(len(items))
-        tasks = self._core.submit_many(calls, batch, owners)
-        return self._results(batch, tasks, end, len(items) if progress else None)
+            if raw is None:
+                owners = [list(range(i, min(i + chunksize, n))) for i in range(0, n, chunksize)]
+                chunk_keys: list[tuple[Any, ...]] = [()] * len(owners)
+            else:
+                owners = _single_key_chunks(raw, chunksize)
+                if owners is not None:
+                    chunk_keys = [(raw[idxs[0]],) for idxs in owners]
+                else:
+                    key_lists = [_as_keys(k) for k in raw]
+                    owners = _chunks(key_lists, chunksize)
+                    chunk_keys = [key_lists[idxs[0]] for idxs in owners]
+            args = [[items[i] for i in idxs] for idxs in owners]
+            key_tuples = chunk_keys
+            kind = CHUNK if single else CHUNK_STAR
+        del items, raw
+        batch = _MapBatch(n)
+        tasks = self._core.submit_many(fn, kind, args, key_tuples, batch, owners)
+        return self._results(batch, tasks, end, n if progress else None)
 
     def _results(
         self, batch: _MapBatch, tasks: list[_Task], end: float | None, total: int | None
@@ -1166,14 +1207,19 @@ class KeyedExecutor(Executor):
             from tqdm import tqdm
 
             bar = tqdm(total=total, unit="task")
+        results = batch.results
         try:
-            for index in range(len(batch.results)):
-                value = batch.get(index, end)
+            for index in range(len(results)):
+                value = results[index]
+                if value is _PENDING:
+                    value = batch.wait(index, end)
+                results[index] = None  # the caller has it: do not keep it alive
+                if type(value) is _Raised:
+                    raise value.exc
                 if bar is not None:
                     bar.set_postfix(retries=self._core.retried, refresh=False)
-                yield value
-                if bar is not None:
                     bar.update(1)
+                yield value
         finally:
             batch.closed = True  # what has not started will not run
             for task in tasks:

@@ -632,6 +632,56 @@ def test_chunks_keep_every_keys_items_in_input_order() -> None:
             assert seen == sorted(seen)
 
 
+def test_single_key_chunks_keep_every_keys_items_in_input_order() -> None:
+    from shmchan.pool import _single_key_chunks
+
+    rng = random.Random(7)
+    for _ in range(200):
+        raw = [rng.choice([0, 1, 2, "a", "b", b"a"]) for _ in range(rng.randint(1, 80))]
+        size = rng.randint(1, 9)
+        chunks = _single_key_chunks(raw, size)
+        assert chunks is not None
+        assert sorted(i for c in chunks for i in c) == list(range(len(raw)))
+        for chunk in chunks:
+            assert 1 <= len(chunk) <= size and chunk == sorted(chunk)
+            assert len({(type(raw[i]), raw[i]) for i in chunk}) == 1
+        for key in set(raw):
+            seen = [i for c in chunks for i in c if raw[i] == key and type(raw[i]) is type(key)]
+            assert seen == sorted(seen)
+    # anything but one plain key per item takes the general way (_chunks)
+    assert _single_key_chunks([1, (1, 2)], 2) is None
+    assert _single_key_chunks([1, True], 2) is None
+    assert _single_key_chunks([1, None], 2) is None
+
+
+def test_map_in_chunks_of_several_iterables_and_without_keys() -> None:
+    with shmchan.KeyedExecutor(2) as ex:
+        assert list(ex.map(add, range(10), range(10, 20), chunksize=3)) == list(range(10, 30, 2))
+        assert list(ex.map(square, range(10), chunksize=4)) == [x * x for x in range(10)]
+        got = ex.map(add, range(30), range(30), keys=lambda t: (t[0] % 3, "all"), chunksize=4)
+        assert list(got) == list(range(0, 60, 2))
+
+
+class Unpicklable(Exception):
+    def __init__(self, x: int) -> None:
+        super().__init__(x)
+        self.lock = threading.Lock()
+
+
+def raise_unpicklable_on_three(x: int) -> int:
+    if x == 3:
+        raise Unpicklable(x)
+    return x
+
+
+def test_map_in_chunks_sends_back_an_unpicklable_exception_as_a_stand_in() -> None:
+    with shmchan.KeyedExecutor(1) as ex:
+        results = ex.map(raise_unpicklable_on_three, range(6), keys=lambda x: "k", chunksize=6)
+        assert [next(results) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(shmchan.Error, match="Unpicklable"):
+            next(results)
+
+
 def test_map_in_chunks_equals_a_serial_replay(tmp_path: Path) -> None:
     accounts, n = 5, 200
     directory = _bank(tmp_path, accounts)
