@@ -42,6 +42,7 @@ import collections
 import contextlib
 import itertools
 import multiprocessing
+import operator
 import os
 import pickle
 import re
@@ -84,6 +85,7 @@ __all__ = [
 _TICK = 0.05  # the manager's longest sleep: deaths and timeouts are noticed this fast
 _SHUT_TICK = 0.002  # a KeyedPool's wait on a channel that was shut down
 _BATCH = 256  # handles taken from a channel per call
+_CHUNK_BATCH = 8  # map chunks sent per call
 _PREFETCH = 32  # handles a worker may have in hand (running and waiting) at once
 _STOP_GRACE = 5.0  # seconds a stopped worker gets to exit before it is killed
 _CAPACITY = 32 << 20  # default bytes of each of an executor's two channels
@@ -486,13 +488,27 @@ class _MapBatch:
     """The results of one map() call, filled in by the manager, read in order by the
     caller's iterator (lighter than a Future per item)."""
 
-    __slots__ = ("results", "cond", "waiting", "closed")
+    __slots__ = (
+        "results", "cond", "waiting", "closed", "owners", "ready", "raised_at", "_order",
+        "_firsts", "_done", "_next",
+    )  # fmt: skip
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, owners: list[list[int]] | None = None) -> None:
         self.results: list[Any] = [_PENDING] * n
         self.cond = threading.Condition(threading.Lock())
         self.waiting = -1  # the index the caller waits for
         self.closed = False  # the iterator was closed: run nothing more of it
+        self.owners = owners  # in chunks: the items of chunk i are owners[i]
+        # In chunks, results[:ready] are all there and none before raised_at is an
+        # exception, so that the caller can take them as a block. `ready` is the first
+        # item of the first chunk, in the order of first items, not yet resolved.
+        self.ready = 0
+        self.raised_at = n
+        if owners is not None:
+            self._order = sorted(range(len(owners)), key=lambda c: owners[c][0])
+            self._firsts = [owners[c][0] for c in self._order]
+            self._done = bytearray(len(owners))
+            self._next = 0
 
     def resolve(self, index: int, value: Any) -> None:
         """Manager side: result `index` is `value` (a _Raised for an exception)."""
@@ -501,11 +517,21 @@ class _MapBatch:
             with self.cond:
                 self.cond.notify()
 
-    def resolve_many(self, indices: list[int], values: list[Any]) -> None:
-        """Manager side: result indices[i] is values[i] (a chunk's items)."""
+    def resolve_chunk(self, chunk: int, values: list[Any], raised: int | None) -> None:
+        """Manager side: the results of chunk `chunk`'s items, in order; `raised` is the
+        first item whose value is a _Raised, if any."""
+        assert self.owners is not None
         results = self.results
-        for index, value in zip(indices, values, strict=True):
+        for index, value in zip(self.owners[chunk], values, strict=True):
             results[index] = value
+        if raised is not None:
+            self.raised_at = min(self.raised_at, raised)
+        done, order, p = self._done, self._order, self._next
+        done[chunk] = 1
+        while p < len(order) and done[order[p]]:
+            p += 1
+        self._next = p
+        self.ready = self._firsts[p] if p < len(order) else len(results)
         if self.waiting >= 0:  # (the caller checks again which one it waits for)
             with self.cond:
                 self.cond.notify()
@@ -540,11 +566,11 @@ class _Task:
         keys: tuple[Any, ...],
         future: Future[Any] | None,
         batch: _MapBatch | None = None,
-        index: int | list[int] = 0,
+        index: int = 0,
     ) -> None:
         self.future = future
         self.batch = batch
-        self.index = index  # the batch slot, or for a map chunk the slots of its items
+        self.index = index  # the batch slot (a map item), or the chunk (batch.owners)
         self.fn = fn
         self.keys = keys
         self.started = False  # handed to a worker at least once
@@ -577,14 +603,16 @@ class _Task:
             self.future.set_result(value)
         elif self.batch is None:
             pass
-        elif isinstance(self.index, list):  # a chunk: (values, failed), see _worker.py
+        elif self.batch.owners is not None:  # a chunk: (values, failed), see _worker.py
             values, failed = value
+            raised = None
             if failed:
                 for i, tb in failed.items():
                     exc = values[i]
                     exc.__cause__ = RemoteTraceback(tb)
                     values[i] = _Raised(exc)
-            self.batch.resolve_many(self.index, values)
+                raised = self.batch.owners[self.index][min(failed)]
+            self.batch.resolve_chunk(self.index, values, raised)
         else:
             self.batch.resolve(self.index, value)
 
@@ -595,9 +623,10 @@ class _Task:
             self._resolve_all(_Raised(exc))
 
     def _resolve_all(self, value: _Raised) -> None:
-        if self.batch is not None:
-            for index in self.index if isinstance(self.index, list) else [self.index]:
-                self.batch.resolve(index, value)
+        batch = self.batch
+        if batch is not None:
+            for index in [self.index] if batch.owners is None else batch.owners[self.index]:
+                batch.resolve(index, value)
 
 
 class _Core:
@@ -707,29 +736,28 @@ class _Core:
         args: list[Any],
         keys: list[tuple[Any, ...]],
         batch: _MapBatch,
-        owners: list[list[int]] | None = None,
     ) -> list[_Task]:
         """A map's tasks: fn over each of `args` (the body of a `kind` message, see
         _worker.py) with keys[i], one send_many per _BATCH of them; task i fills slot i
-        of `batch`, or for a chunk the slots owners[i]."""
+        of `batch`, or for a chunk the slots batch.owners[i]."""
         out: list[_Task] = []
         fid, blob = self.pickled(fn)
         head = TASK_HEADER.pack
         nblob = len(blob)
         dumps = pickle.dumps
-        for start in range(0, len(args), _BATCH):
-            part = args[start : start + _BATCH]
-            part_keys = keys[start : start + _BATCH]
+        # Chunks go out a few at a time, so that the workers start on the first ones
+        # while the rest are pickled.
+        step = _BATCH if batch.owners is None else _CHUNK_BATCH
+        for start in range(0, len(args), step):
+            part = args[start : start + step]
+            part_keys = keys[start : start + step]
             try:
                 bodies = [dumps(a, 5) for a in part]
             except Exception:
                 for a in part:  # which one, said as submit says it
                     _dumps(a, "the arguments", fn)
                 raise
-            tasks = [
-                _Task(fn, k, None, batch, owners[i] if owners is not None else i)
-                for i, k in enumerate(part_keys, start)
-            ]
+            tasks = [_Task(fn, k, None, batch, i) for i, k in enumerate(part_keys, start)]
             with self.lock:
                 self.check_open()
                 first = self.next_tid
@@ -815,27 +843,28 @@ class _Core:
     def collect(self, timeout: float) -> bool:
         """Resolve the futures of the results that arrived; False if none did."""
         try:
-            hs = self.rx_results.recv_many(_BATCH, timeout=timeout)
+            b = self.rx_results.recv_batch(_BATCH, timeout=timeout)
         except errors.Empty:
             return False
-        by_pid = self.workers.by_pid
-        finished: list[Handle] = []
-        for h in hs:
-            view = h.data
-            if len(view) < RESULT_HEADER.size:
+        with b:  # results are copied out at once: their space goes back to the workers
+            data = memoryview(b.joined())
+            lengths = b.lengths.tolist()
+        header, unpack = RESULT_HEADER.size, RESULT_HEADER.unpack_from
+        counts: dict[int, int] = {}  # worker pid -> its FINISHED count in its last result
+        tasks = self.tasks
+        end = 0
+        for size in lengths:
+            start, end = end, end + size
+            if size < header:
                 continue  # wake()'s empty message
-            tid, _seq, pid, count, status = RESULT_HEADER.unpack_from(view)
-            w = by_pid.get(pid)
-            if w is not None:
-                w.catch_up(count, finished)
-            task = self.tasks.pop(tid, None)
+            tid, _seq, pid, counts[pid], status = unpack(data, start)
+            task = tasks.pop(tid, None)
             if task is None:
                 continue  # a second result of a task that ran again after a death
             try:
-                value = pickle.loads(view[RESULT_HEADER.size :])
+                value = pickle.loads(data[start + header : end])
             except Exception as e:
                 status, value = RAISED, (e, "")
-            del view
             if status == RAISED:
                 exc, tb = value
                 if tb:
@@ -845,7 +874,13 @@ class _Core:
             else:
                 task.set_result(value)
                 self.done += 1
-        self.rx_results.release_many(hs)
+        del data
+        finished: list[Handle] = []
+        by_pid = self.workers.by_pid
+        for pid, count in counts.items():
+            w = by_pid.get(pid)
+            if w is not None:
+                w.catch_up(count, finished)
         # The worker releases a task's handle right after sending its result; releasing
         # it here too (a no-op for whichever comes second) frees its keys for the
         # dispatch that follows without waiting for that.
@@ -1041,14 +1076,9 @@ def _single_key_chunks(raw: list[Any], size: int) -> list[list[int]] | None:
     first chunk, then every key's second, ...)."""
     if not set(map(type, raw)) <= _ONE_KEY:
         return None
-    groups: dict[Any, list[int]] = {}
-    get = groups.get
+    groups: dict[Any, list[int]] = {k: [] for k in dict.fromkeys(raw)}  # first seen first
     for i, k in enumerate(raw):
-        group = get(k)
-        if group is None:
-            groups[k] = [i]
-        else:
-            group.append(i)
+        groups[k].append(i)
     cuts = [[g[j : j + size] for j in range(0, len(g), size)] for g in groups.values()]
     return [c for rnd in itertools.zip_longest(*cuts) for c in rnd if c is not None]
 
@@ -1191,12 +1221,15 @@ class KeyedExecutor(Executor):
                     key_lists = [_as_keys(k) for k in raw]
                     owners = _chunks(key_lists, chunksize)
                     chunk_keys = [key_lists[idxs[0]] for idxs in owners]
-            args = [[items[i] for i in idxs] for idxs in owners]
+            args = [
+                operator.itemgetter(*idxs)(items) if len(idxs) > 1 else (items[idxs[0]],)
+                for idxs in owners
+            ]
             key_tuples = chunk_keys
             kind = CHUNK if single else CHUNK_STAR
         del items, raw
-        batch = _MapBatch(n)
-        tasks = self._core.submit_many(fn, kind, args, key_tuples, batch, owners)
+        batch = _MapBatch(n, owners)
+        tasks = self._core.submit_many(fn, kind, args, key_tuples, batch)
         return self._results(batch, tasks, end, n if progress else None)
 
     def _results(
@@ -1208,12 +1241,23 @@ class KeyedExecutor(Executor):
 
             bar = tqdm(total=total, unit="task")
         results = batch.results
+        n = len(results)
+        index = 0
         try:
-            for index in range(len(results)):
+            while index < n:
+                stop = min(batch.ready, batch.raised_at)
+                if stop > index + 1 and bar is None:  # a block, all there: no check per item
+                    block = results[index:stop]
+                    results[index:stop] = itertools.repeat(None, stop - index)
+                    index = stop
+                    yield from block
+                    del block
+                    continue
                 value = results[index]
                 if value is _PENDING:
                     value = batch.wait(index, end)
                 results[index] = None  # the caller has it: do not keep it alive
+                index += 1
                 if type(value) is _Raised:
                     raise value.exc
                 if bar is not None:
