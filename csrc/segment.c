@@ -442,6 +442,8 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.size", sizeof(shm_header)},
         {"header.chan_id", offsetof(shm_header, chan_id)},
         {"header.shutdown", offsetof(shm_header, shutdown)},
+        {"header.island_count", offsetof(shm_header, island_count)},
+        {"header.islands", offsetof(shm_header, islands)},
         {"slot.size", sizeof(shm_slot)},
         {"slot.state", offsetof(shm_slot, state)},
         {"slot.holder", offsetof(shm_slot, holder)},

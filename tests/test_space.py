@@ -482,3 +482,75 @@ def test_messages_waiting_for_a_held_key_next_to_an_island_do_not_stop_the_chann
     pinned.release()
     rx.try_recv()
     assert ch.stats().used_bytes < 64 << 10
+
+
+def view_first_and_wait(name: str, ready) -> None:
+    """As a receiver: take the first message, pin it with a view, and wait to be killed."""
+    with shmchan.Channel.open(name) as ch:
+        rx = ch.receiver()
+        h = rx.recv(timeout=WAIT)
+        view = h.data
+        ready.put(bytes(view[:8]))
+        time.sleep(WAIT * 4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("entry", ["held", "queued"])
+def test_a_receiver_killed_while_making_an_island_leaves_a_whole_channel(make_channel, entry):
+    # The state a receiver SIGKILLed inside island_make_at_head leaves: the island's entry
+    # written (and counted), head not yet past the record, its dirty flag up. The next
+    # receiver rebuilds (islands.c island_rebuild): an entry whose record is a message
+    # that a handle holds stays; one over a message no handle holds, not yet passed by
+    # head, is dropped (the message is taken in from the ring as usual).
+    from test_crash import DIRTY_OFFSET, _fact
+
+    ch = make_channel(capacity=1 << 20)
+    tx = ch.sender()
+    tx.send(payload(0, 100_000), keys=("pinned",))
+    ready = CTX.Queue()
+    child = CTX.Process(target=view_first_and_wait, args=(ch.name, ready))
+    with running(child):
+        assert ready.get(timeout=WAIT) == payload(0, 8)
+        child.kill()
+        child.join(WAIT)
+    fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDWR)
+    try:
+        header = os.pread(fd, 4096, 0)
+        ring_off = int.from_bytes(header[_fact("header.ring_off") :][:8], "little")
+        head = int.from_bytes(header[_fact("header.head") :][:8], "little")
+        assert head == 0
+        meta = int.from_bytes(os.pread(fd, 8, ring_off + 8), "little")
+        length = meta >> 8  # the record at head (core.h: meta = length << 8 | state)
+        where = length if entry == "queued" else 0  # record 2, or record 1
+        if where:  # a second message, not received yet
+            tx.send(payload(1, 1000), keys=("other",))
+        islands = _fact("header.islands")
+        end_len = (where + length).to_bytes(8, "little") + length.to_bytes(8, "little")
+        os.pwrite(fd, end_len, islands)
+        os.pwrite(fd, (1).to_bytes(4, "little"), _fact("header.island_count"))
+        os.pwrite(fd, (1).to_bytes(4, "little"), DIRTY_OFFSET)
+    finally:
+        os.close(fd)
+    rx = ch.receiver()
+    got = {}
+    while len(got) < (2 if where else 1):  # the dead receiver's handle, revoked; the other
+        h = rx.recv(timeout=WAIT)
+        assert h.seq not in got
+        got[h.seq] = h
+    if where:
+        other = got.pop(2)
+        assert other.attempt == 1 and other.data == payload(1, 1000)
+        other.release()
+    h = got.pop(1)
+    assert h.attempt == 2 and h.data == payload(0, 100_000)
+    producer = CTX.Process(target=feed, args=(ch.name, 2, 62))
+    with running(producer):
+        drain_in_key_order(rx, producer, 62, first=2)  # 6 MB flow past the pinned one
+        producer.join(WAIT)
+        assert producer.exitcode == 0
+    assert h.data == payload(0, 100_000)
+    h.release()
+    rx.try_recv()
+    stats = ch.stats()
+    assert (stats.inflight, stats.queued) == (0, 0)
+    assert stats.used_bytes < 100_000
