@@ -872,7 +872,14 @@ class _Core:
                 task.set_exception(exc)
                 self.failed += 1
             else:
-                task.set_result(value)
+                batch = task.batch
+                if batch is not None and batch.owners is None:  # a map item, inline
+                    batch.results[task.index] = value
+                    if batch.waiting == task.index:
+                        with batch.cond:
+                            batch.cond.notify()
+                else:
+                    task.set_result(value)
                 self.done += 1
         del data
         finished: list[Handle] = []
