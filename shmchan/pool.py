@@ -852,6 +852,7 @@ class _Core:
         header, unpack = RESULT_HEADER.size, RESULT_HEADER.unpack_from
         counts: dict[int, int] = {}  # worker pid -> its FINISHED count in its last result
         tasks = self.tasks
+        arrived: list[tuple[_Task, int, int, int]] = []  # task, status, start, end
         end = 0
         for size in lengths:
             start, end = end, end + size
@@ -859,10 +860,25 @@ class _Core:
                 continue  # wake()'s empty message
             tid, _seq, pid, counts[pid], status = unpack(data, start)
             task = tasks.pop(tid, None)
-            if task is None:
-                continue  # a second result of a task that ran again after a death
+            if task is not None:  # (None: a second result of a task that ran again)
+                arrived.append((task, status, start + header, end))
+        finished: list[Handle] = []
+        by_pid = self.workers.by_pid
+        for pid, count in counts.items():
+            w = by_pid.get(pid)
+            if w is not None:
+                w.catch_up(count, finished)
+        # The worker releases a task's handle right after sending its result; releasing
+        # it here too (a no-op for whichever comes second) frees its keys at once, and
+        # the tasks next in line on them go to the workers before the caller hears of
+        # these results: a task is started before the result of the one it waited for
+        # is seen (so closing a map right after a result never cancels the next one).
+        if finished:
+            self.rx_tasks.release_many(finished)
+        self.dispatch(0)
+        for task, status, start, end in arrived:
             try:
-                value = pickle.loads(data[start + header : end])
+                value = pickle.loads(data[start:end])
             except Exception as e:
                 status, value = RAISED, (e, "")
             if status == RAISED:
@@ -881,18 +897,6 @@ class _Core:
                 else:
                     task.set_result(value)
                 self.done += 1
-        del data
-        finished: list[Handle] = []
-        by_pid = self.workers.by_pid
-        for pid, count in counts.items():
-            w = by_pid.get(pid)
-            if w is not None:
-                w.catch_up(count, finished)
-        # The worker releases a task's handle right after sending its result; releasing
-        # it here too (a no-op for whichever comes second) frees its keys for the
-        # dispatch that follows without waiting for that.
-        if finished:
-            self.rx_tasks.release_many(finished)
         return True
 
     def dispatch(self, timeout: float) -> bool:
