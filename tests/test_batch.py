@@ -214,14 +214,7 @@ def test_a_batch_that_fills_the_ring_wakes_the_receiver_for_each_part(
     tx, rx = ch.sender(), ch.receiver()
     payloads = [i.to_bytes(2, "little") * 50 for i in range(200)]
     got: list[bytes] = []
-
-    def drain() -> None:
-        while len(got) < len(payloads):
-            b = rx.recv_batch(64, timeout=WAIT)
-            got.extend(b.payloads())
-            b.release()
-
-    t = threading.Thread(target=drain)
+    t = threading.Thread(target=_drain, args=(rx, len(payloads), got))
     t.start()
     if how == "send_batch":
         _send(tx, payloads, [i % 7 for i in range(200)])
@@ -239,14 +232,7 @@ def test_send_batch_waits_for_room(make_channel: Callable[..., Any]) -> None:
     tx, rx = ch.sender(), ch.receiver()
     payloads = [bytes([i % 256]) * 100 for i in range(200)]  # several times the ring
     got: list[bytes] = []
-
-    def drain() -> None:
-        while len(got) < len(payloads):
-            b = rx.recv_batch(64, timeout=WAIT)
-            got.extend(b.payloads())
-            b.release()
-
-    t = threading.Thread(target=drain)
+    t = threading.Thread(target=_drain, args=(rx, len(payloads), got))
     t.start()
     seqs = _send(tx, payloads, [i % 7 for i in range(200)])
     t.join(WAIT)

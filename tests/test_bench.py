@@ -7,6 +7,7 @@ that read its report.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -14,6 +15,7 @@ import os
 import queue
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +228,23 @@ def test_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
 
 
+@contextlib.contextmanager
+def _extra_group(run_group: Callable[[Any], None]) -> Iterator[None]:
+    """Register `run_group` as the group "extra-test" (not run by default), with one
+    target "extra target": its first row's median <= 2; unregistered on exit."""
+
+    def targets(results: list[bench.Result]) -> list[bench.Target]:
+        return [bench.Target("extra target", results[0].median, 2.0, "<=", "test")]
+
+    bench.register(
+        "extra-test", run_group, steps=lambda sizes, nsys: 1, default=False, targets=targets
+    )
+    try:
+        yield
+    finally:
+        registry.unregister("extra-test")
+
+
 def test_a_registered_group_is_selected_by_only_and_reported(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -238,18 +257,10 @@ def test_a_registered_group_is_selected_by_only_and_reported(
         )
         run.progress.step("extra: done")
 
-    def targets(results: list[bench.Result]) -> list[bench.Target]:
-        return [bench.Target("extra target", results[0].median, 2.0, "<=", "test")]
-
-    bench.register(
-        "extra-test", run_group, steps=lambda sizes, nsys: 1, default=False, targets=targets
-    )
-    try:
+    with _extra_group(run_group):
         assert "extra-test" not in bench.WORKLOADS  # not run unless asked
         assert bench.main(["--only", "extra-test", "--quick", "--reps", "2", "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
-    finally:
-        registry.unregister("extra-test")
     assert calls == [True]
     assert report["workloads"] == ["extra-test"]
     assert [r["workload"] for r in report["results"]] == ["extra_w"]
@@ -268,21 +279,13 @@ def test_runs_report_the_spread_of_every_figure_and_target(
         )
         run.progress.step("extra: done")
 
-    def targets(results: list[bench.Result]) -> list[bench.Target]:
-        return [bench.Target("extra target", results[0].median, 2.0, "<=", "test")]
-
-    bench.register(
-        "extra-test", run_group, steps=lambda sizes, nsys: 1, default=False, targets=targets
-    )
-    try:
+    with _extra_group(run_group):
         argv = ["--only", "extra-test", "--quick", "--reps", "1", "--runs", "3"]
         assert bench.main([*argv, "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         values = iter([3.0, 1.0, 2.0])
         assert bench.main(argv) == 0
         text = capsys.readouterr().out
-    finally:
-        registry.unregister("extra-test")
     assert [r["results"][0]["median"] for r in report["runs"]] == [3.0, 1.0, 2.0]
     (row,) = report["spread"]["rows"]
     assert row["medians"] == [3.0, 1.0, 2.0]
