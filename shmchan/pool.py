@@ -306,11 +306,13 @@ class _Workers:
         target: Callable[..., None],
         args: tuple[Any, ...],
         max_tasks: int | None,
+        prefetch: int = _PREFETCH,
     ) -> None:
         self.ctx = ctx
         self.target = target
         self.args = args  # after (conn, words, index)
         self.max_tasks = max_tasks
+        self.prefetch = prefetch  # handles a worker may have in hand at once
         self.words = ctx.RawArray("q", SLOT * size)
         self.slots: list[_Worker | None] = [None] * size
         self.by_pid: dict[int, _Worker] = {}
@@ -345,7 +347,7 @@ class _Workers:
         """How many more handles `w` may be given now."""
         if w.stopping:
             return 0
-        room = _PREFETCH - (w.taken - w.finished)
+        room = self.prefetch - (w.taken - w.finished)
         if self.max_tasks is not None:
             room = min(room, self.max_tasks - w.taken)
         return max(room, 0)
@@ -1346,6 +1348,13 @@ class KeyedPool:
             _worker.pool_worker,
             (handler, liveness.current_token(), initializer, tuple(initargs)),
             None,
+            # One message per worker at a time: a worker that dies gives back what it
+            # holds by the channel's redelivery, which counts an attempt (the channel's
+            # max_attempts applies); a message merely waiting in a dead worker's hands
+            # must not be charged one (it could reach the dead letters without ever
+            # having run). The executor counts its tasks' attempts itself, so it
+            # prefetches.
+            prefetch=1,
         )
         try:
             self._workers.start_all()
