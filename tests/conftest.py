@@ -7,6 +7,7 @@ this test run's segments (and semaphores) from anyone else's in /dev/shm.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +18,13 @@ import pytest
 import shmchan
 
 DEV_SHM = "/dev/shm"
+
+# A test run started in the background by a non-interactive shell (`cmd &`, nohup, some CI
+# runners) inherits SIGINT ignored, and so would every child it starts: the tests that
+# press Ctrl-C on `stat --watch` or the demo would wait for an exit that never comes.
+# A handler here (not inherited across exec) gives children the default disposition.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _tag() -> str:
