@@ -11,6 +11,7 @@ cost (a backlog of 100 000 took 13 s before; the eager window, forever).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -286,10 +287,11 @@ def _first_record_state(name: str) -> int:
 REC_WRITING = 1
 
 
+@contextlib.contextmanager
 def frozen_mid_send(make_channel, keys=("big",)):
     """A fresh channel whose first record is producer A's big message, A stopped
-    (SIGSTOP) while it copies the payload. Returns (channel, A); retried until the stop
-    lands inside the copy."""
+    (SIGSTOP) while it copies the payload. Yields (channel, A), and kills A on the way
+    out if it still lives; retried until the stop lands inside the copy."""
     for _ in range(8):
         ch = make_channel(capacity=2 * BIG)
         ready = CTX.Event()
@@ -303,7 +305,13 @@ def frozen_mid_send(make_channel, keys=("big",)):
         os.kill(a.pid, signal.SIGSTOP)
         os.waitid(os.P_PID, a.pid, os.WSTOPPED | os.WNOWAIT)
         if _first_record_state(ch.name) == REC_WRITING:
-            return ch, a
+            try:
+                yield ch, a
+            finally:
+                if a.is_alive():
+                    a.kill()
+                    a.join(WAIT)
+            return
         os.kill(a.pid, signal.SIGKILL)  # the copy was done already: try again
         a.join(WAIT)
     pytest.skip("could not stop the producer inside its copy")
@@ -312,8 +320,7 @@ def frozen_mid_send(make_channel, keys=("big",)):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("order", ["fifo", "eager"])
 def test_a_frozen_producer_holds_up_only_messages_on_its_keys(make_channel, order):
-    ch, a = frozen_mid_send(lambda **kw: make_channel(order=order, **kw))
-    try:
+    with frozen_mid_send(lambda **kw: make_channel(order=order, **kw)) as (ch, a):
         rx = ch.receiver()
         with ch.sender() as tx:  # producer B
             others = [tx.send(i, keys=f"other{i % 3}") for i in range(30)]
@@ -337,17 +344,12 @@ def test_a_frozen_producer_holds_up_only_messages_on_its_keys(make_channel, orde
         a.join(WAIT)
         assert a.exitcode == 0
         rx.close()
-    finally:
-        if a.is_alive():
-            a.kill()
-            a.join(WAIT)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("order", ["fifo", "eager"])
 def test_a_producer_killed_while_frozen_mid_send_frees_its_keys(make_channel, order):
-    ch, a = frozen_mid_send(lambda **kw: make_channel(order=order, **kw))
-    try:
+    with frozen_mid_send(lambda **kw: make_channel(order=order, **kw)) as (ch, a):
         rx = ch.receiver()
         with ch.sender() as tx:
             other = tx.send(b"other", keys="other")
@@ -368,17 +370,12 @@ def test_a_producer_killed_while_frozen_mid_send_frees_its_keys(make_channel, or
         assert ch.stats().discarded == 1
         assert rx.try_recv() is None
         rx.close()
-    finally:
-        if a.is_alive():
-            a.kill()
-            a.join(WAIT)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("order", ["fifo", "eager"])
 def test_a_frozen_producers_keyless_message_holds_up_nothing(make_channel, order):
-    ch, a = frozen_mid_send(lambda **kw: make_channel(order=order, **kw), keys=())
-    try:
+    with frozen_mid_send(lambda **kw: make_channel(order=order, **kw), keys=()) as (ch, a):
         rx = ch.receiver()
         with ch.sender() as tx:
             later = [tx.send(i) for i in range(5)]
@@ -392,7 +389,3 @@ def test_a_frozen_producers_keyless_message_holds_up_nothing(make_channel, order
             assert h.keys == () and len(h.data) == BIG
         a.join(WAIT)
         rx.close()
-    finally:
-        if a.is_alive():
-            a.kill()
-            a.join(WAIT)

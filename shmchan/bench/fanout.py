@@ -98,30 +98,22 @@ def _run_fanout(run: Run) -> None:
                         samples[how].append(k * n / elapsed)
                     run.progress.step(f"fanout to {k}: {how}")
             label = f"fan-out to {k} channel{'s' if k > 1 else ''}, 64 B"
-            run.results.append(
-                Result(
-                    f"fanout_{k}",
-                    label,
-                    SHMCHAN,
-                    "msg/s",
-                    True,
-                    samples[SHMCHAN],
-                    note="Exchange.publish, all or nothing; copies per second",
-                    checked=k * messages * run.sizes.reps,
+            for system, note in (
+                (SHMCHAN, "Exchange.publish, all or nothing; copies per second"),
+                (BY_HAND, "one Sender.send per channel, by hand: no atomicity"),
+            ):
+                run.results.append(
+                    Result(
+                        f"fanout_{k}",
+                        label,
+                        system,
+                        "msg/s",
+                        True,
+                        samples[system],
+                        note=note,
+                        checked=k * messages * run.sizes.reps,
+                    )
                 )
-            )
-            run.results.append(
-                Result(
-                    f"fanout_{k}",
-                    label,
-                    BY_HAND,
-                    "msg/s",
-                    True,
-                    samples[BY_HAND],
-                    note="one Sender.send per channel, by hand: no atomicity",
-                    checked=k * messages * run.sizes.reps,
-                )
-            )
 
 
 def _steps(sizes: Sizes, nsys: int) -> int:
