@@ -796,6 +796,13 @@ class _Core:
         if cancel_futures:
             for task in list(self.tasks.values()):
                 task.cancel()  # only those not yet running are cancelled
+        # Wake a manager waiting for tasks, so that it closes down now rather than at its
+        # next tick: a message for task id 0, which no task has, so dispatch drops it. A
+        # full task channel needs no wake-up (the manager is busy taking from it). Best
+        # effort: without it the manager still notices within its tick.
+        with contextlib.suppress(errors.Error):
+            self.tx.send(TASK_HEADER.pack(0, 0, 0, CALL), timeout=0)
+            self.wake()
 
     # -- the manager thread ------------------------------------------------------------
     def run(self) -> None:
@@ -815,7 +822,7 @@ class _Core:
             busy = self.collect(0)
             busy |= self.dispatch(0)
             now = time.monotonic()
-            if now >= next_check:
+            if now >= next_check or self.shutdown_requested:
                 next_check = now + _TICK
                 if self.housekeeping():
                     return

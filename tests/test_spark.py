@@ -348,6 +348,27 @@ def test_process_keyed_equals_a_serial_replay(spark: SparkSession, tmp_path: Any
     assert sorted(tuple(r)[: len(columns)] for r in got) == sorted(rows)
 
 
+def test_the_bench_function_counts_each_keys_rows_in_order(
+    spark: SparkSession, tmp_path: Any
+) -> None:
+    """`bench --only spark` compares process_keyed with Spark's recipe through Position:
+    each row's result is its place among its key's rows, in id order, on both sides."""
+    from pyspark.sql import functions as F
+
+    from shmchan.bench import spark as sb
+
+    keys = 13
+    df = spark.range(400).select("id", F.concat(F.lit("k"), F.col("id") % keys).alias("key"))
+    want = {i: i // keys for i in range(400)}
+    for name, run in (
+        ("keyed", lambda fn: sb._keyed(df, fn)),
+        ("recipe", lambda fn: sb._recipe(df, fn, 3)),
+    ):
+        directory = tmp_path / name
+        directory.mkdir()
+        assert run(sb.Position(str(directory), keys)) == want, name
+
+
 class Trace:
     """Records when each row ran (start, end, pid) and where (task_context())."""
 

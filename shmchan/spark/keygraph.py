@@ -151,18 +151,23 @@ def components(df: DataFrame, keys_col: str, *, driver_threshold: int | None = N
     started = time.perf_counter()
     ids = df.select(key_ids(df, keys_col).alias("ids")).where(F.size("ids") > 1)
     edges = ids.select(F.array_min("ids").alias("lo"), F.explode("ids").alias("hi"))
-    edges = _materialize(edges.where("hi != lo").select("hi", "lo").distinct())
-    count = edges.count()
-    spark = df.sparkSession
-    schema = f"{_VERTEX} bigint, {_LABEL} bigint"
-    if count <= threshold:
-        pairs = _union_find((row.hi, row.lo) for row in edges.toLocalIterator())
-        labels = spark.createDataFrame(pairs, schema)
-        info = ComponentsInfo("driver", 0, count, time.perf_counter() - started)
-    else:
-        edges, rounds = _star_rounds(edges)
-        labels = edges.toDF(_VERTEX, _LABEL)
-        info = ComponentsInfo("spark", rounds, count, time.perf_counter() - started)
+    # Kept in memory for as long as it takes to count it and, on the driver path, collect
+    # it: one pass over `df` either way, and no checkpoint unless the rounds need one.
+    edges = edges.where("hi != lo").select("hi", "lo").distinct().persist()
+    try:
+        count = edges.count()
+        spark = df.sparkSession
+        schema = f"{_VERTEX} bigint, {_LABEL} bigint"
+        if count <= threshold:
+            pairs = _union_find((row.hi, row.lo) for row in edges.collect())
+            labels = spark.createDataFrame(pairs, schema)
+            info = ComponentsInfo("driver", 0, count, time.perf_counter() - started)
+        else:
+            stars, rounds = _star_rounds(_materialize(edges))
+            labels = stars.toDF(_VERTEX, _LABEL)
+            info = ComponentsInfo("spark", rounds, count, time.perf_counter() - started)
+    finally:
+        edges.unpersist()
     log.info(
         "components of %r: %s, %d edges, %d rounds, %.2f s",
         keys_col,
