@@ -1,7 +1,8 @@
-# Only what pyproject.toml cannot say: the two compiled modules.
-#   _shmchan_core  the C core, through cffi (csrc/build_ffi.py)
-#   _shmchan_hot   the per-message calls as CPython types (csrc/hotpath.c); it calls the
-#                  core through function pointers taken from _shmchan_core at import
+# Only what pyproject.toml cannot say: the three compiled modules.
+#   _shmchan_core    the C core, through cffi (csrc/build_ffi.py)
+#   _shmchan_hot     the per-message calls as CPython types (csrc/hotpath.c); it calls the
+#                    core through function pointers taken from _shmchan_core at import
+#   _shmchan_chunks  KeyedExecutor.map's per-item chunk bookkeeping (csrc/chunks.c)
 from setuptools import Extension, setup
 
 setup(
@@ -14,6 +15,11 @@ setup(
             depends=["csrc/shmchan.h"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
-        )
+        ),
+        Extension(
+            "_shmchan_chunks",
+            sources=["csrc/chunks.c"],
+            extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        ),
     ],
 )

@@ -42,7 +42,6 @@ import collections
 import contextlib
 import itertools
 import multiprocessing
-import operator
 import os
 import pickle
 import re
@@ -55,6 +54,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Executor, Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
+
+from _shmchan_chunks import one_key_chunks, pick, scatter
 
 from . import _worker, errors, liveness
 from ._worker import (
@@ -524,8 +525,7 @@ class _MapBatch:
         first item whose value is a _Raised, if any."""
         assert self.owners is not None
         results = self.results
-        for index, value in zip(self.owners[chunk], values, strict=True):
-            results[index] = value
+        scatter(results, self.owners[chunk], values)
         if raised is not None:
             self.raised_at = min(self.raised_at, raised)
         done, order, p = self._done, self._order, self._next
@@ -1090,19 +1090,6 @@ def _key_tuples(raw: list[Any]) -> list[tuple[Any, ...]]:
     return [_as_keys(k) for k in raw]
 
 
-def _single_key_chunks(raw: list[Any], size: int) -> list[list[int]] | None:
-    """_chunks for items with one key each (an int, str or bytes; None otherwise): each
-    key's items in input order, cut every `size`, listed round by round (every key's
-    first chunk, then every key's second, ...)."""
-    if not set(map(type, raw)) <= _ONE_KEY:
-        return None
-    groups: dict[Any, list[int]] = {k: [] for k in dict.fromkeys(raw)}  # first seen first
-    for i, k in enumerate(raw):
-        groups[k].append(i)
-    cuts = [[g[j : j + size] for j in range(0, len(g), size)] for g in groups.values()]
-    return [c for rnd in itertools.zip_longest(*cuts) for c in rnd if c is not None]
-
-
 def _chunks(key_lists: list[tuple[Any, ...]], size: int) -> list[list[int]]:
     """Group item indices into chunks of at most `size` items with the same keys, listed
     in an order that keeps every key's items in input order.
@@ -1234,17 +1221,14 @@ class KeyedExecutor(Executor):
                 owners = [list(range(i, min(i + chunksize, n))) for i in range(0, n, chunksize)]
                 chunk_keys: list[tuple[Any, ...]] = [()] * len(owners)
             else:
-                owners = _single_key_chunks(raw, chunksize)
+                owners = one_key_chunks(raw, chunksize)
                 if owners is not None:
                     chunk_keys = [(raw[idxs[0]],) for idxs in owners]
                 else:
                     key_lists = [_as_keys(k) for k in raw]
                     owners = _chunks(key_lists, chunksize)
                     chunk_keys = [key_lists[idxs[0]] for idxs in owners]
-            args = [
-                operator.itemgetter(*idxs)(items) if len(idxs) > 1 else (items[idxs[0]],)
-                for idxs in owners
-            ]
+            args = [pick(items, idxs) for idxs in owners]
             key_tuples = chunk_keys
             kind = CHUNK if single else CHUNK_STAR
         del items, raw

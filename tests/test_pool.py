@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -632,14 +633,26 @@ def test_chunks_keep_every_keys_items_in_input_order() -> None:
             assert seen == sorted(seen)
 
 
+def _one_key_chunks_model(raw: list[Any], size: int) -> list[list[int]] | None:
+    """What csrc/chunks.c's one_key_chunks must give, in plain Python."""
+    if not all(type(k) in (int, str, bytes) for k in raw):
+        return None
+    groups: dict[tuple[type, Any], list[int]] = {}
+    for i, k in enumerate(raw):
+        groups.setdefault((type(k), k), []).append(i)
+    cuts = [[g[j : j + size] for j in range(0, len(g), size)] for g in groups.values()]
+    return [c for rnd in itertools.zip_longest(*cuts) for c in rnd if c is not None]
+
+
 def test_single_key_chunks_keep_every_keys_items_in_input_order() -> None:
-    from shmchan.pool import _single_key_chunks
+    from _shmchan_chunks import one_key_chunks
 
     rng = random.Random(7)
-    for _ in range(200):
-        raw = [rng.choice([0, 1, 2, "a", "b", b"a"]) for _ in range(rng.randint(1, 80))]
+    for _ in range(300):
+        raw = [rng.choice([0, 1, 2, 300, "a", "b", b"a", 2**70]) for _ in range(rng.randint(0, 80))]
         size = rng.randint(1, 9)
-        chunks = _single_key_chunks(raw, size)
+        chunks = one_key_chunks(raw, size)
+        assert chunks == _one_key_chunks_model(raw, size)
         assert chunks is not None
         assert sorted(i for c in chunks for i in c) == list(range(len(raw)))
         for chunk in chunks:
@@ -649,9 +662,34 @@ def test_single_key_chunks_keep_every_keys_items_in_input_order() -> None:
             seen = [i for c in chunks for i in c if raw[i] == key and type(raw[i]) is type(key)]
             assert seen == sorted(seen)
     # anything but one plain key per item takes the general way (_chunks)
-    assert _single_key_chunks([1, (1, 2)], 2) is None
-    assert _single_key_chunks([1, True], 2) is None
-    assert _single_key_chunks([1, None], 2) is None
+    assert one_key_chunks([1, (1, 2)], 2) is None
+    assert one_key_chunks([1, True], 2) is None
+    assert one_key_chunks([1, None], 2) is None
+    with pytest.raises(ValueError, match="size must be at least 1"):
+        one_key_chunks([1], 0)
+    with pytest.raises(TypeError):
+        one_key_chunks((1, 2), 2)  # a list, not any sequence
+
+
+def test_chunk_pick_and_scatter_check_every_index() -> None:
+    from _shmchan_chunks import pick, scatter
+
+    items = ["a", "b", "c", "d"]
+    assert pick(items, [3, 0, 0]) == ("d", "a", "a")
+    assert pick(items, []) == ()
+    results: list[Any] = [None] * 4
+    scatter(results, [2, 0], ["x", "y"])
+    assert results == ["y", None, "x", None]
+    for bad in ([4], [-1], [2**70]):
+        with pytest.raises((IndexError, OverflowError)):
+            pick(items, bad)
+        with pytest.raises((IndexError, OverflowError)):
+            scatter(results, [0, *bad], [1, 2])
+        assert results == ["y", None, "x", None]  # a bad index changes nothing
+    with pytest.raises(TypeError, match="indices must be ints"):
+        pick(items, ["0"])
+    with pytest.raises(ValueError, match="2 indices but 1 values"):
+        scatter(results, [0, 1], [1])
 
 
 def test_map_in_chunks_of_several_iterables_and_without_keys() -> None:
