@@ -369,13 +369,20 @@ class _Workers:
         return sum(self.budget(w) for w in self.slots if w is not None)
 
     def give(self, batch: list[tuple[Handle, int]]) -> list[tuple[Handle, int]]:
-        """Hand each (handle, task id) to a worker: evenly over those with room, in runs
-        (one pipe write per worker). Returns those no worker had room for."""
+        """Hand each (handle, task id) to a worker: evenly over those with room, the
+        least loaded first, in runs (one pipe write per worker). Returns those no worker
+        had room for.
+
+        Least loaded first: tasks often come one at a time (each result frees a key,
+        and the next task on it follows), and each must go where it runs soonest, not to
+        the first worker with room, which would queue them all behind one another there
+        while the other workers sit idle."""
         todo = batch
         while todo:
             open_ = [(b, w) for w in self.slots if w is not None and (b := self.budget(w)) > 0]
             if not open_:
                 return todo  # a worker died since the room was counted
+            open_.sort(key=lambda bw: bw[0], reverse=True)  # most room first (stable)
             share = -(-len(todo) // len(open_))  # ceil
             for room, w in open_:
                 items, todo = todo[: min(share, room)], todo[min(share, room) :]
