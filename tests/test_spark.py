@@ -447,10 +447,28 @@ def test_a_killed_task_leaves_no_channels_behind(spark: SparkSession, tmp_path: 
     assert not left & set(shmchan.list_channels())
 
 
+def test_process_keyed_runs_one_partition_per_core_unless_told(spark: SparkSession) -> None:
+    """Each partition is a Spark task that starts its own worker processes: by default
+    as many as Spark has cores (defaultParallelism), not spark.sql.shuffle.partitions."""
+    df = spark.range(60).selectExpr("id", "concat('k', id % 7) as k")
+    before = spark.conf.get("spark.sql.shuffle.partitions")
+    spark.conf.set("spark.sql.shuffle.partitions", "50")
+    try:
+        out = ss.process_keyed(df, "k", str, "id", workers_per_task=2)
+        assert out.rdd.getNumPartitions() == spark.sparkContext.defaultParallelism
+        three = ss.process_keyed(df, "k", str, "id", workers_per_task=2, num_partitions=3)
+        assert three.rdd.getNumPartitions() == 3
+        assert sorted(r.result for r in three.collect()) == sorted(str(r) for r in df.collect())
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", before)
+
+
 def test_process_keyed_refuses_bad_arguments(spark: SparkSession) -> None:
     df = spark.createDataFrame([(1, "a")], "id long, k string")
     with pytest.raises(ValueError, match="workers_per_task"):
         ss.process_keyed(df, "k", str, "id", workers_per_task=0)
+    with pytest.raises(ValueError, match="num_partitions"):
+        ss.process_keyed(df, "k", str, "id", num_partitions=0)
     with pytest.raises(ss.ColumnError):
         ss.process_keyed(df, "nope", str, "id")
     with pytest.raises(ss.ColumnError, match="result"):
