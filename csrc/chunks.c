@@ -7,7 +7,7 @@
  * 86, building the chunks' argument tuples 33, putting results back 54; measured on
  * 200 000 items), more than the workers spent running a trivial function. These three
  * loops are all this module does; what a chunk is and how it runs stays in
- * shmchan/pool.py:
+ * shmchan/pool/executor.py:
  *
  *   one_key_chunks(keys, size) -> list[list[int]] | None
  *       For items with one key each (keys[i] an int, str or bytes, exactly: a bool or a

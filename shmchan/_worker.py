@@ -1,4 +1,4 @@
-"""The worker processes of KeyedExecutor and KeyedPool (shmchan/pool.py).
+"""The worker processes of KeyedExecutor and KeyedPool (shmchan/pool/).
 
 A worker is handed key-locked handles by its manager (the pool's process, which is the
 channel's receiver). The handles travel by pickling through a pipe that carries nothing

@@ -616,7 +616,7 @@ def test_pool_logs_the_handlers_exception(
 
 
 def test_chunks_keep_every_keys_items_in_input_order() -> None:
-    from shmchan.pool import _chunks
+    from shmchan.pool.executor import _chunks
 
     rng = random.Random(5)
     for _ in range(200):

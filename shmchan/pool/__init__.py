@@ -1,0 +1,52 @@
+"""KeyedExecutor and KeyedPool: worker processes with the key-lock promise, crash-proof.
+
+Work that shares a key never runs at the same time and runs in submission order, even
+when a worker process is killed: both classes are built on a channel's key-locked
+handles (its public API only), and a worker holds a task's handle until it is done.
+
+KeyedExecutor's data flow (one manager thread owns every piece of bookkeeping; the
+caller's threads only register futures and send task messages):
+
+    caller: submit / map                  manager thread                 worker processes
+      Future into `tasks`,
+      task message (task id + pickled fn, args) with the user's keys
+        --> [task channel] --recv_many: handles whose keys are free and whose
+                                        predecessors on them finished-->
+                                          dispatch: handle references (hand_over)
+                                             --pipe--> reader thread adopts them
+                                                       main thread: run fn
+        [result channel] <------------------ result message (task id + pickled value)
+      futures resolved <-- recv_many, release_many              then release the task's
+                                                                handle: its keys go to
+                                                                the next task in line
+
+A worker that dies (any exit, signal, OOM kill) still holds, or was about to adopt, the
+handles it was given. The manager sees the death, nacks them (the channel redelivers
+each with attempt + 1 ahead of everything behind it on its keys, so the keys are never
+free in between), replaces the worker, and runs them again. The task that was running
+when its worker died counts an attempt; after `max_attempts` its future fails with
+WorkerDied (TaskTimeout if the last attempt ran past task_timeout) and its handle is
+released. Nothing else is lost and the executor keeps working.
+
+KeyedPool serves an existing named channel instead: the pool's process is its receiver,
+the same workers run handler(payload, keys) for every message, a return releases the
+handle and an exception nacks it (the channel's own max_attempts / dead letters apply).
+
+The channels an executor creates are named `kx-<creator token>-<n>-tasks|results`;
+they are unlinked at shutdown, and a new executor unlinks those of dead creators.
+"""
+
+from __future__ import annotations
+
+from .executor import KeyedExecutor
+from .keyedpool import KeyedPool
+from .stats import ExecutorStats, PoolStats, RemoteTraceback, WorkerStats
+
+__all__ = [
+    "KeyedExecutor",
+    "KeyedPool",
+    "ExecutorStats",
+    "PoolStats",
+    "WorkerStats",
+    "RemoteTraceback",
+]

@@ -1,0 +1,126 @@
+"""What KeyedExecutor and KeyedPool share: tuning constants and small helpers
+(keys, pickling, start methods, exit statuses, cleaning up after dead executors)."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import pickle
+import re
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+from .. import errors, liveness
+from ..channel import list_channels, unlink
+
+_TICK = 0.05  # the manager's longest sleep: deaths and timeouts are noticed this fast
+_SHUT_TICK = 0.002  # a KeyedPool's wait on a channel that was shut down
+_BATCH = 256  # handles taken from a channel per call
+_CHUNK_BATCH = 8  # map chunks sent per call
+_PREFETCH = 32  # handles a worker may have in hand (running and waiting) at once
+_STOP_GRACE = 5.0  # seconds a stopped worker gets to exit before it is killed
+_CAPACITY = 32 << 20  # default bytes of each of an executor's two channels
+_NAME_RE = re.compile(r"kx-([0-9a-f]+)-(\d+)-(tasks|results)")
+_names = itertools.count()
+
+
+def _as_keys(keys: object) -> tuple[Any, ...]:
+    """A task's keys as a tuple: one str / bytes / int is one key, None is none."""
+    if keys is None:
+        return ()
+    if isinstance(keys, (str, bytes, int)):
+        return (keys,)
+    if isinstance(keys, tuple):
+        return keys
+    if isinstance(keys, Iterable):
+        return tuple(keys)
+    raise TypeError(
+        f"keys must be a str, bytes, int or an iterable of them, not {type(keys).__name__}"
+    )
+
+
+def _name_of(fn: object) -> str:
+    mod = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if name is None:
+        return repr(fn)
+    return f"{mod}.{name}" if mod else str(name)
+
+
+def _dumps(obj: object, what: str, fn: object) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=5)
+    except Exception as e:
+        raise errors.TaskNotPicklable(
+            f"{what} of the task {_name_of(fn)}(...) cannot be pickled, and tasks travel "
+            f"to the worker processes by "
+            f"pickling ({type(e).__name__}: {e}); use a function defined at module level "
+            "and picklable arguments"
+        ) from e
+
+
+def _context(mp_context: Any) -> Any:
+    if mp_context is None:
+        return multiprocessing.get_context()
+    if isinstance(mp_context, str):
+        return multiprocessing.get_context(mp_context)
+    return mp_context
+
+
+def _oom_kills() -> tuple[int, int]:
+    """(the cgroup's oom_kill count, the kernel's), -1 where unreadable."""
+    cgroup = kernel = -1
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    path = "/sys/fs/cgroup" + line[3:].strip() + "/memory.events"
+                    with open(path) as ev:
+                        for row in ev:
+                            if row.startswith("oom_kill "):
+                                cgroup = int(row.split()[1])
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/vmstat") as f:
+            for row in f:
+                if row.startswith("oom_kill "):
+                    kernel = int(row.split()[1])
+    except (OSError, ValueError):
+        pass
+    return cgroup, kernel
+
+
+def _exit_status(exitcode: int | None, oom_before: tuple[int, int]) -> str:
+    """How a worker process ended, for an error message."""
+    if exitcode is None:
+        return "vanished"
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = str(-exitcode)
+    text = f"was killed by signal {name}"
+    if -exitcode == signal.SIGKILL:
+        after = _oom_kills()
+        raised = [
+            what
+            for what, b, a in zip(("cgroup", "kernel"), oom_before, after, strict=True)
+            if b >= 0 and a > b
+        ]
+        if raised:
+            text += f", likely OOM-killed (the {' and '.join(raised)} oom_kill counter rose)"
+    return text
+
+
+def _reap_dead_executors() -> None:
+    """Unlink channels left behind by executors whose process died."""
+    for name in list_channels():
+        m = _NAME_RE.fullmatch(name)
+        if m and not liveness.is_alive(int(m.group(1), 16)):
+            try:
+                unlink(name)
+            except errors.ChannelNotFound:
+                pass  # another process cleaned it first

@@ -1,0 +1,206 @@
+"""KeyedPool: worker processes serving an existing named channel."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import _worker, errors, liveness
+from .._worker import (
+    FINISHED,
+    SLOT,
+)
+from ..channel import Channel, Handle
+from .common import _BATCH, _SHUT_TICK, _TICK, _context
+from .stats import PoolStats
+from .workers import _Worker, _Workers
+
+
+class KeyedPool:
+    """Worker processes serving an existing named channel: handler(payload, keys) for
+    every message outside producers send to it. A return releases the message's handle,
+    an exception is logged and nacks it (the channel's max_attempts / dead letters
+    apply), a worker that dies is replaced and its messages are redelivered.
+
+    `close()` stops taking messages and lets the workers finish what the pool holds;
+    `terminate()` kills them and gives back what they held; `join()` waits for either.
+    The pool also ends once the channel is shut down and drained. This process is the
+    channel's receiver meanwhile (ReceiverBusy if another live one exists)."""
+
+    def __init__(
+        self,
+        name: str,
+        handler: Callable[[Any, tuple[Any, ...]], object],
+        processes: int | None = None,
+        mp_context: Any = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+    ) -> None:
+        if not callable(handler):
+            raise TypeError(f"handler must be callable, not {type(handler).__name__}")
+        if processes is None:
+            processes = len(os.sched_getaffinity(0)) or 1
+        if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+            raise ValueError(f"processes must be a positive int, got {processes!r}")
+        ctx = _context(mp_context)  # (an unpicklable handler fails in Process.start)
+        self._lock = threading.Lock()
+        self._closing = False
+        self._terminating = False
+        self._held: collections.deque[Handle] = collections.deque()
+        self._failed_before = 0
+        self._redelivered = 0
+        self._shut_down = False  # the channel was shut down (seen at housekeeping)
+        self._ch = Channel.open(name)
+        try:
+            self._rx = self._ch.receiver()
+        except BaseException:
+            self._ch.close()
+            raise
+        self._workers = _Workers(
+            ctx,
+            processes,
+            _worker.pool_worker,
+            (handler, liveness.current_token(), initializer, tuple(initargs)),
+            None,
+            # One message per worker at a time: a worker that dies gives back what it
+            # holds by the channel's redelivery, which counts an attempt (the channel's
+            # max_attempts applies); a message merely waiting in a dead worker's hands
+            # must not be charged one (it could reach the dead letters without ever
+            # having run). The executor counts its tasks' attempts itself, so it
+            # prefetches.
+            prefetch=1,
+        )
+        try:
+            self._workers.start_all()
+        except BaseException:
+            self._workers.shut(kill=True)
+            self._rx.close()
+            self._ch.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="shmchan-KeyedPool", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop taking messages; the workers finish what the pool holds, then exit."""
+        self._closing = True
+
+    def terminate(self) -> None:
+        """Kill the workers now; what they held goes back to the channel (attempt + 1)."""
+        self._terminating = True
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the pool has stopped (after close(), terminate(), or the channel's
+        shutdown and drain), at most `timeout` seconds; True if it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def __enter__(self) -> KeyedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self.join()
+
+    def stats(self) -> PoolStats:
+        """Messages queued in the channel, held by the pool, handled, failed; workers."""
+        st = self._ch.stats() if self._ch._seg is not None else None
+        workers = self._workers.stats()
+        finished = sum(w.finished for w in workers)
+        failed = self._failed_before + sum(
+            int(self._workers.words[SLOT * w.index + _worker.FAILED]) for w in self._workers.live()
+        )
+        words = self._workers.words
+        running = len(self._held) + sum(
+            max(w.taken - words[SLOT * w.index + FINISHED], 0) for w in self._workers.live()
+        )
+        return PoolStats(
+            queued=st.queued if st is not None else 0,
+            running=running,
+            handled=max(finished - failed, 0),
+            failed=failed,
+            redelivered=self._redelivered,
+            held_keys=st.held_keys if st is not None else 0,
+            workers=workers,
+        )
+
+    # -- the manager thread ------------------------------------------------------------
+    def _run(self) -> None:
+        workers = self._workers
+        drained = False
+        next_check = 0.0
+        try:
+            while not self._terminating:
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + _TICK
+                    self._housekeeping()
+                workers.refresh()  # the workers released those themselves
+                self._give()
+                stopping = self._closing or drained
+                if stopping:
+                    if not self._held and all(w.taken == w.finished for w in workers.live()):
+                        break
+                    time.sleep(0.001)
+                    continue
+                if self._held:
+                    time.sleep(0.0005)  # every worker is full: wait for one to finish one
+                    continue
+                room = max(workers.capacity(), 1)
+                # (A receiver waiting on a shut-down channel is not woken by releases:
+                # poll it more often then.)
+                wait = _SHUT_TICK if self._shut_down else _TICK
+                try:
+                    self._held.extend(self._rx.recv_many(min(room, _BATCH), timeout=wait))
+                except errors.Empty:
+                    pass
+                except errors.Closed:
+                    # Shut down and everything handed out; but a nacked message, or one
+                    # whose worker died, comes back: done only once nothing is out.
+                    st = self._ch.stats()
+                    if st.inflight == 0 and st.queued == 0:
+                        drained = True
+                    else:
+                        time.sleep(0.005)
+        finally:
+            self._stop()
+
+    def _give(self) -> None:
+        room = self._workers.capacity()
+        if room and self._held:
+            batch = [(self._held.popleft(), 0) for _ in range(min(room, len(self._held)))]
+            self._workers.give(batch)
+
+    def _housekeeping(self) -> None:
+        if not self._shut_down:
+            self._shut_down = self._ch.stats().shutdown
+        for w, _code, _seq in self._workers.ended():
+            self._count_failed(w)
+            for h, _ in w.given:
+                h.nack()  # a no-op for those already released or revoked
+                self._redelivered += 1
+            w.given.clear()
+            if not (self._closing or self._terminating):
+                self._workers.start(w.index)
+
+    def _count_failed(self, w: _Worker) -> None:
+        self._failed_before += int(self._workers.words[SLOT * w.index + _worker.FAILED])
+
+    def _stop(self) -> None:
+        workers = self._workers
+        kill = self._terminating
+        for w in workers.live():
+            if kill:
+                w.process.kill()
+        workers.shut(kill=kill)
+        for w in workers.live():
+            for h, _ in w.given:
+                h.nack()
+            w.given.clear()
+        while self._held:
+            self._held.popleft().nack()
+        self._rx.close()
+        self._ch.close()

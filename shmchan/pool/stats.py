@@ -1,0 +1,73 @@
+"""The snapshots stats() returns, and the traceback of an exception raised in a worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RemoteTraceback(Exception):
+    """The traceback, as text, of an exception raised in a worker process; set as the
+    `__cause__` of the exception a future raises, so that it is printed with it."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker process, as the manager last saw it."""
+
+    pid: int | None
+    """Its process id (None before it started)."""
+    state: str
+    """"idle", "busy" (running a task), "stopping" or "dead" (about to be replaced)."""
+    finished: int
+    """Tasks (or messages) it finished, ever."""
+    started: float | None
+    """How long the task it runs has been running, in seconds (None when not busy)."""
+
+
+@dataclass(frozen=True)
+class ExecutorStats:
+    """A snapshot of a KeyedExecutor."""
+
+    queued: int
+    """Tasks submitted and not yet handed to a worker (waiting for keys included)."""
+    running: int
+    """Tasks handed to a worker and not finished."""
+    done: int
+    """Tasks that finished with a result, ever."""
+    retried: int
+    """Times a task was handed to a worker again after a worker died, ever."""
+    failed: int
+    """Tasks that finished with an exception (theirs, WorkerDied or TaskTimeout), ever."""
+    cancelled: int
+    """Tasks cancelled before they ran, ever."""
+    held_keys: int
+    """Keys locked by tasks that are out of the task channel (running or about to)."""
+    workers: tuple[WorkerStats, ...]
+    """The worker processes."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a KeyedPool."""
+
+    queued: int
+    """Messages in the channel not yet handed out (waiting for keys included)."""
+    running: int
+    """Messages the pool holds: handed to a worker or about to be."""
+    handled: int
+    """Messages whose handler returned, ever."""
+    failed: int
+    """Handler calls that raised (the message was nacked), ever."""
+    redelivered: int
+    """Messages given back after their worker died, ever."""
+    held_keys: int
+    """Keys locked by the channel's in-flight handles."""
+    workers: tuple[WorkerStats, ...]
+    """The worker processes."""
