@@ -285,6 +285,16 @@ HOLDER_REVOKED = 1  # csrc/core.h: a slot's holder word once revocation has clai
 SLOT_INFLIGHT = 3
 
 
+def mark_dirty(name: str) -> None:
+    """Raise channel `name`'s dirty flag, as a receiver that died inside an update leaves
+    it: the next receiver must rebuild."""
+    fd = os.open(f"/dev/shm/shmchan.{name}", os.O_RDWR)
+    try:
+        os.pwrite(fd, (1).to_bytes(4, "little"), DIRTY_OFFSET)
+    finally:
+        os.close(fd)
+
+
 def consume_one_and_hold(name: str, results) -> None:
     with shmchan.Channel.open(name) as ch:
         rx = ch.receiver()
@@ -372,11 +382,7 @@ def test_rebuild_with_a_full_window_hands_out_each_message_once(make_channel):
         assert results.get(timeout=WAIT) == [hot[0], cold]
         os.kill(child.pid, signal.SIGKILL)
         child.join(WAIT)
-    fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDWR)
-    try:  # as if it died inside an update: the next receiver must rebuild
-        os.pwrite(fd, (1).to_bytes(4, "little"), DIRTY_OFFSET)
-    finally:
-        os.close(fd)
+    mark_dirty(ch.name)  # as if it died inside an update: the next receiver must rebuild
     seen: list[tuple[int, int]] = []
     with ch.receiver() as rx:
         while len(seen) < 41:
@@ -402,11 +408,7 @@ def test_rebuild_of_a_full_window_delivers_the_whole_backlog(make_channel, order
     ch = make_channel(max_messages=16, order=order)
     with ch.sender() as tx:
         seqs = [tx.send(b"x", keys="hot") for _ in range(40)]
-    fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDWR)
-    try:
-        os.pwrite(fd, (1).to_bytes(4, "little"), DIRTY_OFFSET)
-    finally:
-        os.close(fd)
+    mark_dirty(ch.name)
     got = []
     with ch.receiver() as rx:
         while len(got) < len(seqs):

@@ -322,7 +322,7 @@ def test_islands_survive_a_receiver_that_dies_inside_an_update(make_channel, nac
     # The receiver dies with an island in the ring (held by its own view, or nacked and
     # waiting behind head for its redelivery) and its dirty flag up, so its successor
     # rebuilds (recovery.c, islands.c): the message comes back once, from its island.
-    from test_crash import DIRTY_OFFSET
+    from test_crash import mark_dirty
 
     ch = make_channel(capacity=1 << 20)
     ch.sender().send(payload(0, 100_000), keys=("pinned",))
@@ -336,11 +336,7 @@ def test_islands_survive_a_receiver_that_dies_inside_an_update(make_channel, nac
         assert producer.exitcode == 0
         child.kill()
         child.join(WAIT)
-    fd = os.open(f"/dev/shm/shmchan.{ch.name}", os.O_RDWR)
-    try:  # as if it died inside an update: the next receiver must rebuild
-        os.pwrite(fd, (1).to_bytes(4, "little"), DIRTY_OFFSET)
-    finally:
-        os.close(fd)
+    mark_dirty(ch.name)  # as if it died inside an update: the next receiver must rebuild
     rx = ch.receiver()
     producer = CTX.Process(target=feed, args=(ch.name, 31, 61))
     with running(producer):
