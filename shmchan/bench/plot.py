@@ -55,7 +55,6 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = [r for r in report["results"]]
-    colors = COLORS
 
     def rows(pred: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
         return [r for r in results if pred(r)]
@@ -69,7 +68,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         xs = range(len(sel))
         med = [r["median"] for r in sel]
         err = [[r["median"] - r["min"] for r in sel], [r["max"] - r["median"] for r in sel]]
-        ax.bar(xs, med, yerr=err, capsize=3, color=[colors.get(r["system"], "#999") for r in sel])
+        ax.bar(xs, med, yerr=err, capsize=3, color=[COLORS.get(r["system"], "#999") for r in sel])
         ax.set_xticks(list(xs), [_short(r) for r in sel], rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
