@@ -134,15 +134,17 @@ static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
         if (finished(c, pos)) {
             if (run == 0) run_start = pos;
             run += len;
-        } else if (is_skip(c, pos)) {
+            pos += len;
+            continue;
+        }
+        if (n > 0 && run >= slide_room(longest, live, skips)) break; /* the gap G: [run_start, pos) */
+        if (is_skip(c, pos)) {
             /* a step over an island's bytes (islands.c): no copy may land on them, so a
              * gap never spans one; the records before it may still slide past it (the
              * skip ends inside a filler), but only all of them into G at once */
-            if (n > 0 && run >= slide_room(longest, live, skips)) break;
             skips += len;
             run = 0;
         } else {
-            if (n > 0 && run >= slide_room(longest, live, skips)) break; /* the gap G: [run_start, pos) */
             if (n == COMPACT_MAX_RECORDS || !movable(c, pos, len, &slots[n]) || slots[n] == NIL)
                 return 0;
             poss[n] = pos;

@@ -82,7 +82,7 @@ static int island_read(shm_chan *c, uint32_t i, uint64_t *pos, uint64_t *len) {
          * release fence in island_add (a re-use writes len only after end = 0). */
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if (LOAD_RELAXED(&e->end) != end) continue; /* re-used while we read */
-        if (l < REC_BODY || (l & 7u) || l > c->cap - REC_HDR || end < l) return 0;
+        if (l < REC_BODY || (l & 7u) || (end & 7u) || l > c->cap - REC_HDR || end < l) return 0;
         *pos = end - l;
         *len = l;
         return 1;

@@ -126,7 +126,10 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
     const uint64_t mine = OWNER_CLAIM(c->token);
     /* acquire: pairs with the release CAS in hint_raise. */
     uint64_t pos = LOAD_ACQUIRE(&h->tail_hint);
-    uint64_t head = c->cached_head;
+    /* acquire: pairs with the release stores of cached_head below (another thread of
+     * this process may have stored it), so the islands published before the head that
+     * thread acquired are visible to us too (see the island comment further down). */
+    uint64_t head = LOAD_ACQUIRE(&c->cached_head);
     uint64_t hops = 0;
     uint32_t spins = 0, restarts = 0;
     int stale = 0;
@@ -139,7 +142,7 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
              * positions; both are record boundaries at the time they are read. */
             /* acquire: pairs with the consumer's release store of head (ring_advance_head). */
             head = LOAD_ACQUIRE(&h->head);
-            c->cached_head = head;
+            STORE_RELEASE(&c->cached_head, head); /* pairs with the acquire load above */
             uint64_t hint = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
             pos = hint > head ? hint : head;
             hops = 0;
@@ -159,7 +162,7 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
             uint64_t need = (skip ? skip : pos + n) + REC_HDR;
             if (need > head + c->limit) {
                 uint64_t fresh = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
-                c->cached_head = fresh;
+                STORE_RELEASE(&c->cached_head, fresh); /* pairs with the acquire load above */
                 if (fresh == head) return SHM_FULL;
                 head = fresh; /* we may be stale, or fit now: look again */
                 continue;
@@ -170,6 +173,7 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
             if (CAS_SEQCST(&r->owner, &owner, mine)) {
                 uint64_t seq = LOAD_RELAXED(&r->seq); /* ordered by the CAS's acquire */
                 if (UNLIKELY(skip)) { /* a SKIP record over the island; claim again after it */
+                    if (!len_ok(c, skip - pos)) return SHM_E_CORRUPT; /* an island table gone bad */
                     prepare_successor(c, skip, seq); /* the seq passes on unchanged */
                     /* release: pairs with walkers' and ring_peek's acquire load of meta. */
                     STORE_RELEASE(&r->meta, META(skip - pos, REC_SKIP));

@@ -219,7 +219,9 @@ int shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_ch
     c->token = token;
     pthread_mutex_init(&c->rx_mu, NULL);
     if (create) init_segment(c, &L);
-    c->cached_head = LOAD_ACQUIRE(&c->hdr->head); /* pairs with ring_advance_head */
+    /* acquire: pairs with ring_advance_head; the release store pairs with claim's
+     * acquire load of cached_head (ring.c). */
+    STORE_RELEASE(&c->cached_head, LOAD_ACQUIRE(&c->hdr->head));
     *out = c;
     return SHM_OK;
 }
