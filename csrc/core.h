@@ -413,6 +413,7 @@ int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
 int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t final_state,
                      int *wake);
 int ring_advance_head(shm_chan *c);
+int ring_rewind(shm_chan *c);
 int space_wake_due(shm_chan *c, int idle);
 /* sched.c */
 int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out);

@@ -73,6 +73,26 @@
  * their acquire load in step 2. Head also passes an island: a record in flight pinned
  * by a zero-copy view, which stays where it is (islands.c); producers step over its
  * bytes (step 2) until its message is finished.
+ *
+ * Rewind (ring_rewind). Positions only grow, so a ring that is never full walks through
+ * all of its bytes: a 1 GiB channel carrying a trickle touches a fresh page every few
+ * dozen messages (a page fault in every process that writes or reads it, and cold cache
+ * lines), where a small one recycles the same warm pages. So when the receiver finds
+ * the ring empty (a poll with nothing to do, or a release that lets head catch up:
+ * nothing unread, nothing in flight before the tail, head = scan_pos = tail) and the
+ * tail lies at least REWIND_AT into its lap, it claims the tail itself
+ * for a SKIP record reaching to the lap's end (steps 3-5, as a producer would, the seq
+ * passed on unchanged) and moves scan_pos, ingest_pos and head past it. The next record
+ * starts at offset 0 again: the working set of a channel whose receiver keeps up stays
+ * about REWIND_AT, whatever its capacity. Nothing is lost: the skip holds no message
+ * and covers only bytes every process is done with (head had passed them, and islands in
+ * the way rule a rewind out), and free space is the same before and after (head and tail
+ * move together). A producer that lost the claim to the receiver walks over the SKIP like
+ * any record. Receiver killed mid-rewind: after its claim and before publishing the SKIP,
+ * a CLAIMED record naming a dead claimant, repaired like a producer's (shm_repair_claim:
+ * a discard record; the receiver checked room for one); after publishing it, a finished
+ * record that the next receiver's rebuild passes from head (recovery.c), whatever of
+ * scan_pos, ingest_pos and head it had moved.
  */
 #include <errno.h>
 #include <sched.h>
@@ -80,6 +100,8 @@
 #include "core.h"
 
 #define WALK_SPINS 2000u /* spins waiting for a claimant to publish its length */
+/* An empty ring this far into its lap starts again at offset 0 (ring_rewind). */
+#define REWIND_AT(c) ((c)->cap / 2 < (4u << 20) ? (c)->cap / 2 : (uint64_t)(4u << 20))
 
 void ring_init(shm_chan *c) {
     shm_record *r = rec_at(c, 0);
@@ -163,7 +185,17 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
             if (need > head + c->limit) {
                 uint64_t fresh = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
                 STORE_RELEASE(&c->cached_head, fresh); /* pairs with the acquire load above */
-                if (fresh == head) return SHM_FULL;
+                if (fresh == head) {
+                    /* A SKIP at head is passed by the receiver right after it is written
+                     * when it is a rewind (ring_rewind): give it those few instructions
+                     * before calling the ring full. acquire: pairs with its meta store. */
+                    if (++spins < WALK_SPINS &&
+                        META_STATE(LOAD_ACQUIRE(&rec_at(c, head)->meta)) == REC_SKIP) {
+                        CPU_RELAX();
+                        continue;
+                    }
+                    return SHM_FULL;
+                }
                 head = fresh; /* we may be stale, or fit now: look again */
                 continue;
             }
@@ -510,6 +542,40 @@ int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
     STORE_RELEASE(&r->meta, META(len, skip ? REC_SKIP : REC_DISCARDED));
     hint_raise(c, pos + len);
     return SHM_OK;
+}
+
+/* Receiver, when a poll found nothing to do or head caught up with the scan: rewind an
+ * empty ring to the start of its next lap (see the top of this file). 1 if it did. */
+int ring_rewind(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t pos = h->scan_pos, off = pos % c->cap; /* receiver-owned fields */
+    if (h->head != pos || off < REWIND_AT(c) || h->ingest_pos != pos || h->writing_n) return 0;
+    uint64_t end = pos + (c->cap - off);
+    if (end + REC_HDR > pos + c->limit || !len_ok(c, end - pos)) return 0; /* room, as claim() */
+    uint64_t first = 0;
+    if (island_skip(c, pos, end + REC_HDR, &first)) return 0; /* a view pins bytes there */
+    shm_record *r = rec_at(c, pos);
+    uint64_t owner = OWNER_EMPTY(pos);
+    /* relaxed: only a hint (a producer's claim there means the ring is not empty); the
+     * CAS below decides */
+    if (LOAD_RELAXED(&r->owner) != owner) return 0;
+    /* seq_cst: the claim, as in claim(): pairs with producers' CAS on the same word and
+     * with prepare_successor's release of EMPTY(pos). Losing it means a producer was
+     * quicker: the ring is not empty any more. */
+    if (!CAS_SEQCST(&r->owner, &owner, OWNER_CLAIM(c->token))) return 0;
+    uint64_t seq = LOAD_RELAXED(&r->seq); /* ordered by the CAS's acquire */
+    prepare_successor(c, end, seq);       /* the seq passes on unchanged */
+    /* release: pairs with walkers' acquire load of meta in claim() and ring_peek's. */
+    STORE_RELEASE(&r->meta, META(end - pos, REC_SKIP));
+    hint_raise(c, end);
+    /* The skip is finished as soon as it is written: the receiver takes it in and passes
+     * it at once (nothing of it is counted: skip_bytes covers [head, scan_pos), empty). */
+    h->scan_pos = end;
+    h->ingest_pos = end;
+    /* release: pairs with producers' acquire load of head in claim(), as in
+     * ring_advance_head. Free space is unchanged: tail and head both moved by end - pos. */
+    STORE_RELEASE(&h->head, end);
+    return 1;
 }
 
 /* Consumer side: look at the record at pos.

@@ -51,7 +51,7 @@ FULL = Sizes(
     parked=100_000,
     dispatch_messages=20_000,
     naive_dispatch_messages=200,
-    latency_samples=400,
+    latency_samples=1000,
     latency_gap=0.001,
     producers=(1, 2, 4),
 )

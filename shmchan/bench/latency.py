@@ -29,6 +29,7 @@ from shmchan.bench.producers import Job, Producers
 from shmchan.bench.registry import register
 from shmchan.bench.report import Result, Target, median_ratio
 
+CHUNK = 50  # pings a system takes in one turn
 
 def _run_latency(run: Run) -> None:
     sz = run.sizes
@@ -55,19 +56,26 @@ def _run_latency(run: Run) -> None:
         run.progress.step(f"{label}: started")
         for rep in range(-1, sz.reps):
             n = warmup_count(sz.latency_samples) if rep < 0 else sz.latency_samples
+            # The systems take turns, CHUNK pings at a time, each turn in a rotated order:
+            # a noisy stretch of the machine (a tail is a few samples) falls on all of
+            # them alike instead of on whichever ran through it.
+            lats: dict[str, list[float]] = {s: [] for s in systems}
+            for turn, start in enumerate(range(0, n, CHUNK)):
+                k = min(CHUNK, n - start)
+                for s in systems[turn % len(systems) :] + systems[: turn % len(systems)]:
+                    groups[s].go(k)
+                    try:
+                        with no_gc():
+                            lats[s] += ends[s].latencies(k, acks[s])
+                    except (queue.Empty, shmchan.Empty, posix_ipc.BusyError):
+                        why = groups[s].failure()
+                        raise BenchError(
+                            f"{s}: no ping for {TIMEOUT:g} s" + (f"\n{why}" if why else "")
+                        ) from None
+                    groups[s].wait_done()
             for s in systems:
-                groups[s].go(n)
-                try:
-                    with no_gc():
-                        lat = ends[s].latencies(n, acks[s])
-                except (queue.Empty, shmchan.Empty, posix_ipc.BusyError):
-                    why = groups[s].failure()
-                    raise BenchError(
-                        f"{s}: no ping for {TIMEOUT:g} s" + (f"\n{why}" if why else "")
-                    ) from None
-                groups[s].wait_done()
+                lat = sorted(lats[s])
                 if rep >= 0:
-                    lat.sort()
                     medians[s].append(statistics.median(lat))
                     p99s[s].append(lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)])
                 run.progress.step(f"{label}: {s}")
