@@ -11,7 +11,6 @@ offers afterwards, and every message's delivery with producers in other processe
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 

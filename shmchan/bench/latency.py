@@ -31,6 +31,7 @@ from shmchan.bench.report import Result, Target, median_ratio
 
 CHUNK = 50  # pings a system takes in one turn
 
+
 def _run_latency(run: Run) -> None:
     sz = run.sizes
     systems = [SHMCHAN, SEMAPHORE] + [s for s in (MPQ, FFIFO) if s in run.systems]
