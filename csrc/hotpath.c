@@ -81,7 +81,7 @@ static PyObject *exc_invalid, *exc_type;
 #define EXC_TYPE (exc_type ? exc_type : PyExc_TypeError)
 
 /* interned names of the Python-side slow paths */
-static PyObject *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_slow,
+static PyObject *s_maintain, *s_send_slow, *s_recv_slow, *s_recv_many_slow, *s_release_many_slow,
     *s_released, *s_payload_slow, *s_data_slow, *s_keys_slow;
 
 #define MAX_BATCH 65536u   /* messages one recv_many call takes at most */
@@ -1108,10 +1108,11 @@ static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int
 }
 
 /* recv's (and recv_many's) wait for the plain case, so that an idle receiver wakes
- * straight into C: the channel is empty (SHM_EMPTY), and neither maintenance nor the
- * deadline is due. Same protocol as Receiver._poll: spin a little, arm the eventcount
- * (shm_recv with arm_sleep re-checks after announcing the sleep), then sleep on the
- * semaphore, until a post, the deadline or the next maintenance. The GIL is released
+ * straight into C: the channel is empty (SHM_EMPTY) and the deadline is not due. Same
+ * protocol as Receiver._poll: spin a little, arm the eventcount (shm_recv with arm_sleep
+ * re-checks after announcing the sleep), then sleep on the semaphore, until a post, the
+ * deadline or the next maintenance; maintenance runs in place (Receiver.maintain) and
+ * the wait goes on, so the wake-up after it is as quick as any. The GIL is released
  * while spinning and sleeping; the segment is held by a reference of our own, and if
  * another thread closed the receiver meanwhile, Receiver._poll takes over (and says so).
  *
@@ -1132,7 +1133,16 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     PyObject *h = NULL;
     for (;;) {
         double now = monotonic();
-        if (self->seg != seg || now >= self->next_maintenance || now >= deadline) break;
+        if (self->seg != seg || now >= deadline) break;
+        if (now >= self->next_maintenance) {
+            /* Upkeep in place (Receiver.maintain), then back to waiting here: a message
+             * that comes after it is still handed out by this path, not Python's. */
+            PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, s_maintain);
+            if (r == NULL) break; /* its exception is ours */
+            Py_DECREF(r);
+            if (self->seg != seg || monotonic() >= self->next_maintenance) break;
+            continue;
+        }
         if (n == 0) {
             h = poll_one(self, seg, arm, &rc);
         } else {
@@ -2096,6 +2106,7 @@ PyMODINIT_FUNC PyInit__shmchan_hot(void) {
         PyObject **slot;
         const char *s;
     } strs[] = {
+        {&s_maintain, "maintain"},
         {&s_send_slow, "_send_slow"},           {&s_recv_slow, "_recv_slow"},
         {&s_recv_many_slow, "_recv_many_slow"}, {&s_release_many_slow, "_release_many_slow"},
         {&s_released, "_released"},             {&s_payload_slow, "_payload_slow"},
