@@ -108,6 +108,8 @@ def _panel_fill(ax: Any, rows: list[dict[str, Any]]) -> None:
 
 # --------------------------------------------------------------------------- a big channel
 
+BIG_PAIRS = 3  # repetitions of each channel per repetition of the run
+
 
 def _run_big(run: Run) -> None:
     sz = run.sizes
@@ -120,8 +122,10 @@ def _run_big(run: Run) -> None:
     # ratio. Each repetition starts its channel and producer afresh, after a warm-up.
     # (A repetition's rate is bimodal here, about 1.6 or 2.0 M msg/s on either channel,
     # whichever way the scheduler places the two processes: see README Performance.)
+    # A repetition is short (50 000 messages: a few tens of ms), so a scheduler hiccup
+    # moves it far: BIG_PAIRS times the run's repetitions make the medians steady.
     one = dataclasses.replace(run, sizes=dataclasses.replace(sz, reps=1), results=[])
-    for rep in range(sz.reps):
+    for rep in range(sz.reps * BIG_PAIRS):
         for workload, cap in channels if rep % 2 == 0 else channels[::-1]:
             throughput(
                 one,
@@ -134,7 +138,10 @@ def _run_big(run: Run) -> None:
                 batch=1,
                 size=PAYLOAD,
                 unit="msg/s",
-                notes={SHMCHAN: f"max_messages {min(max(cap // 256, 8192), 1 << 22):,}"},
+                notes={
+                    SHMCHAN: f"max_messages {min(max(cap // 256, 8192), 1 << 22):,}; "
+                    f"{sz.reps * BIG_PAIRS} repetitions"
+                },
                 capacity=cap,
             )
     for workload, _cap in channels:
@@ -150,7 +157,7 @@ def _run_big(run: Run) -> None:
 
 
 def _steps_big(sizes: Sizes, nsys: int) -> int:
-    return 2 * sizes.reps * (1 + 2)  # per throughput(): started, warm-up, 1 repetition
+    return 2 * sizes.reps * BIG_PAIRS * (1 + 2)  # per throughput(): started, warm-up, 1 rep
 
 
 def _targets_big(results: list[Result]) -> list[Target]:
