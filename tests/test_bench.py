@@ -211,6 +211,46 @@ def test_table_shows_every_row_and_target_verdict(quick_run: QuickRun) -> None:
         assert system in text
 
 
+# --------------------------------------------------------------------------- cold start
+
+
+def test_cold_group_reports_first_messages_and_after_burst_pings_beside_its_peers() -> None:
+    args = [sys.executable, "-m", "shmchan", "bench", "--quick", "--only", "cold", "--json"]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"bench --quick --only cold did not finish in {RUN_TIMEOUT} s\n{err}")
+    assert proc.returncode == 0, err
+    report = json.loads(out)
+    assert report["workloads"] == ["cold"]
+    rows = {(r["workload"], r["system"]): r for r in report["results"]}
+    peers = [bench.SHMCHAN, bench.MPQ] + ([bench.FFIFO] if HAS_FASTER_FIFO else [])
+    workloads = ("cold_import", "cold_first", "burst_pause", "burst_nopause")
+    expected = {(w, s) for w in workloads for s in peers}
+    expected |= {("burst_pause", bench.SEMAPHORE), ("burst_nopause", bench.SEMAPHORE)}
+    assert set(rows) == expected
+    for row in rows.values():
+        assert row["unit"] == "us"
+        assert len(row["samples"]) == bench.QUICK.reps, row
+        assert all(_positive(x) for x in row["samples"]), row
+        assert row["reference"] is (row["system"] == bench.SEMAPHORE), row
+        # Plausible: under the 30 s any blocking call may take (an unsynchronised clock
+        # or a unit slip would be off by orders of magnitude).
+        assert max(row["samples"]) < 30e6, row
+    for s in peers:
+        assert _positive(rows["cold_first", s]["vs_best_peer"])
+        # The burst of every repetition (and the warm-up) plus its ping were checked.
+        burst = rows["burst_pause", s]
+        assert burst["checked"] == (bench.QUICK.burst_messages + 1) * (bench.QUICK.reps + 1)
+    assert "Channel.open + sender()" in rows["cold_first", bench.SHMCHAN]["note"]
+    assert _leftovers(proc.pid) == []
+
+
 # --------------------------------------------------------------------------- command line
 
 

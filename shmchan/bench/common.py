@@ -40,6 +40,9 @@ class Sizes:
     big_capacity: int = 1 << 30  # the large channel, against a fill_capacity one
     big_messages: int = 50_000  # fit in either ring: the receiver's cost is compared
     idle_seconds: float = 2.0  # one idle receiver's measuring period
+    # coldstart.py: the first message after a burst
+    burst_messages: int = 20_000  # 64 B messages in the burst the consumer drains first
+    burst_pause: float = 0.005  # seconds between the drained burst and the ping
 
 
 FULL = Sizes(
@@ -73,6 +76,7 @@ QUICK = Sizes(
     big_capacity=128 << 20,
     big_messages=4_000,
     idle_seconds=0.3,
+    burst_messages=2_000,
 )
 
 SHMCHAN = "shmchan"

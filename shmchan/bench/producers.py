@@ -39,12 +39,12 @@ from shmchan.bench.common import (
 @dataclass(frozen=True)
 class Job:
     system: str
-    mode: str  # "msg", "batch", "mib", "latency"
+    mode: str  # "msg", "batch", "mib", "latency", "batchapi", "burst"
     producer: int
     count: int  # most messages one repetition may ask for
     batch: int = 1
     gap: float = 0.0
-    ack: str = ""  # latency: a semaphore the consumer posts once it has each ping
+    ack: str = ""  # latency, burst: a semaphore the consumer posts once it has each ping
 
 
 def _producer_main(conn: Connection, job: Job, transport: Any) -> None:
@@ -148,6 +148,23 @@ def _make_producer(job: Job, transport: Any) -> Callable[[int], None]:
         items = [(payloads[i], i % KEY_SPACE) for i in range(job.count)]
     else:
         items = payloads
+
+    if mode == "burst":
+        # n messages as fast as the system takes them; then, once the consumer says it has
+        # drained them all (ack), `gap` seconds of quiet and one stamped ping, sent like
+        # the burst's messages; then wait (untimed) until the consumer has it.
+        burst_ack, pause = posix_ipc.Semaphore(job.ack), job.gap
+
+        def send_burst(n: int) -> None:
+            for i in range(n):
+                put(items[i], i)
+            burst_ack.acquire(TIMEOUT)
+            if pause:
+                time.sleep(pause)
+            put(LAT.pack(time.perf_counter_ns(), 0) + LAT_PAD, n)
+            burst_ack.acquire(TIMEOUT)
+
+        return send_burst
 
     if mode == "batchapi":  # shmchan's send_batch: one buffer, its lengths, the keys
         b = job.batch
