@@ -22,15 +22,18 @@ of the machine, so a stamp taken in the producer is compared with one taken in t
   the span), then the first `put` (mp.Queue's starts its feeder thread). One process per
   repetition and system; the notes split the span into its parts (medians).
 * the first message after a burst: a producer sends `burst_messages` 64 B messages as fast
-  as it can; the consumer drains and checks them all, then posts a semaphore; the producer
-  waits for it, then either pauses `burst_pause` (5 ms: the consumer has gone to sleep in
-  recv) or not at all (the consumer has just gone back to recv), and sends one stamped
-  ping; the figure is that ping's send -> recv. Nothing is queued ahead of the ping: this
-  is the consumer's state after a burst, not the burst's queueing delay. Compare with the
-  idle wake-up latency rows (latency.py: 1 ms between pings, nothing else sent). Beside
-  them, the floor: a bare posix_ipc semaphore ping-pong between two processes, no burst,
-  posted after the same pause (a CPU left idle for milliseconds wakes slower, for everyone:
-  on a virtual machine markedly so).
+  as it can; the consumer takes and checks them all, then posts a semaphore ("drained") and
+  calls recv / get; the producer sends one stamped ping either `burst_pause` later (5 ms:
+  the consumer has gone to sleep) or as soon as it sees "drained" (it polls for it rather
+  than sleeping on it, so the ping leaves a few tens of µs after the consumer went back to
+  recv; the note gives the median). The figure is that ping's send -> recv: nothing is
+  queued ahead of it, so it is the consumer's state after a burst, not the burst's
+  queueing delay (a ping sent right behind the burst would measure how far the consumer
+  lags a faster producer, which rewards a slow producer). Compare with the idle wake-up
+  latency rows (latency.py: 1 ms between pings, nothing else sent). Beside the 5 ms rows,
+  the floor: a bare posix_ipc semaphore ping-pong between two processes, no burst, posted
+  after the same pause (a CPU left idle for milliseconds wakes slower, for everyone: on a
+  virtual machine markedly so).
 """
 
 from __future__ import annotations
@@ -284,16 +287,20 @@ def _run_first(run: Run, systems: list[str]) -> None:
 # --------------------------------------------------------------------------- after a burst
 
 
-def _burst_ping(end: Endpoint, group: Producers, ack: Any, n: int) -> float:
-    """One burst of n messages (checked), then the ping: its send -> recv in µs. The floor
-    (a bare semaphore) has no burst: its producer pauses as the others do and posts."""
+def _burst_ping(end: Endpoint, group: Producers, ack: Any, n: int) -> tuple[float, float]:
+    """One burst of n messages (checked), then the ping: its send -> recv in µs, and about
+    how long after the consumer said "drained" it was sent. The floor (a bare semaphore)
+    has no burst: its producer pauses as the others do, then posts."""
     group.go(1 if end.system == SEMAPHORE else n)
+    clock = time.perf_counter_ns
     try:
         with no_gc():
             if end.system != SEMAPHORE:
                 end.consume("msg", n, 1, 1, PAYLOAD)
                 ack.release()  # drained: the producer may pause, then ping
+            t0 = clock()
             lat = end.latencies(1, ack)[0]
+            waited = (clock() - t0) / 1e3
     except (queue.Empty, shmchan.Empty, posix_ipc.BusyError):
         why = group.failure()
         raise BenchError(
@@ -301,75 +308,75 @@ def _burst_ping(end: Endpoint, group: Producers, ack: Any, n: int) -> float:
             + (f"\n{why}" if why else "")
         ) from None
     group.wait_done()
-    return max(lat, 0.01)
+    return max(lat, 0.01), max(waited - lat, 0.0)
 
 
 def _run_burst(run: Run, systems: list[str]) -> None:
     sz = run.sizes
     n = sz.burst_messages
-    pauses = {"pause": sz.burst_pause, "nopause": 0.0}
-    every = [*systems, SEMAPHORE]
-    lats: dict[tuple[str, str], list[float]] = {(v, s): [] for v in pauses for s in every}
+    pauses = {"burst_pause": sz.burst_pause, "burst_nopause": 0.0}
+    every = {"burst_pause": [*systems, SEMAPHORE], "burst_nopause": systems}
+    rows = [(w, s) for w in pauses for s in every[w]]
+    lats: dict[tuple[str, str], list[float]] = {row: [] for row in rows}
+    gaps: dict[tuple[str, str], list[float]] = {row: [] for row in rows}
     with contextlib.ExitStack() as stack:
         ends: dict[tuple[str, str], Endpoint] = {}
         groups: dict[tuple[str, str], Producers] = {}
         acks: dict[tuple[str, str], Any] = {}
-        for v, pause in pauses.items():
-            for s in every:
-                end = ends[v, s] = endpoint(run, s, "burst")
-                stack.callback(end.close)
-                ack = acks[v, s] = posix_ipc.Semaphore(
-                    "/" + unique("burst"), posix_ipc.O_CREX, mode=0o600
-                )
-                stack.callback(ack.unlink)
-                if s == SEMAPHORE:
-                    job = Job(s, "latency", 0, 1, gap=pause)
-                else:
-                    job = Job(s, "burst", 0, n, gap=pause, ack=ack.name)
-                groups[v, s] = Producers(run.ctx, s, [(job, end.transport())])
-                stack.callback(groups[v, s].close)
+        for w, s in rows:
+            end = ends[w, s] = endpoint(run, s, "burst")
+            stack.callback(end.close)
+            ack = acks[w, s] = posix_ipc.Semaphore(
+                "/" + unique("burst"), posix_ipc.O_CREX, mode=0o600
+            )
+            stack.callback(ack.unlink)
+            if s == SEMAPHORE:
+                job = Job(s, "latency", 0, 1, gap=pauses[w])
+            else:
+                job = Job(s, "burst", 0, n, gap=pauses[w], ack=ack.name)
+            groups[w, s] = Producers(run.ctx, s, [(job, end.transport())])
+            stack.callback(groups[w, s].close)
         for group in groups.values():
             group.wait_ready()
         run.progress.step("first message after a burst: started")
         for rep in range(-1, sz.reps):
-            for v in pauses:
-                for s in _rotated(every, rep):
-                    lat = _burst_ping(ends[v, s], groups[v, s], acks[v, s], n)
+            for w in pauses:
+                for s in _rotated(every[w], rep):
+                    lat, gap = _burst_ping(ends[w, s], groups[w, s], acks[w, s], n)
                     if rep >= 0:
-                        lats[v, s].append(lat)
+                        lats[w, s].append(lat)
+                        gaps[w, s].append(gap)
             run.progress.step(f"first message after a burst: rep {rep + 1}")
-    when = {
-        "pause": f"{sz.burst_pause * 1e3:g} ms after the consumer drained it (asleep by then)",
-        "nopause": "as soon as the consumer has drained it (it is back in recv)",
-    }
-    floor = {
-        "pause": f"{sz.burst_pause * 1e3:g} ms after the last",
-        "nopause": "as soon as the last was taken",
-    }
-    for v in pauses:
-        label = f"first msg after a {n:,}-msg burst, " + (
-            f"{sz.burst_pause * 1e3:g} ms pause" if v == "pause" else "no pause"
-        )
-        for s in every:
-            ref = s == SEMAPHORE
+    ms = f"{sz.burst_pause * 1e3:g} ms"
+    for w, s in rows:
+        ref = s == SEMAPHORE
+        if ref:
+            note = f"post -> wait of a bare posix_ipc semaphore, no burst, {ms} after the last"
+        elif w == "burst_pause":
             note = (
-                f"post -> wait of a bare posix_ipc semaphore, no burst, posted {floor[v]}"
-                if ref
-                else f"ping send -> recv, sent {when[v]}; nothing queued ahead of it"
+                f"ping send -> recv, sent {ms} after the consumer drained the burst "
+                "(asleep by then); nothing queued ahead of it"
             )
-            run.results.append(
-                Result(
-                    f"burst_{v}",
-                    label,
-                    s,
-                    "us",
-                    False,
-                    lats[v, s],
-                    reference=ref,
-                    note=note,
-                    checked=0 if ref else (n + 1) * (sz.reps + 1),
-                )
+        else:
+            note = (
+                "ping send -> recv, sent as soon as the consumer drained the burst "
+                f"(median {statistics.median(gaps[w, s]):.0f} us later: it is back in recv); "
+                "nothing queued ahead of it"
             )
+        run.results.append(
+            Result(
+                w,
+                f"first msg after a {n:,}-msg burst, "
+                + (f"{ms} pause" if w == "burst_pause" else "no pause"),
+                s,
+                "us",
+                False,
+                lats[w, s],
+                reference=ref,
+                note=note,
+                checked=0 if ref else (n + 1) * (sz.reps + 1),
+            )
+        )
 
 
 # --------------------------------------------------------------------------- the group
@@ -386,6 +393,6 @@ def _steps(sizes: Sizes, nsys: int) -> int:
     return 3 * (sizes.reps + 1) + 1
 
 
-# Not in the default run: about 12 s in full on 2 cores (18 fresh interpreters, 18 spawned
-# producers, 36 bursts), not well under the ~20 s a default group should stay within.
+# Not in the default run: about 12 s in full on 2 cores (18 fresh interpreters, 25 spawned
+# processes, 36 bursts), not well under the ~20 s a default group should stay within.
 register("cold", _run, steps=_steps, order=52, default=False)
