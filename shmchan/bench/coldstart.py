@@ -393,6 +393,7 @@ def _steps(sizes: Sizes, nsys: int) -> int:
     return 3 * (sizes.reps + 1) + 1
 
 
-# Not in the default run: about 12 s in full on 2 cores (18 fresh interpreters, 25 spawned
-# processes, 36 bursts), not well under the ~20 s a default group should stay within.
+# Not in the default run: 8-12 s in full on 2 cores (18 fresh interpreters, 25 spawned
+# processes, 36 bursts) depending on the load, not well under the ~20 s a default group
+# should stay within.
 register("cold", _run, steps=_steps, order=52, default=False)
