@@ -9,6 +9,9 @@ whose messages carry keys, and whose receiver hands out key-locked handles.
 See README.md for the semantics and the failure model.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .channel import (
     Batch,
     Channel,
@@ -45,18 +48,70 @@ from .errors import (
     WorkerDied,
     WrongProcess,
 )
-from .exchange import (
-    Exchange,
-    ExchangeExists,
-    ExchangeNotFound,
-    ExchangeStats,
-    list_exchanges,
-    unlink_exchange,
-)
-from .inspect import HeldKey, Line, Wait, WaitChain
-from .pool import ExecutorStats, KeyedExecutor, KeyedPool, PoolStats, RemoteTraceback, WorkerStats
+
+if TYPE_CHECKING:
+    from .exchange import (
+        Exchange,
+        ExchangeExists,
+        ExchangeNotFound,
+        ExchangeStats,
+        list_exchanges,
+        unlink_exchange,
+    )
+    from .inspect import HeldKey, Line, Wait, WaitChain
+    from .pool import (
+        ExecutorStats,
+        KeyedExecutor,
+        KeyedPool,
+        PoolStats,
+        RemoteTraceback,
+        WorkerStats,
+    )
 
 __version__ = "0.1.0"
+
+# The layers above the channel are imported on first use (PEP 562): a process that only
+# sends or receives -- a Spark task, a short-lived producer -- does not pay for the
+# worker pools (concurrent.futures), the exchanges or the operators' view at import.
+_LAZY = {
+    **dict.fromkeys(
+        [
+            "Exchange",
+            "ExchangeExists",
+            "ExchangeNotFound",
+            "ExchangeStats",
+            "list_exchanges",
+            "unlink_exchange",
+        ],
+        "exchange",
+    ),
+    **dict.fromkeys(["HeldKey", "Line", "Wait", "WaitChain"], "inspect"),
+    **dict.fromkeys(
+        [
+            "ExecutorStats",
+            "KeyedExecutor",
+            "KeyedPool",
+            "PoolStats",
+            "RemoteTraceback",
+            "WorkerStats",
+        ],
+        "pool",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shmchan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once: later look-ups are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "Channel",

@@ -20,14 +20,16 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
 import posix_ipc
 
 from . import codec, errors, liveness
-from . import inspect as _inspect
 from ._lib import ffi, lib, raise_for
+
+if TYPE_CHECKING:
+    from . import inspect as _inspect
 
 __all__ = [
     "Channel",
@@ -584,16 +586,22 @@ class Channel:
     # -- the operators' view (shmchan/inspect.py) -----------------------------------------
     def held(self) -> list[_inspect.HeldKey]:
         """Keys held by in-flight handles: who holds each, since when (any process)."""
+        from . import inspect as _inspect  # on first use: keeps `import shmchan` light
+
         return _inspect.held(self)
 
     def waiting(self, top: int = 20) -> list[_inspect.Line]:
         """The `top` deepest lines of messages waiting for a key, deepest first."""
+        from . import inspect as _inspect
+
         return _inspect.waiting(self, top)
 
     def why_waiting(self, seq: int) -> _inspect.WaitChain:
         """Why message `seq` is not handed out: the chain of messages it waits behind,
         ending at one in flight (with its holder's pid). Empty, with `.state` saying
         what the message is, if it is not waiting (see shmchan/inspect.py)."""
+        from . import inspect as _inspect
+
         return _inspect.why_waiting(self, seq)
 
     def shutdown(self) -> None:

@@ -23,8 +23,6 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
 from . import codec, liveness
 from ._lib import ffi, lib, raise_for
 
@@ -361,6 +359,8 @@ def _receiver_token(ch: Channel) -> int:
 
 
 def _pid_alive(pid: int) -> bool:
+    import psutil  # on first use: keeps `import shmchan` light
+
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:

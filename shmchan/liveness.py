@@ -7,31 +7,42 @@ a process makes: ring records, the receiver seat, producer registrations, handle
 
     token = pid << 40 | start_ticks        (start_ticks < 2**40: ~348 years at 100 Hz)
 
-psutil reports the start time as seconds since the epoch (boot time + ticks / CLK_TCK);
-subtracting the boot time read in the same moment gives the ticks back exactly.
+The start time is field 22 of /proc/PID/stat, already in clock ticks since boot: the
+token is read from there directly (one small read, no float arithmetic), which is also
+what keeps `import shmchan` and a process's first attach quick -- this module is on the
+path of every Channel.create / open. Zombies count as dead. A /proc that hides other
+users' processes (hidepid) makes them look absent here, as it does to every tool.
 """
 
 from __future__ import annotations
 
 import os
 
-import psutil
-
 __all__ = ["current_token", "token_of", "token_pid", "is_alive", "boot_id"]
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _TICKS_MASK = (1 << 40) - 1
 _cached: tuple[int, int] | None = None  # (pid, token) of this process
 
 
-def _token(proc: psutil.Process) -> int:
-    ticks = round((proc.create_time() - psutil.boot_time()) * _CLK_TCK)
-    return int((proc.pid << 40) | (ticks & _TICKS_MASK))
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start ticks) of process `pid`, or None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so the fields
+    # are counted from the last ')'; starttime is field 22, the 20th after comm.
+    rest = data[data.rindex(b")") + 2 :].split()
+    return rest[0].decode(), int(rest[19])
 
 
 def token_of(pid: int) -> int:
-    """The token of the live process `pid` (psutil.NoSuchProcess if there is none)."""
-    return _token(psutil.Process(pid))
+    """The token of the live process `pid` (ProcessLookupError if there is none)."""
+    st = _stat(pid)
+    if st is None:
+        raise ProcessLookupError(f"no process {pid}")
+    return (pid << 40) | (st[1] & _TICKS_MASK)
 
 
 def current_token() -> int:
@@ -51,15 +62,11 @@ def is_alive(token: int) -> bool:
     """True while the process named by `token` runs (zombies count as dead)."""
     if token == 0:
         return False
-    try:
-        proc = psutil.Process(token_pid(token))
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return _token(proc) == token
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+    pid = token_pid(token)
+    st = _stat(pid)
+    if st is None or st[0] in ("Z", "X"):
         return False
-    except psutil.AccessDenied:
-        return True  # it exists; we may not inspect it, so never declare it dead
+    return ((pid << 40) | (st[1] & _TICKS_MASK)) == token
 
 
 def boot_id() -> int:
@@ -68,5 +75,7 @@ def boot_id() -> int:
         with open("/proc/sys/kernel/random/boot_id") as f:
             text = f.read().strip()
         return int(text.replace("-", ""), 16) & ((1 << 64) - 1)
-    except OSError:
-        return int(psutil.boot_time() * 1000) & ((1 << 64) - 1)
+    except OSError:  # no such file (an old or unusual kernel): the boot time will do
+        with open("/proc/stat") as f:
+            btime = next(line for line in f if line.startswith("btime "))
+        return int(btime.split()[1]) * 1000 & ((1 << 64) - 1)
