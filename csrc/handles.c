@@ -324,8 +324,10 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
             rc = SHM_AGAIN;
             break;
         }
-        /* Nothing new: an empty ring far into its lap starts again at offset 0 (ring.c). */
-        ring_rewind(c);
+        /* Nothing new: an empty ring far into its lap starts again at offset 0 (ring.c).
+         * It moved head: the waiter check after the loop must run (a sender may have
+         * found the ring full while the skip was published and head not yet past it). */
+        moved |= ring_rewind(c);
         /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see send_one. */
         /* Closed once nothing is queued and no handle can come back (others_inflight):
          * until then the receiver waits, and a dead holder's message is redelivered. */
@@ -396,9 +398,11 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
         rx_begin(c);
         int rc = handles_finish(c, s);
         if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
+            /* the last message out of an empty ring (ring.c); before the fence, so that a
+             * sender that starts waiting meanwhile is seen by the check below */
+            ring_rewind(c);
             FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
             if (space_wake_due(c, 0)) out |= WAKE_TX;
-            ring_rewind(c); /* the last message out of an empty ring (ring.c) */
         }
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
         rx_end(c);
@@ -438,9 +442,9 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
         }
     }
     if (!broken && (ring_advance_head(c) | compact(c))) {
+        ring_rewind(c); /* as in shm_release: before the fence */
         FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
         if (space_wake_due(c, 0)) *wake |= 2;
-        ring_rewind(c); /* the last messages out of an empty ring (ring.c) */
     }
     if (!broken) STORE_RELAXED(&c->hdr->dirty, 0);
     rx_end(c);

@@ -425,7 +425,9 @@ static unseen_ent *unseen_find(unseen_ent *t, uint64_t hash, int add, uint32_t *
 
 static void unseen_walk(shm_chan *c, unseen_ent *t, uint32_t *partial) {
     uint32_t used = 0;
-    uint64_t pos = LOAD_ACQUIRE(&c->hdr->scan_pos); /* receiver-written: where to start */
+    /* receiver-written, with plain stores (window.c, ring_rewind): only a hint of where to
+     * start; every record read is checked against head (rec_read) */
+    uint64_t pos = LOAD_ACQUIRE(&c->hdr->scan_pos);
     for (uint32_t i = 0;; i++) {
         rec_copy r;
         int rc = rec_read(c, pos, &r);

@@ -134,8 +134,8 @@ static void prepare_successor(shm_chan *c, uint64_t pos, uint64_t seq) {
 static void hint_raise(shm_chan *c, uint64_t pos) {
     uint64_t cur = LOAD_RELAXED(&c->hdr->tail_hint);
     while (cur < pos) {
-        /* release: pairs with the acquire load in find_tail, so a walker starting at pos
-         * sees the owner word published before it (by prepare_successor). */
+        /* release: pairs with the acquire load of tail_hint in claim(), so a walker
+         * starting at pos sees the owner word published before it (prepare_successor). */
         if (__atomic_compare_exchange_n(&c->hdr->tail_hint, &cur, pos, 1, __ATOMIC_RELEASE,
                                         __ATOMIC_RELAXED))
             break;
@@ -186,11 +186,15 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
                 uint64_t fresh = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
                 STORE_RELEASE(&c->cached_head, fresh); /* pairs with the acquire load above */
                 if (fresh == head) {
-                    /* A SKIP at head is passed by the receiver right after it is written
-                     * when it is a rewind (ring_rewind): give it those few instructions
-                     * before calling the ring full. acquire: pairs with its meta store. */
-                    if (++spins < WALK_SPINS &&
-                        META_STATE(LOAD_ACQUIRE(&rec_at(c, head)->meta)) == REC_SKIP) {
+                    /* A rewind's SKIP at head (one that ends at a lap's end) is passed by
+                     * the receiver a few instructions after it is published (ring_rewind):
+                     * give it those before calling the ring full. Only a receiver
+                     * preempted right there makes a message larger than the rest of the
+                     * lap see Full (timeout=0) or wait for the next wake-up. acquire:
+                     * pairs with ring_rewind's release store of meta. */
+                    uint64_t hm = LOAD_ACQUIRE(&rec_at(c, head)->meta);
+                    if (++spins < WALK_SPINS && META_STATE(hm) == REC_SKIP &&
+                        (head + META_LEN(hm)) % c->cap == 0) {
                         CPU_RELAX();
                         continue;
                     }
