@@ -317,7 +317,22 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         if (*got) break;
         if (stalled) {
             rc = SHM_STALLED;
-            break;
+            /* A record being claimed or written holds the scan. A caller about to sleep
+             * on it announces the sleep as for an empty ring, so that the commit that
+             * ends the stall posts it (wake_receiver): unannounced, it slept its whole
+             * stall timeout (2 ms), and a free-key message right behind a backlog
+             * waited that long. */
+            if (!arm_sleep) break;
+            /* seq_cst: the eventcount's "prepare to wait"; pairs with wakers' fences. */
+            STORE_SEQCST(&h->rx_sleeping, 1);
+            if (!work_pending(c, 0)) break; /* asleep: the commit posts us */
+            STORE_RELAXED(&h->rx_sleeping, 0);
+            if (++extra > RECV_EXTRA_ROUNDS) {
+                rc = SHM_AGAIN;
+                break;
+            }
+            stalled = 0;
+            continue;
         }
         if (progress) { /* more to look at: go on, or let the caller call again */
             if (h->scan_pos < arrived || ++extra <= RECV_EXTRA_ROUNDS) continue;
