@@ -12,8 +12,10 @@ cost (a backlog of 100 000 took 13 s before; the eager window, forever).
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import signal
+import struct
 import threading
 import time
 
@@ -389,3 +391,55 @@ def test_a_frozen_producers_keyless_message_holds_up_nothing(make_channel, order
             assert h.keys == () and len(h.data) == BIG
         a.join(WAIT)
         rx.close()
+
+
+def _fact(name: str) -> int:
+    """An offset in the segment's header, from the C core (csrc/segment.c)."""
+    from shmchan._lib import ffi, lib
+
+    out = ffi.new("uint64_t *")
+    assert lib.shm_layout_fact(name.encode(), out) == 0
+    return int(out[0])
+
+
+def test_a_receive_that_waits_on_a_stalled_record_announces_its_sleep(make_channel):
+    # A record claimed but not yet written (a live producer between its claim and its
+    # length) holds the receiver's scan. A receive waiting on it must announce its sleep
+    # (rx_sleeping), so that the commit ending the stall posts it. It used to sleep its
+    # whole stall wait (2 ms) unannounced, however soon the commit came: the first
+    # free-key message after a backlog took 2 ms in some runs of the parked bench.
+    from shmchan import liveness
+
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"warm-up", keys="k", timeout=WAIT)
+    rx.recv(timeout=WAIT).release()
+    with open(shmchan.channel._name_file(ch.name, None), "r+b") as f:
+        seg = mmap.mmap(f.fileno(), 0)
+    try:
+        (ring_off,) = struct.unpack_from("<Q", seg, _fact("header.ring_off"))
+        (tail,) = struct.unpack_from("<Q", seg, _fact("header.tail_hint"))
+        owner_at = ring_off + tail % ch.capacity  # capacity 1 MiB: a whole number of pages
+        (owner,) = struct.unpack_from("<Q", seg, owner_at)
+        assert owner == tail | 1  # EMPTY(tail): the next record goes here
+        # This process claims the tail and stops there, as a producer between its
+        # claim and its length would (alive: nobody repairs the claim).
+        struct.pack_into("<Q", seg, owner_at, liveness.current_token() << 1)
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(rx.recv(timeout=WAIT)))
+        waiter.start()
+        sleeping = _fact("header.rx_sleeping")
+        announced = False
+        deadline = time.monotonic() + 10
+        while not announced and time.monotonic() < deadline and waiter.is_alive():
+            announced = struct.unpack_from("<I", seg, sleeping)[0] == 1
+        # the claim is given back, and the next send takes the tail and wakes the receiver
+        struct.pack_into("<Q", seg, owner_at, owner)
+        tx.send(b"after the stall", keys="k2", timeout=WAIT)
+        waiter.join(WAIT)
+        assert not waiter.is_alive()
+        assert [h.payload for h in got] == [b"after the stall"]
+        got[0].release()
+        assert announced, "the receiver waited on the stalled record without announcing it"
+    finally:
+        seg.close()
