@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import shmchan
@@ -49,3 +50,17 @@ def run_shmchan(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         env=child_env(),
     )
+
+
+def take_receiver_seat(ch: shmchan.Channel) -> shmchan.Receiver:
+    """ch.receiver(), retried while the previous receiver's seat is still taken: its
+    holder was killed and reaped, so ReceiverBusy lasts only until the seat is seen
+    free (for longer than WAIT only by a bug)."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            return ch.receiver()
+        except shmchan.ReceiverBusy:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)

@@ -59,6 +59,12 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
     args = [sys.executable, "-m", "shmchan", "bench", "--quick", "--json"]
     if HAS_MATPLOTLIB:
         args += ["--plot", str(plot)]
+    report, pid, err = _run_json(args)
+    return QuickRun(report, pid, plot, err)
+
+
+def _run_json(args: list[str]) -> tuple[dict[str, Any], int, str]:
+    """Run a `bench ... --json` command, bounded: (its report, its pid, its stderr)."""
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
     )
@@ -67,9 +73,9 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        pytest.fail(f"bench --quick did not finish in {RUN_TIMEOUT} s\n{err}")
+        pytest.fail(f"{' '.join(args[1:])} did not finish in {RUN_TIMEOUT} s\n{err}")
     assert proc.returncode == 0, err
-    return QuickRun(json.loads(out), proc.pid, plot, err)
+    return json.loads(out), proc.pid, err
 
 
 def _positive(x: object) -> bool:
@@ -216,17 +222,7 @@ def test_table_shows_every_row_and_target_verdict(quick_run: QuickRun) -> None:
 
 def test_cold_group_reports_first_messages_and_after_burst_pings_beside_its_peers() -> None:
     args = [sys.executable, "-m", "shmchan", "bench", "--quick", "--only", "cold", "--json"]
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
-    )
-    try:
-        out, err = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"bench --quick --only cold did not finish in {RUN_TIMEOUT} s\n{err}")
-    assert proc.returncode == 0, err
-    report = json.loads(out)
+    report, pid, _err = _run_json(args)
     assert report["workloads"] == ["cold"]
     rows = {(r["workload"], r["system"]): r for r in report["results"]}
     peers = [bench.SHMCHAN, bench.MPQ] + ([bench.FFIFO] if HAS_FASTER_FIFO else [])
@@ -249,7 +245,7 @@ def test_cold_group_reports_first_messages_and_after_burst_pings_beside_its_peer
             burst = rows[w, s]
             assert burst["checked"] == (bench.QUICK.burst_messages + 1) * (bench.QUICK.reps + 1)
     assert "Channel.open + sender()" in rows["cold_first", bench.SHMCHAN]["note"]
-    assert _leftovers(proc.pid) == []
+    assert _leftovers(pid) == []
 
 
 # --------------------------------------------------------------------------- command line

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from procs import CTX, WAIT, running
+from procs import CTX, WAIT, running, take_receiver_seat
 
 import shmchan
 
@@ -149,15 +149,7 @@ def consume_and_log(name: str, log_path: str, seed: int) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     rng = random.Random(seed)
     with shmchan.Channel.open(name) as ch:
-        deadline = time.monotonic() + WAIT
-        while True:  # the previous consumer is dead and reaped: busy only by a bug
-            try:
-                rx = ch.receiver()
-                break
-            except shmchan.ReceiverBusy:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
+        rx = take_receiver_seat(ch)
         os.write(fd, b"S\n")
         held: list[tuple[shmchan.Handle, Event]] = []
         while True:

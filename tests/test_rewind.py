@@ -19,7 +19,7 @@ import struct
 import time
 
 import pytest
-from procs import CTX, WAIT, running
+from procs import CTX, WAIT, running, take_receiver_seat
 
 import shmchan
 
@@ -184,14 +184,7 @@ def torture_receiver(name: str, log_path: str, seed: int) -> None:
     after it."""
     rng = random.Random(seed)
     with shmchan.Channel.open(name) as ch:
-        deadline = time.monotonic() + WAIT
-        while True:  # the previous receiver is dead and reaped: busy only by a bug
-            try:
-                rx = ch.receiver()
-                break
-            except shmchan.ReceiverBusy:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+        rx = take_receiver_seat(ch)
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         os.write(fd, b"S\n")  # seated: from now on a kill is a receiver's death
         held: list[tuple[shmchan.Handle, memoryview | None, int, int]] = []
