@@ -316,45 +316,38 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         moved |= compact(c);
         if (*got) break;
         if (stalled) {
-            rc = SHM_STALLED;
             /* A record being claimed or written holds the scan. A caller about to sleep
-             * on it announces the sleep as for an empty ring, so that the commit that
-             * ends the stall posts it (wake_receiver): unannounced, it slept its whole
-             * stall timeout (2 ms), and a free-key message right behind a backlog
+             * on it announces the sleep as for an empty ring (below), so that the commit
+             * that ends the stall posts it (wake_receiver): unannounced, it slept its
+             * whole stall timeout (2 ms), and a free-key message right behind a backlog
              * waited that long. */
-            if (!arm_sleep) break;
-            /* seq_cst: the eventcount's "prepare to wait"; pairs with wakers' fences. */
-            STORE_SEQCST(&h->rx_sleeping, 1);
-            if (!work_pending(c, 0)) break; /* asleep: the commit posts us */
-            STORE_RELAXED(&h->rx_sleeping, 0);
-            if (++extra > RECV_EXTRA_ROUNDS) {
+            rc = SHM_STALLED;
+        } else {
+            if (progress) { /* more to look at: go on, or let the caller call again */
+                if (h->scan_pos < arrived || ++extra <= RECV_EXTRA_ROUNDS) continue;
                 rc = SHM_AGAIN;
                 break;
             }
-            stalled = 0;
-            continue;
-        }
-        if (progress) { /* more to look at: go on, or let the caller call again */
-            if (h->scan_pos < arrived || ++extra <= RECV_EXTRA_ROUNDS) continue;
-            rc = SHM_AGAIN;
-            break;
-        }
-        /* Nothing new: an empty ring far into its lap starts again at offset 0 (ring.c).
-         * It moved head: the waiter check after the loop must run (a sender may have
-         * found the ring full while the skip was published and head not yet past it). */
-        moved |= ring_rewind(c);
-        /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see send_one. */
-        /* Closed once nothing is queued and no handle can come back (others_inflight):
-         * until then the receiver waits, and a dead holder's message is redelivered. */
-        if (LOAD_SEQCST(&h->shutdown) && h->queued_in_window == 0 && h->ingest_pos == h->scan_pos &&
-            LOAD_SEQCST(&rec_at(c, h->scan_pos)->owner) == OWNER_EMPTY(h->scan_pos)) {
-            shut_seen = 1;
-            if (!others_inflight(c)) {
-                rc = SHM_CLOSED;
-                break;
+            /* Nothing new: an empty ring far into its lap starts again at offset 0
+             * (ring.c). It moved head: the waiter check after the loop must run (a sender
+             * may have found the ring full while the skip was published and head not
+             * yet past it). */
+            moved |= ring_rewind(c);
+            /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see
+             * send_one. Closed once nothing is queued and no handle can come back
+             * (others_inflight): until then the receiver waits, and a dead holder's
+             * message is redelivered. */
+            if (LOAD_SEQCST(&h->shutdown) && h->queued_in_window == 0 &&
+                h->ingest_pos == h->scan_pos &&
+                LOAD_SEQCST(&rec_at(c, h->scan_pos)->owner) == OWNER_EMPTY(h->scan_pos)) {
+                shut_seen = 1;
+                if (!others_inflight(c)) {
+                    rc = SHM_CLOSED;
+                    break;
+                }
             }
+            rc = SHM_EMPTY;
         }
-        rc = SHM_EMPTY;
         if (!arm_sleep) break;
         /* seq_cst: the eventcount's "prepare to wait"; pairs with wakers' fences. */
         STORE_SEQCST(&h->rx_sleeping, 1);
@@ -364,6 +357,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
             rc = SHM_AGAIN;
             break;
         }
+        stalled = 0;
     }
     int idle = rc == SHM_EMPTY && arm_sleep; /* about to sleep: waiters must try now */
     if (moved || idle) {

@@ -73,31 +73,26 @@ __version__ = "0.1.0"
 # The layers above the channel are imported on first use (PEP 562): a process that only
 # sends or receives -- a Spark task, a short-lived producer -- does not pay for the
 # worker pools (concurrent.futures), the exchanges or the operators' view at import.
-_LAZY = {
-    **dict.fromkeys(
-        [
-            "Exchange",
-            "ExchangeExists",
-            "ExchangeNotFound",
-            "ExchangeStats",
-            "list_exchanges",
-            "unlink_exchange",
-        ],
-        "exchange",
+_LAZY_MODULES = {
+    "exchange": (
+        "Exchange",
+        "ExchangeExists",
+        "ExchangeNotFound",
+        "ExchangeStats",
+        "list_exchanges",
+        "unlink_exchange",
     ),
-    **dict.fromkeys(["HeldKey", "Line", "Wait", "WaitChain"], "inspect"),
-    **dict.fromkeys(
-        [
-            "ExecutorStats",
-            "KeyedExecutor",
-            "KeyedPool",
-            "PoolStats",
-            "RemoteTraceback",
-            "WorkerStats",
-        ],
-        "pool",
+    "inspect": ("HeldKey", "Line", "Wait", "WaitChain"),
+    "pool": (
+        "ExecutorStats",
+        "KeyedExecutor",
+        "KeyedPool",
+        "PoolStats",
+        "RemoteTraceback",
+        "WorkerStats",
     ),
 }
+_LAZY = {name: module for module, names in _LAZY_MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
