@@ -1128,7 +1128,7 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     SegmentObject *seg = self->seg;
     if (seg == NULL || seg->rx_sem == NULL) return NULL;
     Py_INCREF(seg);
-    double spin_until = monotonic() + self->spin;
+    double spin_until = monotonic() + self->spin, stall_until = 0.0;
     int arm = 0, rc;
     PyObject *h = NULL;
     for (;;) {
@@ -1151,7 +1151,22 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
         }
         if (h != NULL || PyErr_Occurred()) break;
         if (rc == SHM_AGAIN) continue; /* records arrived meanwhile: look at them first */
-        if (rc != SHM_EMPTY) break;    /* else: still empty */
+        if (rc == SHM_STALLED && !arm) {
+            /* Stalled on a record being claimed: its producer is most likely a few
+             * instructions from committing it, so spin through the stall, for up to
+             * SPIN_SECONDS whatever the adaptive spin says (it may be down to none).
+             * Slept on instead, the commit had to post us: a receiver that kept up
+             * with its producer ran at half the rate of one that lagged (issue #10).
+             * A stall that outlasts the spin goes to Receiver._poll, which sleeps on
+             * it and sees to a dead claimant. */
+            if (stall_until == 0.0) stall_until = now + SPIN_SECONDS;
+            if (now >= stall_until) break;
+            Py_BEGIN_ALLOW_THREADS
+            core.rx_spin(seg->c, SPIN_PAUSES);
+            Py_END_ALLOW_THREADS
+            continue;
+        }
+        if (rc != SHM_EMPTY) break; /* else: still empty */
         if (!arm) {
             if (now < spin_until) {
                 Py_BEGIN_ALLOW_THREADS
@@ -1189,7 +1204,7 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
         int rc;
         PyObject *h = poll_one(self, self->seg, 0, &rc);
         if (h != NULL || PyErr_Occurred()) return h;
-        if (rc == SHM_AGAIN) rc = SHM_EMPTY; /* wait_for polls again before it sleeps */
+        if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
         if (rc == SHM_EMPTY && timeout != Py_None) {
             double t = PyFloat_AsDouble(timeout);
             if (t == -1.0 && PyErr_Occurred()) return NULL;
@@ -1226,7 +1241,7 @@ static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
         res = poll_fast(self, self->seg, want, 0, &rc);
         if (res == NULL || PyList_GET_SIZE(res)) goto out;
         Py_CLEAR(res);
-        if (rc == SHM_AGAIN) rc = SHM_EMPTY; /* wait_for polls again before it sleeps */
+        if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
         double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
         if (t == -1.0 && PyErr_Occurred()) goto out;
         if (rc == SHM_EMPTY && t > 0) {

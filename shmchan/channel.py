@@ -1253,7 +1253,8 @@ class Receiver(_hot.ReceiverBase):
             if left is not None and left <= 0:
                 raise errors.Empty(f"recv: nothing arrived on {seg.name!r} in time")
             if not arm:
-                if rc == lib.SHM_EMPTY and time.monotonic() < spin_until:
+                # (a stall is spun through too: its claimant is mostly about to commit)
+                if rc in (lib.SHM_EMPTY, lib.SHM_STALLED) and time.monotonic() < spin_until:
                     lib.shm_rx_spin(seg.ptr, _SPIN_PAUSES)
                     continue
                 arm = 1

@@ -18,6 +18,7 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from procs import CTX, WAIT, running
@@ -402,29 +403,39 @@ def _fact(name: str) -> int:
     return int(out[0])
 
 
+@contextlib.contextmanager
+def _tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, int]]:
+    """This process claims the ring's tail and stops there, as a live producer between
+    its claim and its length would (nobody repairs the claim). Yields the segment
+    mapped, the claimed owner word's offset and the EMPTY value to give the tail back
+    with. The channel must be 1 MiB (a whole number of pages) and its ring empty."""
+    from shmchan import liveness
+
+    with open(shmchan.channel._name_file(ch.name, None), "r+b") as f:
+        seg = mmap.mmap(f.fileno(), 0)
+    try:
+        (ring_off,) = struct.unpack_from("<Q", seg, _fact("header.ring_off"))
+        (tail,) = struct.unpack_from("<Q", seg, _fact("header.tail_hint"))
+        owner_at = ring_off + tail % ch.capacity
+        (owner,) = struct.unpack_from("<Q", seg, owner_at)
+        assert owner == tail | 1  # EMPTY(tail): the next record goes here
+        struct.pack_into("<Q", seg, owner_at, liveness.current_token() << 1)
+        yield seg, owner_at, owner
+    finally:
+        seg.close()
+
+
 def test_a_receive_that_waits_on_a_stalled_record_announces_its_sleep(make_channel):
     # A record claimed but not yet written (a live producer between its claim and its
     # length) holds the receiver's scan. A receive waiting on it must announce its sleep
     # (rx_sleeping), so that the commit ending the stall posts it. It used to sleep its
     # whole stall wait (2 ms) unannounced, however soon the commit came: the first
     # free-key message after a backlog took 2 ms in some runs of the parked bench.
-    from shmchan import liveness
-
     ch = make_channel()
     tx, rx = ch.sender(), ch.receiver()
     tx.send(b"warm-up", keys="k", timeout=WAIT)
     rx.recv(timeout=WAIT).release()
-    with open(shmchan.channel._name_file(ch.name, None), "r+b") as f:
-        seg = mmap.mmap(f.fileno(), 0)
-    try:
-        (ring_off,) = struct.unpack_from("<Q", seg, _fact("header.ring_off"))
-        (tail,) = struct.unpack_from("<Q", seg, _fact("header.tail_hint"))
-        owner_at = ring_off + tail % ch.capacity  # capacity 1 MiB: a whole number of pages
-        (owner,) = struct.unpack_from("<Q", seg, owner_at)
-        assert owner == tail | 1  # EMPTY(tail): the next record goes here
-        # This process claims the tail and stops there, as a producer between its
-        # claim and its length would (alive: nobody repairs the claim).
-        struct.pack_into("<Q", seg, owner_at, liveness.current_token() << 1)
+    with _tail_claimed_by_us(ch) as (seg, owner_at, owner):
         got: list = []
         waiter = threading.Thread(target=lambda: got.append(rx.recv(timeout=WAIT)))
         waiter.start()
@@ -441,5 +452,60 @@ def test_a_receive_that_waits_on_a_stalled_record_announces_its_sleep(make_chann
         assert [h.payload for h in got] == [b"after the stall"]
         got[0].release()
         assert announced, "the receiver waited on the stalled record without announcing it"
-    finally:
-        seg.close()
+
+
+def test_the_receivers_spin_waits_through_a_claim(make_channel):
+    # The receiver's spin before it sleeps (shm_rx_spin) waits for something a poll can
+    # hand out. It used to end as soon as a producer claimed the next record: the poll
+    # then found the record stalled, and the receive left the spin for Python's slow
+    # path and slept on it (next test).
+    from shmchan._lib import lib
+
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"warm-up", keys="k", timeout=WAIT)
+    rx.recv(timeout=WAIT).release()
+    with _tail_claimed_by_us(ch) as (_seg, owner_at, owner):
+        assert lib.shm_rx_spin(rx._seg.ptr, 20_000) == lib.SHM_EMPTY  # claimed: still nothing
+        struct.pack_into("<Q", _seg, owner_at, owner)
+    tx.send(b"committed", keys="k", timeout=WAIT)
+    assert lib.shm_rx_spin(rx._seg.ptr, 20_000) == lib.SHM_OK  # a commit ends it at once
+    assert rx.recv(timeout=WAIT).payload == b"committed"
+
+
+def _paced_producer(tx: shmchan.Sender, n: int, gap: float) -> None:
+    tx.send(b"ready", keys=0, timeout=WAIT)
+    for i in range(n):
+        until = time.perf_counter() + gap
+        while time.perf_counter() < until:
+            pass
+        tx.send(b"x" * 64, keys=i % 64, timeout=WAIT)
+
+
+def test_a_receiver_that_keeps_up_with_its_producer_stays_in_the_fast_path(
+    make_channel, monkeypatch
+):
+    # A receiver faster than its producer waits at the tail, and often finds the next
+    # record claimed but not yet written. It used to leave its C wait for Python's slow
+    # path there and sleep on the semaphore, so that the commit had to post it: about
+    # 1.3 % of messages at 5 us apart (128 of 10 000), and half the throughput of a
+    # receiver that lagged, in the big-channel bench (issue #10). Now it spins through
+    # such a stall; only one that lasts SPIN_SECONDS (a producer preempted mid-send)
+    # goes to Python.
+    n = 5_000
+    slow = [0]
+    recv_slow = shmchan.Receiver._recv_slow
+
+    def counted(self, timeout):
+        slow[0] += 1
+        return recv_slow(self, timeout)
+
+    monkeypatch.setattr(shmchan.Receiver, "_recv_slow", counted)
+    ch = make_channel()
+    rx = ch.receiver()
+    with running(CTX.Process(target=_paced_producer, args=(ch.sender(), n, 5e-6))):
+        rx.recv(timeout=WAIT).release()  # the producer is up
+        slow[0] = 0
+        for _ in range(n):
+            rx.recv(timeout=WAIT).release()
+    assert slow[0] < n // 500, f"{slow[0]} of {n} receives took the slow path"
