@@ -1154,7 +1154,8 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
         if (rc == SHM_STALLED && !arm) {
             /* Stalled on a record being claimed: its producer is most likely a few
              * instructions from committing it, so spin through the stall, for up to
-             * SPIN_SECONDS whatever the adaptive spin says (it may be down to none).
+             * SPIN_SECONDS from its start whatever the adaptive spin says (it may be
+             * down to none).
              * Slept on instead, the commit had to post us: a receiver that kept up
              * with its producer ran at half the rate of one that lagged (issue #10).
              * A stall that outlasts the spin goes to Receiver._poll, which sleeps on
@@ -1167,6 +1168,7 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
             continue;
         }
         if (rc != SHM_EMPTY) break; /* else: still empty */
+        stall_until = 0.0;          /* a later stall gets its own spin */
         if (!arm) {
             if (now < spin_until) {
                 Py_BEGIN_ALLOW_THREADS
