@@ -425,16 +425,22 @@ def _tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, i
         seg.close()
 
 
+def _one_message_through(make_channel):
+    """A fresh 1 MiB channel, its sender and its receiver, one message sent and released."""
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"warm-up", keys="k", timeout=WAIT)
+    rx.recv(timeout=WAIT).release()
+    return ch, tx, rx
+
+
 def test_a_receive_that_waits_on_a_stalled_record_announces_its_sleep(make_channel):
     # A record claimed but not yet written (a live producer between its claim and its
     # length) holds the receiver's scan. A receive waiting on it must announce its sleep
     # (rx_sleeping), so that the commit ending the stall posts it. It used to sleep its
     # whole stall wait (2 ms) unannounced, however soon the commit came: the first
     # free-key message after a backlog took 2 ms in some runs of the parked bench.
-    ch = make_channel()
-    tx, rx = ch.sender(), ch.receiver()
-    tx.send(b"warm-up", keys="k", timeout=WAIT)
-    rx.recv(timeout=WAIT).release()
+    ch, tx, rx = _one_message_through(make_channel)
     with _tail_claimed_by_us(ch) as (seg, owner_at, owner):
         got: list = []
         waiter = threading.Thread(target=lambda: got.append(rx.recv(timeout=WAIT)))
@@ -461,13 +467,10 @@ def test_the_receivers_spin_waits_through_a_claim(make_channel):
     # path and slept on it (next test).
     from shmchan._lib import lib
 
-    ch = make_channel()
-    tx, rx = ch.sender(), ch.receiver()
-    tx.send(b"warm-up", keys="k", timeout=WAIT)
-    rx.recv(timeout=WAIT).release()
-    with _tail_claimed_by_us(ch) as (_seg, owner_at, owner):
+    ch, tx, rx = _one_message_through(make_channel)
+    with _tail_claimed_by_us(ch) as (seg, owner_at, owner):
         assert lib.shm_rx_spin(rx._seg.ptr, 20_000) == lib.SHM_EMPTY  # claimed: still nothing
-        struct.pack_into("<Q", _seg, owner_at, owner)
+        struct.pack_into("<Q", seg, owner_at, owner)
     tx.send(b"committed", keys="k", timeout=WAIT)
     assert lib.shm_rx_spin(rx._seg.ptr, 20_000) == lib.SHM_OK  # a commit ends it at once
     assert rx.recv(timeout=WAIT).payload == b"committed"
