@@ -30,6 +30,10 @@
 
 #include "core.h"
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14 */
+#endif
+
 typedef struct {
     uint64_t producers_off, slots_off, nodes_off, keytab_off, heap_off, ring_off, total;
     uint32_t max_nodes, keytab_size;
@@ -219,6 +223,11 @@ int shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_ch
     c->token = token;
     pthread_mutex_init(&c->rx_mu, NULL);
     if (create) init_segment(c, &L);
+    /* Map the ring's warm part now (core.h RING_WARM): a channel whose receiver keeps up
+     * never leaves it (ring_rewind), so its messages take no page fault. A read populate
+     * maps the file's pages writable (shmem keeps no dirty accounting) and does not dirty
+     * a durable channel's file. Best effort: kernels before 5.14 say EINVAL. */
+    (void)madvise(c->ring, (size_t)RING_WARM(c), MADV_POPULATE_READ);
     /* acquire: pairs with ring_advance_head; the release store pairs with claim's
      * acquire load of cached_head (ring.c). */
     STORE_RELEASE(&c->cached_head, LOAD_ACQUIRE(&c->hdr->head));
