@@ -384,14 +384,18 @@ static inline void rx_end(shm_chan *c) {
 static inline uint8_t *ring_at(shm_chan *c, uint64_t pos) { return c->ring + (pos % c->cap); }
 static inline shm_record *rec_at(shm_chan *c, uint64_t pos) { return (shm_record *)ring_at(c, pos); }
 
-/* An empty ring this far into its lap starts again at offset 0 (ring_rewind, ring.c);
- * the ring's warm part, which every attachment maps at once (segment.c), is that much
- * plus room for the record that crosses it. 256 KiB: 64 pages, cheap to map (about
- * 20 us) and within a core's L2 cache. It was 4 MiB: a channel carrying a trickle took
- * a page fault in the sender and in the receiver every 32 small messages of its first
- * 4 MiB, each 7-12 us on this project's VM (the bump near the p95 of the wake-up). */
-#define REWIND_AT(c) ((c)->cap / 2 < (256u << 10) ? (c)->cap / 2 : (uint64_t)(256u << 10))
-#define RING_WARM(c) ((c)->cap < REWIND_AT(c) + (64u << 10) ? (c)->cap : REWIND_AT(c) + (64u << 10))
+/* An empty ring this far into its lap starts again at offset 0 (ring_rewind, ring.c).
+ * (256 KiB was tried: it kept a trickle's ring in fewer pages, but in one A/B pair the
+ * multi-producer ring-that-fills bench fell from about 1.9 to 1.45 M msg/s; a second
+ * pair was mixed, and the session's starting core then showed the same low figures:
+ * the machine had slowed. Not settled, so the 4 MiB measured over sessions stays.) */
+#define REWIND_AT(c) ((c)->cap / 2 < (4u << 20) ? (c)->cap / 2 : (uint64_t)(4u << 20))
+/* The ring's first RING_WARM bytes, which every attachment maps at once (segment.c):
+ * 80 pages, about 25 us. A channel's first 2,500 small messages then take no page fault;
+ * before, a trickle took one every 32 small messages in the sender and again in the
+ * receiver, 7-12 us each on this project's VM (the bump near the p95 of the wake-up),
+ * until the ring's first rewind. */
+#define RING_WARM(c) ((c)->cap < (320u << 10) ? (c)->cap : (uint64_t)(320u << 10))
 static inline uint64_t align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
 
 /* record size for a message body (header, hashes, keys and payload, each 8-aligned) */

@@ -84,9 +84,9 @@
  * for a SKIP record reaching to the lap's end (steps 3-5, as a producer would, the seq
  * passed on unchanged) and moves scan_pos, ingest_pos and head past it. The next record
  * starts at offset 0 again: the working set of a channel whose receiver keeps up stays
- * about REWIND_AT (core.h: 256 KiB, at most half the ring), whatever its capacity, and
- * every attachment maps those pages when it attaches (segment.c), so that such a channel
- * takes no page fault at all on its ring. Nothing is lost: the skip holds no message
+ * about REWIND_AT (core.h: 4 MiB, at most half the ring), whatever its capacity; the
+ * first RING_WARM bytes of it every attachment maps when it attaches (segment.c).
+ * Nothing is lost: the skip holds no message
  * and covers only bytes every process is done with (head had passed them, and islands in
  * the way rule a rewind out), and free space is the same before and after (head and tail
  * move together). A producer that lost the claim to the receiver walks over the SKIP like

@@ -223,8 +223,8 @@ int shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_ch
     c->token = token;
     pthread_mutex_init(&c->rx_mu, NULL);
     if (create) init_segment(c, &L);
-    /* Map the ring's warm part now (core.h RING_WARM): a channel whose receiver keeps up
-     * never leaves it (ring_rewind), so its messages take no page fault. A read populate
+    /* Map the start of the ring now (core.h RING_WARM): a channel's first messages, and
+     * those of every lap after a rewind, land there without a page fault. A read populate
      * maps the file's pages writable (shmem keeps no dirty accounting) and does not dirty
      * a durable channel's file. Best effort: kernels before 5.14 say EINVAL. */
     (void)madvise(c->ring, (size_t)RING_WARM(c), MADV_POPULATE_READ);
