@@ -391,10 +391,10 @@ static inline shm_record *rec_at(shm_chan *c, uint64_t pos) { return (shm_record
  * the machine had slowed. Not settled, so the 4 MiB measured over sessions stays.) */
 #define REWIND_AT(c) ((c)->cap / 2 < (4u << 20) ? (c)->cap / 2 : (uint64_t)(4u << 20))
 /* The ring's first RING_WARM bytes, which every attachment maps at once (segment.c):
- * 80 pages, about 25 us. A channel's first 2,500 small messages then take no page fault;
+ * 80 pages, about 25-30 us. A channel's first 2,500 small messages then take no page fault;
  * before, a trickle took one every 32 small messages in the sender and again in the
- * receiver, 7-12 us each on this project's VM (the bump near the p95 of the wake-up),
- * until the ring's first rewind. */
+ * receiver, 7-12 us each on this project's VM (part of the bump near the p95 of the
+ * wake-up in a script with pings 1 ms apart), until the ring's first rewind. */
 #define RING_WARM(c) ((c)->cap < (320u << 10) ? (c)->cap : (uint64_t)(320u << 10))
 static inline uint64_t align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
 
