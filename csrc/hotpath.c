@@ -1202,25 +1202,25 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
     PyObject *a[1] = {Py_None};
     if (parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) return NULL;
     PyObject *timeout = a[0];
-    if (timeout_plain(timeout) && fast_ok(self)) {
-        int rc;
-        PyObject *h = poll_one(self, self->seg, 0, &rc);
-        if (h != NULL || PyErr_Occurred()) return h;
-        if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
-        if (rc == SHM_EMPTY && timeout != Py_None) {
-            double t = PyFloat_AsDouble(timeout);
-            if (t == -1.0 && PyErr_Occurred()) return NULL;
-            if (t > 0) {
-                double deadline = monotonic() + t;
-                h = wait_for(self, 0, deadline);
-                if (h != NULL || PyErr_Occurred()) return h;
-                /* the slow path gets what is left of the timeout */
+    if (timeout_plain(timeout) && self->seg != NULL) {
+        /* With upkeep due, no poll here: wait_for runs it first (its redeliveries go
+         * before newer messages), then polls. The first recv after a pause longer than
+         * the upkeep period so still wakes in C, not in Receiver._poll (issue #10). */
+        int rc = SHM_EMPTY;
+        if (fast_ok(self)) {
+            PyObject *h = poll_one(self, self->seg, 0, &rc);
+            if (h != NULL || PyErr_Occurred()) return h;
+            if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
+        }
+        double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred()) return NULL;
+        if (rc == SHM_EMPTY && t > 0) {
+            double deadline = monotonic() + t;
+            PyObject *h = wait_for(self, 0, deadline);
+            if (h != NULL || PyErr_Occurred()) return h;
+            if (timeout != Py_None) /* the slow path gets what is left of the timeout */
                 return PyObject_CallMethod((PyObject *)self, "_recv_slow", "d",
                                            fmax(0.0, deadline - monotonic()));
-            }
-        } else if (rc == SHM_EMPTY) {
-            h = wait_for(self, 0, INFINITY);
-            if (h != NULL || PyErr_Occurred()) return h;
         }
     }
     return PyObject_CallMethodOneArg((PyObject *)self, s_recv_slow, timeout);
@@ -1237,13 +1237,15 @@ static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
     PyObject *res = NULL, *timeout = a[1];
     long n = PyLong_CheckExact(a[0]) ? PyLong_AsLong(a[0]) : -1;
     if (n == -1 && PyErr_Occurred()) PyErr_Clear(); /* huge: the slow path says why */
-    if (n >= 1 && timeout_plain(timeout) && fast_ok(self)) {
+    if (n >= 1 && timeout_plain(timeout) && self->seg != NULL) {
         uint32_t want = n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n;
-        int rc;
-        res = poll_fast(self, self->seg, want, 0, &rc);
-        if (res == NULL || PyList_GET_SIZE(res)) goto out;
-        Py_CLEAR(res);
-        if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
+        int rc = SHM_EMPTY;
+        if (fast_ok(self)) { /* with upkeep due, wait_for runs it first (as in recv) */
+            res = poll_fast(self, self->seg, want, 0, &rc);
+            if (res == NULL || PyList_GET_SIZE(res)) goto out;
+            Py_CLEAR(res);
+            if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
+        }
         double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
         if (t == -1.0 && PyErr_Occurred()) goto out;
         if (rc == SHM_EMPTY && t > 0) {
