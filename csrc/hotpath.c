@@ -1108,7 +1108,8 @@ static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int
 }
 
 /* recv's (and recv_many's) wait for the plain case, so that an idle receiver wakes
- * straight into C: the channel is empty (SHM_EMPTY) and the deadline is not due. Same
+ * straight into C: the channel is empty (SHM_EMPTY) or upkeep is due before the first
+ * poll (it runs first, below), and the deadline is not due. Same
  * protocol as Receiver._poll: spin a little, arm the eventcount (shm_recv with arm_sleep
  * re-checks after announcing the sleep), then sleep on the semaphore, until a post, the
  * deadline or the next maintenance; maintenance runs in place (Receiver.maintain) and
