@@ -291,8 +291,13 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     uint64_t now = 0; /* hand-out time, read once per call (coarse: a few ms) */
     /* Everything that arrived before this call is looked at in it: the receiver never
      * returns "empty" (and sleeps) while such records wait, and its caller's timeout
-     * never cuts that work short. acquire: pairs with hint_raise (ring.c). */
-    const uint64_t arrived = LOAD_ACQUIRE(&h->tail_hint);
+     * never cuts that work short. The tail hint that bounds it is read only when a round
+     * found work but nothing to hand out (below), not on every call: it is the line every
+     * send writes, and a receiver keeping up with its producers that read it per call
+     * pulled it away from them once per message (issue #10). Read later, it covers at
+     * least what arrived before the call, and once read it stays fixed. */
+    uint64_t arrived = 0;
+    int have_arrived = 0;
     for (int extra = 0;;) {
         int progress = 0;
         rc = handles_drain(c);
@@ -324,6 +329,10 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
             rc = SHM_STALLED;
         } else {
             if (progress) { /* more to look at: go on, or let the caller call again */
+                if (!have_arrived) {
+                    arrived = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise (ring.c) */
+                    have_arrived = 1;
+                }
                 if (h->scan_pos < arrived || ++extra <= RECV_EXTRA_ROUNDS) continue;
                 rc = SHM_AGAIN;
                 break;
