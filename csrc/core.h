@@ -139,7 +139,7 @@ typedef struct {
     uint32_t newest, oldest; /* slots in order of taking in, via slot.newer / slot.older */
     uint64_t skipped;    /* records parked in key chains, out of the window (window.c) */
     uint32_t dirty;      /* 1 while a consumer operation is half done */
-    uint32_t pad2;
+    uint32_t rewinds;    /* rewinds done, ever, wrapping (ring.c ring_rewind; for tests) */
     uint64_t version;    /* seqlock word for readers in other processes (inspect.c):
                           * odd while the receiver changes its tables (rx_begin/rx_end) */
     uint32_t free_slots; /* free list of message table slots (via slot.next) */

@@ -579,6 +579,7 @@ int ring_rewind(shm_chan *c) {
     /* release: pairs with producers' acquire load of head in claim(), as in
      * ring_advance_head. Free space is unchanged: tail and head both moved by end - pos. */
     STORE_RELEASE(&h->head, end);
+    h->rewinds++; /* receiver-owned, like the positions above */
     return 1;
 }
 

@@ -440,6 +440,7 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.ingest_pos", offsetof(shm_header, ingest_pos)},
         {"header.scan_pos", offsetof(shm_header, scan_pos)},
         {"header.head", offsetof(shm_header, head)},
+        {"header.rewinds", offsetof(shm_header, rewinds)},
         {"header.tail_hint", offsetof(shm_header, tail_hint)},
         {"header.rx_sleeping", offsetof(shm_header, rx_sleeping)},
         {"header.max_messages", offsetof(shm_header, cfg) + offsetof(shm_config, max_messages)},
