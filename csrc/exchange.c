@@ -53,6 +53,10 @@
  *     generation not reused) before the last of them is settled.
  * Receivers settle (shm_gate_resolve) and then count down (exch_txn_settled). A receiver
  * killed between the two leaves the slot held forever: one slot of EXCH_MAX_TXNS lost.
+ * So does a publisher killed in step 4 of a committed publish between settling a copy
+ * and counting it down: the reaper cannot tell that copy from one still gated in a
+ * channel, which must find the word COMMITTED. The same death in an aborted publish
+ * frees the slot (exch_txn_reap).
  *
  * A live publisher is never resolved against: a receiver acts only when the claimant's
  * token is dead. A slow one is waited for, like any unfinished record.
@@ -130,6 +134,9 @@ static uint64_t binds_off(void) {
 static uint64_t txns_off(void) {
     return binds_off() + (uint64_t)EXCH_MAX_BINDINGS * sizeof(exch_binding_entry);
 }
+
+/* Where the transaction slots begin in the segment (for tests that stage a slot). */
+uint64_t exch_txns_offset(void) { return txns_off(); }
 
 uint64_t exch_segment_size(void) {
     uint64_t n = txns_off() + (uint64_t)EXCH_MAX_TXNS * sizeof(exch_txn);
@@ -518,6 +525,14 @@ int exch_txn_settled(shm_exch *x, uint32_t slot, uint32_t gen) {
     return SHM_OK;
 }
 
+/* Slot i's transaction word (TXN_WORD: generation, copies not yet counted down, state),
+ * for inspection and tests. */
+int exch_txn_word(shm_exch *x, uint32_t i, uint64_t *word) {
+    if (i >= EXCH_MAX_TXNS) return SHM_E_INVALID;
+    *word = LOAD_ACQUIRE(&x->txns[i].word); /* pairs with the CASes on it */
+    return SHM_OK;
+}
+
 /* Slot i's owner (0 = free), for the Python layer's liveness check. */
 int exch_txn_owner(shm_exch *x, uint32_t i, uint64_t *owner) {
     if (i >= EXCH_MAX_TXNS) return SHM_E_INVALID;
@@ -526,7 +541,14 @@ int exch_txn_owner(shm_exch *x, uint32_t i, uint64_t *owner) {
 }
 
 /* Slot i's owner `dead` is dead: abort its transaction if still PENDING, and free the
- * slot if no record of it is left to settle. */
+ * slot if no record of it is left to settle, or if it was aborted.
+ * An aborted slot is freed whatever its count: every copy of an aborted publish is
+ * discarded, and a copy still gated resolves to "discard" as well once the word is
+ * freed or reused (a newer generation, or FREE: exch_txn_outcome), and its count-down
+ * then touches nothing (txn_count_down checks the generation). Not freeing it leaked the
+ * slot whenever the publisher died between cancelling a copy and counting it down
+ * (exch_publish's step 4), which nobody else would count. A committed slot with copies
+ * left is kept: a copy still gated must find the word COMMITTED (see the top). */
 int exch_txn_reap(shm_exch *x, uint32_t i, uint64_t dead) {
     if (i >= EXCH_MAX_TXNS || dead == 0) return SHM_E_INVALID;
     exch_txn *t = &x->txns[i];
@@ -537,7 +559,14 @@ int exch_txn_reap(shm_exch *x, uint32_t i, uint64_t dead) {
         txn_move(t, gen, TXN_PENDING, TXN_ABORTED);
         w = LOAD_ACQUIRE(&t->word); /* pairs with txn_move's CAS */
     }
-    if (TXN_GEN(w) != gen || TXN_COUNT(w) != 0) return SHM_STALE; /* records left: keep it */
+    if (TXN_GEN(w) != gen) return SHM_STALE; /* moved on meanwhile: look again later */
+    if (TXN_STATE(w) == TXN_ABORTED && TXN_COUNT(w) != 0) {
+        /* seq_cst: pairs with settlers' CASes in txn_count_down; losing to one of them
+         * means the count moved: look again later. */
+        if (!CAS_SEQCST(&t->word, &w, TXN_WORD(gen, 0, TXN_FREE))) return SHM_STALE;
+        w = TXN_WORD(gen, 0, TXN_FREE);
+    }
+    if (TXN_COUNT(w) != 0) return SHM_STALE; /* committed copies left: keep it */
     if (TXN_STATE(w) != TXN_FREE) txn_end_empty(t, gen, TXN_STATE(w));
     /* died between claiming the owner word and the PENDING store, or after freeing the
      * word: the word is FREE; drop the claim. seq_cst: pairs with txn_begin's CAS. */

@@ -284,6 +284,7 @@ typedef struct {
 } shm_binding;
 
 uint64_t exch_segment_size(void);
+uint64_t exch_txns_offset(void);
 int  exch_attach(int fd, int create, uint32_t kind, const char *name, uint32_t name_len,
                  uint64_t uid, uint64_t token, shm_exch **out);
 void exch_detach(shm_exch *x);
@@ -303,4 +304,5 @@ int  exch_publish(shm_exch *x, shm_chan **chans, uint32_t n, uint32_t kind, cons
 int  exch_txn_outcome(shm_exch *x, uint32_t slot, uint32_t gen, uint64_t dead_owner, int *commit);
 int  exch_txn_settled(shm_exch *x, uint32_t slot, uint32_t gen);
 int  exch_txn_owner(shm_exch *x, uint32_t i, uint64_t *owner);
+int  exch_txn_word(shm_exch *x, uint32_t i, uint64_t *word);
 int  exch_txn_reap(shm_exch *x, uint32_t i, uint64_t dead);

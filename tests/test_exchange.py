@@ -466,6 +466,66 @@ def test_killed_publishers_leave_all_or_nothing(
         st_ = c.stats()
         assert st_.used_bytes == 0 and st_.queued == 0, st_
     # transaction slots: those of publishers killed holding one are reaped, and none is
-    # left holding records to settle
+    # left holding records to settle. The one slot a kill may leave held (csrc/exchange.c,
+    # the top): a committed publish whose publisher died between settling a copy and
+    # counting it down; everything is drained, so its word counts exactly that copy.
     ex._reap_txns(ex._live())
-    assert ex.stats().txns_busy == 0
+    held = _held_txns(ex)
+    assert all(state == _TXN_COMMITTED and count == 1 for _, state, count in held), held
+    assert ex.stats().txns_busy == len(held)
+
+
+_TXN_COMMITTED, _TXN_ABORTED = 2, 3  # csrc/exchange.c: TXN_*, in the word's low byte
+
+
+def _dead_token() -> int:
+    """The token of a process that has exited."""
+    p = CTX.Process(target=os._exit, args=(0,))
+    p.start()
+    token = shmchan.liveness.token_of(p.pid or 0)
+    p.join(WAIT)
+    assert token and not shmchan.liveness.is_alive(token)
+    return token
+
+
+@pytest.mark.parametrize("state", ["aborted", "committed"])
+def test_a_dead_publishers_slot_with_copies_left_to_count(make_exchange, state):
+    """A publisher killed in step 4 of exch_publish, between settling a copy and counting
+    it down, leaves its slot held with a count nobody else will bring down. Aborted, the
+    reaper frees it anyway (every copy of an aborted publish is discarded, gated or not);
+    it used to keep it, one of 256 slots lost per such death. Committed, it must keep it:
+    a copy may still be gated in a channel and must find the word COMMITTED."""
+    from shmchan._lib import lib
+
+    ex = make_exchange("fanout")
+    slot, gen, count = 5, 7, 2
+    st_ = _TXN_ABORTED if state == "aborted" else _TXN_COMMITTED
+    at = int(lib.exch_txns_offset()) + slot * 64  # one cache line per slot: owner, word
+    fd = os.open(f"/dev/shm/shmchan-x.{ex.name}", os.O_RDWR)
+    try:
+        word = (gen << 32) | (count << 8) | st_
+        os.pwrite(fd, _dead_token().to_bytes(8, "little") + word.to_bytes(8, "little"), at)
+    finally:
+        os.close(fd)
+    assert ex.stats().txns_busy == 1
+    ex._reap_txns(ex._live())
+    held = _held_txns(ex)
+    if state == "aborted":
+        assert held == [] and ex.stats().txns_busy == 0
+    else:
+        assert held == [(slot, _TXN_COMMITTED, count)]
+
+
+def _held_txns(ex: shmchan.Exchange) -> list[tuple[int, int, int]]:
+    """(slot, state, copies not yet counted down) of every held transaction slot."""
+    from shmchan._lib import ffi, lib
+
+    att = ex._live()
+    owner, word = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    held = []
+    for i in range(int(lib.EXCH_MAX_TXNS)):
+        assert lib.exch_txn_owner(att.ptr, i, owner) == 0
+        assert lib.exch_txn_word(att.ptr, i, word) == 0
+        if owner[0]:
+            held.append((i, int(word[0]) & 0xFF, (int(word[0]) >> 8) & 0xFFFFFF))
+    return held
