@@ -101,7 +101,7 @@ typedef struct {
     shm_config cfg;
     uint64_t producers_off, slots_off, nodes_off, keytab_off, ring_off, heap_off;
     uint32_t max_nodes;   /* node table entries (index 0 unused) */
-    uint32_t keytab_size; /* key table entries, a power of two */
+    uint32_t keytab_size; /* key table entries (any count: see key_home) */
     uint64_t segment_size;
     uint64_t boot_id; /* hash of the boot the tokens below belong to (recovery.c) */
     uint64_t chan_id;    /* random, non-zero, drawn at create: which channel this is, so an
@@ -144,11 +144,13 @@ typedef struct {
                           * odd while the receiver changes its tables (rx_begin/rx_end) */
     uint32_t free_slots; /* free list of message table slots (via slot.next) */
     uint32_t free_nodes; /* free list of nodes (via node.next) */
+    uint32_t fresh_slots; /* slots from here on were never used: taken when the free list
+                           * is empty, so a new channel writes no table (sched.c) */
+    uint32_t fresh_nodes; /* the same for nodes */
     uint32_t ready_count; /* messages free to hand out: a min-heap by seq at heap_off */
     uint32_t handed_out; /* slots out of the consumer's hands, via slot.out_next (handles.c) */
     uint32_t window;     /* slots in use */
     uint32_t nodes_used;
-    uint32_t pad0;
     uint64_t queued_in_window; /* waiting or ready */
     uint64_t inflight;
     uint64_t held_keys;
@@ -333,7 +335,7 @@ struct shm_chan {
     shm_config cfg;     /* validated local copy: never re-read from the segment       */
     uint64_t cap;       /* ring size: the capacity rounded up to whole pages          */
     uint64_t limit;     /* the capacity: bytes the ring may hold at once (cfg.capacity) */
-    uint32_t max_nodes, keytab_mask;
+    uint32_t max_nodes, keytab_size;
     uint64_t token;     /* this process's identity                                    */
     uint32_t producer;  /* registry index + 1 while registered, 0 otherwise          */
     int is_rx;          /* this attachment holds the receiver                         */
@@ -396,6 +398,30 @@ static inline shm_record *rec_at(shm_chan *c, uint64_t pos) { return (shm_record
  * receiver, 7-12 us each on this project's VM (part of the bump near the p95 of the
  * wake-up in a script with pings 1 ms apart), until the ring's first rewind. */
 #define RING_WARM(c) ((c)->cap < (320u << 10) ? (c)->cap : (uint64_t)(320u << 10))
+/* The key table is open addressing with linear probing over keytab_size entries, sized
+ * exactly (not to a power of two, which doubled a large channel's table): a hash's home
+ * entry is its high 32 bits scaled to the size (multiply-shift), and a probe wraps at the
+ * end. The hash's high bits are as well mixed as its low ones (hash.c's finalizer). */
+static inline uint32_t key_home(const shm_chan *c, uint64_t hash) {
+    return (uint32_t)(((hash >> 32) * (uint64_t)c->keytab_size) >> 32);
+}
+static inline uint32_t key_next(const shm_chan *c, uint32_t i) {
+    return i + 1 >= c->keytab_size ? 0 : i + 1;
+}
+/* Slots and nodes that may ever have been used: indexes below these marks (scans of the
+ * tables stop there: a slot or node past it is all zeros). Clamped to the table, since
+ * the marks are read from shared memory. */
+static inline uint32_t slots_touched(const shm_chan *c, shm_header *h) {
+    /* relaxed: only the receiver moves the marks (STORE_RELAXED in sched.c); a scan by
+     * another process is a snapshot anyway. A slot is in use only after the mark passed
+     * it, and its state is published after that (ready_push's release store). */
+    uint32_t f = LOAD_RELAXED(&h->fresh_slots);
+    return f >= 1 && f <= c->cfg.max_messages ? f : c->cfg.max_messages + 1;
+}
+static inline uint32_t nodes_touched(const shm_chan *c, shm_header *h) {
+    uint32_t f = LOAD_RELAXED(&h->fresh_nodes); /* as in slots_touched */
+    return f >= 1 && f <= c->max_nodes ? f : c->max_nodes;
+}
 static inline uint64_t align8(uint64_t n) { return (n + 7u) & ~(uint64_t)7u; }
 
 /* record size for a message body (header, hashes, keys and payload, each 8-aligned) */

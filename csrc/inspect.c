@@ -82,12 +82,12 @@ typedef struct {
 } blob_buf;
 
 static int64_t key_lookup(shm_chan *c, uint64_t hash) {
-    uint32_t i = (uint32_t)hash & c->keytab_mask;
-    for (uint32_t probes = 0; probes <= c->keytab_mask; probes++) {
+    uint32_t i = key_home(c, hash);
+    for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
         shm_key k = c->keys[i]; /* a copy: the entry may change under us */
         if (k.head == NIL && k.held == NIL && k.skipped == 0) return -1;
         if (k.hash == hash) return i;
-        i = (i + 1) & c->keytab_mask;
+        i = key_next(c, i);
     }
     return -1;
 }
@@ -272,7 +272,7 @@ int shm_view_held(shm_chan *c, shm_view *out, uint32_t max, uint32_t *n, uint8_t
     }
     count = 0;
     b.used = 0;
-    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+    for (uint32_t s = 1, used = slots_touched(c, c->hdr); s < used; s++) {
         if (held_add(c, s, out, max, &count, &b) == SHM_FULL) {
             *n = count;
             return SHM_FULL;
@@ -469,7 +469,7 @@ int shm_view_lines(shm_chan *c, uint32_t top, shm_view *out, uint32_t *n, uint8_
     uint32_t count = 0;
     shm_key chunk[VIEW_CHUNK];
     uint64_t depths[VIEW_CHUNK];
-    uint32_t size = c->keytab_mask + 1;
+    uint32_t size = c->keytab_size;
     for (uint32_t start = 0; start < size; start += VIEW_CHUNK) {
         uint32_t m = size - start < VIEW_CHUNK ? size - start : VIEW_CHUNK;
         int ok = 0;
@@ -567,7 +567,7 @@ static int slot_pred(shm_chan *c, uint32_t s, uint32_t *pred, uint64_t *hash) {
 
 /* Find the window's slot holding seq: *slot and its state word, or SHM_EMPTY. */
 static int find_slot(shm_chan *c, uint64_t seq, uint32_t *slot, uint64_t *word) {
-    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+    for (uint32_t s = 1, used = slots_touched(c, c->hdr); s < used; s++) {
         shm_slot *sl = &c->slots[s];
         if (LOAD_RELAXED(&sl->seq) != seq) continue;
         uint64_t w = LOAD_ACQUIRE(&sl->state); /* pairs with the receiver's and holders' stores */

@@ -79,7 +79,7 @@ int shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64
         }
         pthread_mutex_unlock(&c->rx_mu);
     } else {
-        for (uint32_t s = 1; s <= c->cfg.max_messages; s++)
+        for (uint32_t s = 1, used = slots_touched(c, c->hdr); s < used; s++)
             holder_note(&c->slots[s], tokens, max, &count, &late, now_ns);
     }
     *n = count;
@@ -156,8 +156,8 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
 /* List dead letters from slot index start on; *next is where to continue (0 = done). */
 int shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint32_t *n,
                   uint32_t *next) {
-    uint32_t count = 0, s = start ? start : 1;
-    for (; s <= c->cfg.max_messages && count < max; s++) {
+    uint32_t count = 0, s = start ? start : 1, used = slots_touched(c, c->hdr);
+    for (; s < used && count < max; s++) {
         /* The receiver may move the record while we read it (compact.c): read again
          * until the slot's word and position held still around the read. */
         for (int tries = 0; tries < 1000; tries++) {
@@ -176,7 +176,7 @@ int shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint3
         }
     }
     *n = count;
-    *next = s <= c->cfg.max_messages ? s : 0;
+    *next = s < used ? s : 0;
     return SHM_OK;
 }
 
@@ -221,7 +221,7 @@ int shm_boot_check(shm_chan *c, uint64_t boot_id) {
         c->producers[i].waiting = 0;
         STORE_RELEASE(&c->producers[i].owner, 0); /* pairs with shm_producer_attach */
     }
-    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+    for (uint32_t s = 1, used = slots_touched(c, h); s < used; s++) {
         shm_slot *sl = &c->slots[s];
         if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) == SLOT_INFLIGHT)
             STORE_RELEASE(&sl->holder, HOLDER_REVOKED); /* shm_revoke finishes these */
@@ -275,10 +275,11 @@ int recovery_rebuild(shm_chan *c) {
     uint32_t nkept = 0;
     uint64_t inflight = 0, dead = 0;
 
-    /* 1. keep handed-out slots (relinked into the handed-out list), free the rest */
+    /* 1. keep handed-out slots (relinked into the handed-out list), free the rest; slots
+     * past the fresh mark were never used (sched.c) and stay where they are */
     h->free_slots = NIL;
     h->handed_out = NIL;
-    for (uint32_t s = m; s >= 1; s--) {
+    for (uint32_t s = slots_touched(c, h) - 1; s >= 1; s--) {
         shm_slot *sl = &c->slots[s];
         uint64_t w = LOAD_ACQUIRE(&sl->state); /* pairs with holders' CAS */
         uint32_t st = SLOT_STATE(w);
@@ -332,9 +333,9 @@ int recovery_rebuild(shm_chan *c) {
     }
 
     /* 2. empty key table and nodes */
-    memset(c->keys, 0, sizeof(shm_key) * ((size_t)c->keytab_mask + 1));
-    for (uint32_t n = 1; n < c->max_nodes; n++) c->nodes[n].next = n + 1 < c->max_nodes ? n + 1 : NIL;
-    h->free_nodes = 1;
+    memset(c->keys, 0, sizeof(shm_key) * (size_t)c->keytab_size);
+    h->free_nodes = NIL; /* every node is free: handed out from the start again */
+    STORE_RELAXED(&h->fresh_nodes, 1); /* read by nodes_touched (core.h) */
     h->nodes_used = 0;
     h->ready_count = 0;
     h->newest = h->oldest = NIL;
@@ -450,7 +451,7 @@ int recovery_rebuild(shm_chan *c) {
     /* 5. finish releases, nacks and discards that were in progress; what is on the
      * release stack is among them (acquire: pairs with the pushers' CAS) */
     EXCHANGE_ACQREL(&h->release_stack, (uint64_t)NIL);
-    for (uint32_t s = 1; s <= m && rc == SHM_OK; s++) {
+    for (uint32_t s = 1, used = slots_touched(c, h); s < used && rc == SHM_OK; s++) {
         uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&c->slots[s].state));
         if (st == SLOT_RELEASED || st == SLOT_NACKED || st == SLOT_DISCARD) rc = handles_finish(c, s);
     }

@@ -39,13 +39,16 @@
 #define SLOT_OK(c, s) ((s) >= 1 && (s) <= (c)->cfg.max_messages)
 #define NODE_OK(c, n) ((n) >= 1 && (n) < (c)->max_nodes)
 
+/* Slots and nodes are handed out from their free lists, and when a list is empty from
+ * the part of the table never used yet (fresh_*): a new channel writes nothing into its
+ * tables, so creating one with millions of slots touches none of their pages, and a
+ * channel whose window stays small keeps using the same few. */
 void sched_init(shm_chan *c) {
     shm_header *h = c->hdr;
-    uint32_t m = c->cfg.max_messages;
-    for (uint32_t s = 1; s <= m; s++) c->slots[s].next = s < m ? s + 1 : NIL;
-    h->free_slots = 1;
-    for (uint32_t n = 1; n < c->max_nodes; n++) c->nodes[n].next = n + 1 < c->max_nodes ? n + 1 : NIL;
-    h->free_nodes = 1;
+    h->free_slots = NIL;
+    h->fresh_slots = 1;
+    h->free_nodes = NIL;
+    h->fresh_nodes = 1;
     h->ready_count = 0;
     h->handed_out = NIL;
 }
@@ -57,12 +60,12 @@ static inline int key_empty(const shm_key *k) {
 
 /* Index of the entry for hash, or -1. */
 static int64_t key_find(shm_chan *c, uint64_t hash) {
-    uint32_t i = (uint32_t)hash & c->keytab_mask;
-    for (uint32_t probes = 0; probes <= c->keytab_mask; probes++) {
+    uint32_t i = key_home(c, hash);
+    for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
         shm_key *k = &c->keys[i];
         if (key_empty(k)) return -1;
         if (k->hash == hash) return i;
-        i = (i + 1) & c->keytab_mask;
+        i = key_next(c, i);
     }
     return -1;
 }
@@ -70,28 +73,27 @@ static int64_t key_find(shm_chan *c, uint64_t hash) {
 /* Index of the entry for hash, created empty-lined if absent; -1 if the table is full
  * (impossible by sizing unless the segment is corrupt). */
 static int64_t key_insert(shm_chan *c, uint64_t hash) {
-    uint32_t i = (uint32_t)hash & c->keytab_mask;
-    for (uint32_t probes = 0; probes <= c->keytab_mask; probes++) {
+    uint32_t i = key_home(c, hash);
+    for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
         shm_key *k = &c->keys[i];
         if (key_empty(k)) {
             k->hash = hash;
             return i;
         }
         if (k->hash == hash) return i;
-        i = (i + 1) & c->keytab_mask;
+        i = key_next(c, i);
     }
     return -1;
 }
 
 /* Remove entry i (now empty) by shifting back the entries of its probe run. */
 static void key_delete(shm_chan *c, uint32_t i) {
-    uint32_t mask = c->keytab_mask;
     uint32_t j = i;
-    for (uint32_t probes = 0; probes <= mask; probes++) {
-        j = (j + 1) & mask;
+    for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
+        j = key_next(c, j);
         shm_key *kj = &c->keys[j];
         if (key_empty(kj)) break;
-        uint32_t home = (uint32_t)kj->hash & mask;
+        uint32_t home = key_home(c, kj->hash);
         /* kj may move to i if its home is not cyclically within (i, j]. */
         int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
         if (stays) continue;
@@ -179,10 +181,17 @@ uint32_t sched_pop_ready(shm_chan *c) {
 }
 
 static uint32_t node_alloc(shm_chan *c) {
-    uint32_t n = c->hdr->free_nodes;
-    if (!NODE_OK(c, n)) return NIL;
-    c->hdr->free_nodes = c->nodes[n].next;
-    c->hdr->nodes_used++;
+    shm_header *h = c->hdr;
+    uint32_t n = h->free_nodes;
+    if (n != NIL) {
+        if (!NODE_OK(c, n)) return NIL;
+        h->free_nodes = c->nodes[n].next;
+    } else {
+        n = h->fresh_nodes;
+        if (!NODE_OK(c, n)) return NIL;
+        STORE_RELAXED(&h->fresh_nodes, n + 1); /* read by nodes_touched (core.h) */
+    }
+    h->nodes_used++;
     return n;
 }
 
@@ -205,7 +214,8 @@ static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
 
 int sched_has_room(shm_chan *c, uint32_t nkeys) {
     shm_header *h = c->hdr;
-    return h->free_slots != NIL && (c->max_nodes - 1 - h->nodes_used) >= nkeys;
+    return (h->free_slots != NIL || SLOT_OK(c, h->fresh_slots)) &&
+           (c->max_nodes - 1 - h->nodes_used) >= nkeys;
 }
 
 /* ---- eager helpers ------------------------------------------------------------------ */
@@ -257,9 +267,18 @@ static int attach_keys(shm_chan *c, uint32_t s, shm_record *r) {
 int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) {
     shm_header *h = c->hdr;
     uint32_t s = h->free_slots;
-    if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+    if (s != NIL) {
+        if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+        h->free_slots = c->slots[s].next;
+    } else {
+        /* never used: its state word is SLOT_WORD(0, SLOT_FREE). The mark moves before the
+         * slot's state is published (ready_push's release store), so a receiver's rebuild
+         * (recovery.c), which looks only below the mark, sees every slot in use. */
+        s = h->fresh_slots;
+        if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
+        STORE_RELAXED(&h->fresh_slots, s + 1); /* read by slots_touched (core.h) */
+    }
     shm_slot *sl = &c->slots[s];
-    h->free_slots = sl->next;
     h->window++;
     sl->seq = r->seq;
     sl->pos = pos;
@@ -371,9 +390,9 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     pthread_mutex_lock(&c->rx_mu);
     int rc = SHM_OK;
     *what = 0;
-    uint32_t m = c->cfg.max_messages;
+    uint32_t m = c->cfg.max_messages, used = slots_touched(c, c->hdr);
     /* fifo: each WAITING/READY/INFLIGHT message's pending equals the lines where it is not first */
-    for (uint32_t s = 1; s <= m && rc == SHM_OK; s++) {
+    for (uint32_t s = 1; s < used && rc == SHM_OK; s++) {
         shm_slot *sl = &c->slots[s];
         uint32_t st = SLOT_STATE(sl->state);
         if (st == SLOT_FREE || st == SLOT_DEAD) continue;
@@ -391,7 +410,7 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     }
     /* the ready heap holds exactly the READY messages, each no earlier than its parent */
     uint32_t ready = 0, listed = c->hdr->ready_count;
-    for (uint32_t s = 1; s <= m; s++) ready += SLOT_STATE(c->slots[s].state) == SLOT_READY;
+    for (uint32_t s = 1; s < used; s++) ready += SLOT_STATE(c->slots[s].state) == SLOT_READY;
     for (uint32_t i = 0; i < listed && i < m && rc == SHM_OK; i++) {
         uint32_t s = c->heap[i].slot;
         if (!SLOT_OK(c, s) || SLOT_STATE(c->slots[s].state) != SLOT_READY) { rc = SHM_E_CORRUPT; *what = 10; }
@@ -402,7 +421,7 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     /* the handed-out list holds exactly the slots out of the consumer's hands, each once,
      * with consistent back links */
     uint32_t out = 0, on_list = 0, prev = NIL;
-    for (uint32_t s = 1; s <= m; s++) {
+    for (uint32_t s = 1; s < used; s++) {
         uint32_t st = SLOT_STATE(c->slots[s].state);
         out += st == SLOT_INFLIGHT || st == SLOT_RELEASED || st == SLOT_NACKED ||
                st == SLOT_DEAD || st == SLOT_DISCARD;
@@ -418,7 +437,7 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     if (rc == SHM_OK && on_list != out) { rc = SHM_E_CORRUPT; *what = 16; }
     if (rc == SHM_OK) rc = window_check(c, what); /* the parked records' chains */
     /* every line's nodes belong to live messages, and the line is in seq order */
-    for (uint32_t k = 0; k <= c->keytab_mask && rc == SHM_OK; k++) {
+    for (uint32_t k = 0; k < c->keytab_size && rc == SHM_OK; k++) {
         shm_key *key = &c->keys[k];
         if (key_empty(key)) continue;
         uint32_t n = key->head, len = 0;

@@ -64,9 +64,11 @@ static void compute_layout(const shm_config *cfg, layout *L) {
     L->nodes_off = off;
     off = page_up(off + (uint64_t)L->max_nodes * sizeof(shm_node));
     /* At most max_nodes keys have a line or a holder at once; keep that load <= 1/2. A
-     * quarter more may be keys of parked records only (window.c): at least 4096. */
-    uint32_t ks = 16384;
-    while (ks < 2 * L->max_nodes) ks <<= 1;
+     * quarter more may be keys of parked records only (window.c): at least 4096. Any
+     * size will do (core.h key_home): a power of two would double it past a boundary,
+     * and a default 1 GiB channel's 2 * max_nodes is just past 2^24 entries. */
+    uint32_t ks = 2 * L->max_nodes;
+    if (ks < 16384) ks = 16384;
     L->keytab_size = ks;
     L->keytab_off = off;
     off = page_up(off + (uint64_t)ks * sizeof(shm_key));
@@ -114,7 +116,7 @@ static void bind(shm_chan *c, const layout *L) {
     c->cap = page_up(c->cfg.capacity);
     c->limit = c->cfg.capacity;
     c->max_nodes = L->max_nodes;
-    c->keytab_mask = L->keytab_size - 1;
+    c->keytab_size = L->keytab_size;
 }
 
 /* A random non-zero id; getrandom() practically never fails, but if it does the clock,
@@ -390,7 +392,7 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     /* Releases made in other processes reach the counters when the receiver next polls;
      * count the ones still on their way so the snapshot does not lag behind. */
     uint64_t released_pending = 0, nacked_pending = 0, keys_pending = 0;
-    for (uint32_t s = 1; s <= c->cfg.max_messages; s++) {
+    for (uint32_t s = 1, used = slots_touched(c, h); s < used; s++) {
         uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&c->slots[s].state)); /* pairs with holders' CAS */
         if (st != SLOT_RELEASED && st != SLOT_NACKED) continue;
         if (st == SLOT_RELEASED) released_pending++;
@@ -437,6 +439,8 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.heap_off", offsetof(shm_header, heap_off)},
         {"header.free_slots", offsetof(shm_header, free_slots)},
         {"header.free_nodes", offsetof(shm_header, free_nodes)},
+        {"header.fresh_slots", offsetof(shm_header, fresh_slots)},
+        {"header.fresh_nodes", offsetof(shm_header, fresh_nodes)},
         {"header.ingest_pos", offsetof(shm_header, ingest_pos)},
         {"header.scan_pos", offsetof(shm_header, scan_pos)},
         {"header.head", offsetof(shm_header, head)},

@@ -143,7 +143,7 @@ static uint32_t new_keys(shm_chan *c, shm_record *r) {
 
 /* May r be parked without the key table growing past its share for chains? */
 static int park_room(shm_chan *c, shm_record *r) {
-    return c->hdr->skip_keys + new_keys(c, r) <= (c->keytab_mask + 1) / 4;
+    return c->hdr->skip_keys + new_keys(c, r) <= c->keytab_size / 4;
 }
 
 /* What to do with the record r at scan_pos (read-only: work_pending asks it too).
@@ -254,7 +254,7 @@ static int window_wake(shm_chan *c, int *moved) {
     shm_header *h = c->hdr;
     if (h->wake_overflow) {
         /* Collect first, then wake: waking may move entries of the table. */
-        uint32_t size = c->keytab_mask + 1, n = 0;
+        uint32_t size = c->keytab_size, n = 0;
         uint64_t *all = malloc(sizeof(uint64_t) * h->skip_keys + 8);
         if (all == NULL) return SHM_E_NOMEM;
         for (uint32_t i = 0; i < size && n < h->skip_keys; i++)
@@ -571,7 +571,7 @@ int window_check(shm_chan *c, uint32_t *what) {
     shm_header *h = c->hdr;
     int fifo = c->cfg.order == SHM_ORDER_FIFO;
     uint64_t links = 0, chain_keys = 0, parked = 0, parked_links = 0;
-    for (uint32_t i = 0; i <= c->keytab_mask; i++) {
+    for (uint32_t i = 0; i < c->keytab_size; i++) {
         shm_key *k = &c->keys[i];
         if (k->skipped == 0) continue;
         chain_keys++;
