@@ -493,6 +493,7 @@ int island_rebuild(shm_chan *c, const uint64_t *kept_pos, uint32_t nkept);
 int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m);
 int handles_drain(shm_chan *c);
 int handles_finish(shm_chan *c, uint32_t s);
+int handles_rx_asleep(shm_chan *c); /* a release in the receiver's process: wake its recv? */
 void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);

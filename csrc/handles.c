@@ -346,11 +346,13 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
              * send_one. Closed once nothing is queued and no handle can come back
              * (others_inflight): until then the receiver waits, and a dead holder's
              * message is redelivered. */
-            if (LOAD_SEQCST(&h->shutdown) && h->queued_in_window == 0 &&
-                h->ingest_pos == h->scan_pos &&
-                LOAD_SEQCST(&rec_at(c, h->scan_pos)->owner) == OWNER_EMPTY(h->scan_pos)) {
+            if (LOAD_SEQCST(&h->shutdown)) {
+                /* Seen: the re-check before sleeping need not look for it again, also
+                 * while messages are still queued (a release ahead of them posts us). */
                 shut_seen = 1;
-                if (!others_inflight(c)) {
+                if (h->queued_in_window == 0 && h->ingest_pos == h->scan_pos &&
+                    LOAD_SEQCST(&rec_at(c, h->scan_pos)->owner) == OWNER_EMPTY(h->scan_pos) &&
+                    !others_inflight(c)) {
                     rc = SHM_CLOSED;
                     break;
                 }
@@ -421,6 +423,17 @@ int shm_rx_spin(shm_chan *c, uint32_t spins) {
 #define WAKE_RX (1 << 8) /* post the receiver's semaphore */
 #define WAKE_TX (1 << 9) /* wake one sender waiting for space (ring.c's rationing) */
 
+/* After a release applied in the receiver's own process (under rx_mu): is a thread of
+ * this process asleep in recv? It announced the sleep (rx_sleeping = 1) under rx_mu as
+ * well, before its last look, so the mutex orders that store before this load and no
+ * fence is needed: either its last look saw what we just finished, or we see it asleep.
+ * The CAS (seq_cst) decides between us and any other process that saw it asleep: one
+ * post per sleep. */
+int handles_rx_asleep(shm_chan *c) {
+    uint32_t one = 1;
+    return LOAD_RELAXED(&c->hdr->rx_sleeping) && CAS_SEQCST(&c->hdr->rx_sleeping, &one, 0);
+}
+
 int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
     shm_slot *sl = &c->slots[s];
@@ -443,6 +456,7 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
             if (space_wake_due(c, 0)) out |= WAKE_TX;
         }
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+        if (rc == SHM_OK && handles_rx_asleep(c)) out |= WAKE_RX;
         rx_end(c);
         pthread_mutex_unlock(&c->rx_mu);
         return rc ? rc : out;
@@ -485,6 +499,7 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
         if (space_wake_due(c, 0)) *wake |= 2;
     }
     if (!broken) STORE_RELAXED(&c->hdr->dirty, 0);
+    if (!broken && handles_rx_asleep(c)) *wake |= 1;
     rx_end(c);
     pthread_mutex_unlock(&c->rx_mu);
     return rc;

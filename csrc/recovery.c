@@ -194,6 +194,7 @@ int shm_dead_discard(shm_chan *c, uint32_t s, uint32_t gen, int *wake) {
         int rc = handles_finish(c, s);
         ring_advance_head(c);
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+        if (rc == SHM_OK && handles_rx_asleep(c)) *wake |= 1; /* as in shm_release */
         rx_end(c);
         pthread_mutex_unlock(&c->rx_mu);
         return rc;

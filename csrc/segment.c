@@ -447,6 +447,7 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.rewinds", offsetof(shm_header, rewinds)},
         {"header.tail_hint", offsetof(shm_header, tail_hint)},
         {"header.rx_sleeping", offsetof(shm_header, rx_sleeping)},
+        {"header.writing_n", offsetof(shm_header, writing_n)},
         {"header.max_messages", offsetof(shm_header, cfg) + offsetof(shm_config, max_messages)},
         {"header.slots_off", offsetof(shm_header, slots_off)},
         {"header.nodes_off", offsetof(shm_header, nodes_off)},

@@ -471,8 +471,13 @@ int window_has_work(shm_chan *c) {
     if ((h->wake_n || h->wake_overflow) && sched_has_room(c, c->cfg.max_keys)) return 1;
     for (uint32_t i = 0; i < h->writing_n && i < SHM_WRITING_MAX; i++) {
         /* seq_cst: as below, pairs with the fence in wake_receiver after a commit */
-        uint32_t st = META_STATE(LOAD_SEQCST(&rec_at(c, h->writing[i])->meta));
-        if (st != REC_WRITING && (fifo || sched_has_room(c, c->cfg.max_keys))) return 1;
+        shm_record *w = rec_at(c, h->writing[i]);
+        if (META_STATE(LOAD_SEQCST(&w->meta)) == REC_WRITING) continue;
+        /* Finished, but with no room for it it stays on the list (writing_pass), whatever
+         * the order: not work until a release makes room, and that release posts us.
+         * (Its key count is final once committed; clamped, as it is unchecked here.) */
+        uint32_t nk = w->nkeys < c->cfg.max_keys ? w->nkeys : c->cfg.max_keys;
+        if (sched_has_room(c, nk)) return 1;
     }
     shm_record *r = rec_at(c, h->scan_pos);
     /* seq_cst: after the receiver's seq_cst store of rx_sleeping; pairs with the fence in

@@ -512,3 +512,148 @@ def test_a_receiver_that_keeps_up_with_its_producer_stays_in_the_fast_path(
         for _ in range(n):
             rx.recv(timeout=WAIT).release()
     assert slow[0] < n // 500, f"{slow[0]} of {n} receives took the slow path"
+
+
+# --- a receive that sleeps when, and only when, nothing can be done ----------------------
+
+
+def _poll_armed(rx: shmchan.Receiver) -> int:
+    """One poll with the sleep announced, as a blocking receive makes before it sleeps:
+    SHM_EMPTY means it would sleep now, SHM_AGAIN that it would poll again at once."""
+    from shmchan._lib import ffi, lib
+
+    msgs = ffi.new("shm_msg[4]")
+    got, stall, waiters = ffi.new("uint32_t *"), ffi.new("shm_stall *"), ffi.new("uint32_t *")
+    rc = lib.shm_recv(rx._seg.ptr, msgs, 4, got, 1, stall, waiters)
+    assert got[0] == 0
+    return rc
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+@pytest.mark.parametrize("how", ["release", "nack", "release_many"])
+def test_a_release_in_another_thread_wakes_a_receive_of_the_same_process(
+    make_channel, monkeypatch, how
+):
+    # The common "receive in one thread, work and release in others" shape. A release
+    # made in the receiver's own process is applied at once, under the receiver's lock,
+    # and it posted nobody: a receive asleep in another thread waiting for that key slept
+    # on until its next upkeep (up to 0.1 s; here, with upkeep every 30 s, its timeout).
+    from shmchan import channel
+
+    monkeypatch.setattr(channel, "_MAINTENANCE_SECONDS", 30.0)
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    for round_ in range(3):
+        tx.send((round_, 1), keys="a", timeout=WAIT)
+        tx.send((round_, 2), keys="a", timeout=WAIT)  # waits behind the first
+        first = rx.recv(timeout=WAIT)
+        assert first.payload == (round_, 1)
+        rx.maintain()  # upkeep done: not due again during this round
+        got: list = []
+        errors: list = []
+
+        def receive(got: list = got, errors: list = errors) -> None:
+            try:
+                got.append(rx.recv(timeout=10))
+                got.append(time.monotonic())
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        waiter = threading.Thread(target=receive)
+        waiter.start()
+        time.sleep(0.05)  # let it go to sleep on the semaphore
+        released = time.monotonic()
+        if how == "release":
+            first.release()
+        elif how == "nack":
+            first.nack()  # comes back first: the same message again
+        else:
+            rx.release_many([first])
+        waiter.join(WAIT)
+        assert not waiter.is_alive()
+        assert errors == [], f"the receive failed: {errors!r}"
+        # A hang detector: woken, it returns within a millisecond; not woken, it slept
+        # out its 10 s timeout and found the message in its last look.
+        assert got[1] - released < 5, f"the receive was not woken ({got[1] - released:.1f} s)"
+        if how == "nack":
+            assert got[0].payload == (round_, 1)
+            got[0].release()
+            got[:] = [rx.recv(timeout=WAIT)]
+        assert got[0].payload == (round_, 2)
+        got[0].release()
+
+
+def test_after_shutdown_a_receive_with_messages_still_queued_sleeps(ch, tx, rx):
+    # A shut-down channel with a message waiting behind a key this process holds: the
+    # receive must sleep until the release, not poll. The re-check before sleeping
+    # counted the shutdown as new work until the channel was drained, so every poll
+    # returned "again" and the receive spun a core for its whole timeout (KeyedPool's
+    # manager met this while draining).
+    tx.send(b"a1", keys="a", timeout=WAIT)
+    tx.send(b"a2", keys="a", timeout=WAIT)
+    h1 = rx.recv(timeout=WAIT)
+    ch.shutdown()
+    from shmchan._lib import lib
+
+    assert _poll_armed(rx) == lib.SHM_EMPTY, "the receive would poll again instead of sleeping"
+    c0, t0 = _cpu(), time.monotonic()
+    with pytest.raises(shmchan.Empty):
+        rx.recv(timeout=0.5)
+    cpu, wall = _cpu() - c0, time.monotonic() - t0
+    assert cpu < wall / 2, f"the receive burned {cpu:.2f} s of CPU in {wall:.2f} s"
+    h1.release()
+    h2 = rx.recv(timeout=WAIT)
+    assert h2.payload == b"a2"
+    h2.release()
+    with pytest.raises(shmchan.Closed):
+        rx.recv(timeout=WAIT)
+
+
+def _send_big(name: str, size: int) -> None:
+    with shmchan.Sender.open(name) as tx:
+        tx.send(b"x" * size, keys="big", timeout=WAIT)
+
+
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_finished_placeholder_with_no_room_in_the_window_lets_the_receiver_sleep(
+    make_channel, order
+):
+    # Every slot of the window is out (held handles). A large message is first seen
+    # while its producer still writes it (a placeholder); once committed it still cannot
+    # be taken in. Under fifo the re-check before sleeping counted it as work whatever
+    # the room, so a receive polled in a loop for its whole timeout.
+    from shmchan._lib import lib
+
+    ch = make_channel(capacity=64 << 20, max_messages=16, order=order)
+    tx, rx = ch.sender(), ch.receiver()
+    held = []
+    for i in range(16):
+        tx.send(b"h", keys=f"k{i}", timeout=WAIT)
+        held.append(rx.recv(timeout=WAIT))
+    p = CTX.Process(target=_send_big, args=(ch.name, 32 << 20))
+    with running(p):
+        seen_writing = False
+        deadline = time.monotonic() + WAIT
+        while p.is_alive() and time.monotonic() < deadline:  # look while it is written
+            assert rx.try_recv() is None
+            seen_writing = seen_writing or _writing_count(rx) > 0
+        p.join(WAIT)
+    assert seen_writing, "the receiver never saw the record while it was being written"
+    assert rx.try_recv() is None  # committed, and no room for it
+    assert _poll_armed(rx) == lib.SHM_EMPTY, "the receive would poll again instead of sleeping"
+    for h in held:
+        h.release()
+    big = rx.recv(timeout=WAIT)  # the release made room: it goes
+    assert len(big.data) == 32 << 20
+    big.release()
+
+
+def _writing_count(rx: shmchan.Receiver) -> int:
+    from shmchan._lib import ffi, lib
+
+    base = lib.shm_base(rx._seg.ptr)
+    return int(ffi.cast("uint32_t *", base + _fact("header.writing_n"))[0])

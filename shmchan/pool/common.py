@@ -15,7 +15,6 @@ from .. import errors, liveness
 from ..channel import list_channels, unlink
 
 _TICK = 0.05  # the manager's longest sleep: deaths and timeouts are noticed this fast
-_SHUT_TICK = 0.002  # a KeyedPool's wait on a channel that was shut down
 _BATCH = 256  # handles taken from a channel per call
 _CHUNK_BATCH = 8  # map chunks sent per call
 _PREFETCH = 32  # handles a worker may have in hand (running and waiting) at once

@@ -15,7 +15,7 @@ from .._worker import (
     SLOT,
 )
 from ..channel import Channel, Handle
-from .common import _BATCH, _SHUT_TICK, _TICK, _context
+from .common import _BATCH, _TICK, _context
 from .stats import PoolStats
 from .workers import _Worker, _Workers
 
@@ -53,7 +53,6 @@ class KeyedPool:
         self._held: collections.deque[Handle] = collections.deque()
         self._failed_before = 0
         self._redelivered = 0
-        self._shut_down = False  # the channel was shut down (seen at housekeeping)
         self._ch = Channel.open(name)
         try:
             self._rx = self._ch.receiver()
@@ -150,11 +149,8 @@ class KeyedPool:
                     time.sleep(0.0005)  # every worker is full: wait for one to finish one
                     continue
                 room = max(workers.capacity(), 1)
-                # (A receiver waiting on a shut-down channel is not woken by releases:
-                # poll it more often then.)
-                wait = _SHUT_TICK if self._shut_down else _TICK
                 try:
-                    self._held.extend(self._rx.recv_many(min(room, _BATCH), timeout=wait))
+                    self._held.extend(self._rx.recv_many(min(room, _BATCH), timeout=_TICK))
                 except errors.Empty:
                     pass
                 except errors.Closed:
@@ -175,8 +171,6 @@ class KeyedPool:
             self._workers.give(batch)
 
     def _housekeeping(self) -> None:
-        if not self._shut_down:
-            self._shut_down = self._ch.stats().shutdown
         for w, _code, _seq in self._workers.ended():
             self._count_failed(w)
             for h, _ in w.given:
