@@ -74,6 +74,30 @@
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
+/* A compare-and-swap of two adjacent 64-bit words at a 16-byte aligned address (lo at the
+ * lower address): both words must match for either to change. A full barrier (seq_cst),
+ * like CAS_SEQCST. Used where a step must hold for one generation of a slot and change
+ * another word of it (the hand-over and extend steps in handles.c). Other code reads and
+ * writes those words one at a time with the 8-byte atomics above: on x86-64 and AArch64 a
+ * locked 16-byte access and an 8-byte one to the same line are ordered by the line's
+ * coherence order, which is all these uses need. */
+static inline int cas_pair(uint64_t *lo, uint64_t exp_lo, uint64_t exp_hi, uint64_t new_lo,
+                           uint64_t new_hi) {
+#if defined(__x86_64__)
+    unsigned char ok;
+    __asm__ __volatile__("lock cmpxchg16b %1\n\tsete %0"
+                         : "=q"(ok), "+m"(*(volatile unsigned __int128 *)lo), "+a"(exp_lo),
+                           "+d"(exp_hi)
+                         : "b"(new_lo), "c"(new_hi)
+                         : "memory", "cc");
+    return ok;
+#else
+    unsigned __int128 e = ((unsigned __int128)exp_hi << 64) | exp_lo;
+    unsigned __int128 n = ((unsigned __int128)new_hi << 64) | new_lo;
+    return __sync_bool_compare_and_swap((unsigned __int128 *)lo, e, n);
+#endif
+}
+
 /* ---- process identity ---------------------------------------------------------------
  * A token is (pid << 40) | start_ticks, made by shmchan/liveness.py: the pid plus the
  * process start time in clock ticks since boot, which together never repeat. Tokens are
@@ -201,11 +225,15 @@ enum {
 #define SLOT_WORD(gen, st) (((uint64_t)(gen) << 32) | (uint64_t)(st))
 
 typedef struct {
+    /* state and holder are one 16-byte aligned pair: the hand-over steps change holder
+     * with a cas_pair over both, so a step for an older generation matches nothing. */
     uint64_t state;    /* see above                                              */
     uint64_t holder;   /* token of the holding process while in flight           */
     uint64_t seq;
     uint64_t pos;      /* ring position of the message's record                  */
+    /* deadline and lease_gen are a pair too (shm_handle_extend's cas_pair). */
     uint64_t deadline; /* lease end, CLOCK_MONOTONIC ns; 0 = none               */
+    uint64_t lease_gen; /* the generation deadline belongs to (hand_out sets it) */
     uint64_t handover; /* while holder has HOLDER_TRANSIT: adopt before this     */
                        /* (CLOCK_MONOTONIC ns), or the handle is taken back      */
     uint32_t first_node; /* the message's key nodes, chained by node.sibling     */
@@ -218,10 +246,15 @@ typedef struct {
     uint32_t pin;      /* PIN_*: may the consumer move this message's record?     */
     uint32_t newer, older; /* the window's messages in order of taking in (window.c) */
     uint32_t out_next, out_prev; /* the handed-out list while INFLIGHT ... DISCARD (handles.c) */
-    uint32_t lost_gen; /* generation last taken back in transit: late adopters of it  */
+    uint32_t lost_gen; /* 1 + generation last taken back in transit (0: none): late adopters of it */
                        /* get SHM_LOST rather than a silent no-op (recovery.c)       */
     uint64_t handed_ns; /* when it was last handed out, coarse CLOCK_MONOTONIC ns (inspect.c) */
-} shm_slot;
+} __attribute__((aligned(16))) shm_slot;
+_Static_assert(offsetof(shm_slot, state) == 0 && offsetof(shm_slot, holder) == 8 &&
+                   offsetof(shm_slot, deadline) % 16 == 0 &&
+                   offsetof(shm_slot, lease_gen) == offsetof(shm_slot, deadline) + 8 &&
+                   sizeof(shm_slot) % 16 == 0,
+               "cas_pair needs (state, holder) and (deadline, lease_gen) 16-byte aligned");
 
 /* slot.pin: a holder that takes a zero-copy view pins the record where it is (CAS
  * FREE -> VIEWED); the consumer moves an in-flight record only after CAS FREE -> MOVING,

@@ -35,6 +35,7 @@
  * wake-up, and no system call while the receiver is busy.
  */
 #include <time.h>
+#include <unistd.h>
 
 #include "core.h"
 
@@ -227,7 +228,11 @@ static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     sl->holder = c->token;
     sl->handed_ns = now;
     sl->handover = 0;
-    sl->deadline = c->cfg.lease_ns ? now_ns() + c->cfg.lease_ns : 0;
+    /* lease_gen before deadline: a late extend for an older generation (its cas_pair
+     * expects that generation in lease_gen) either lands before these two stores, and
+     * the deadline store overwrites it, or fails. The release store orders the two. */
+    STORE_RELAXED(&sl->lease_gen, (uint64_t)gen);
+    STORE_RELEASE(&sl->deadline, c->cfg.lease_ns ? now_ns() + c->cfg.lease_ns : 0);
     STORE_RELAXED(&sl->pin, PIN_FREE); /* a former holder's views ended with its handle */
     /* release: a holder that sees INFLIGHT (its CAS, or shm_handle_info's acquire) sees
      * holder, pos, seq and attempt above. */
@@ -598,6 +603,32 @@ int shm_unmoved(shm_chan *c, uint32_t s, uint64_t word, uint64_t pos) {
     return SHM_OK;
 }
 
+/* ---- test pause points (shmchan.h) -------------------------------------------------------
+ * Process-local: a test arms one point, and the first thread to reach it stops there until
+ * the test lets it go, so that a race can be staged instruction by instruction. */
+static int pause_point, pause_notify = -1, pause_wait = -1;
+
+int shm_test_pause_at(int point, int notify_fd, int wait_fd) {
+    pause_notify = notify_fd;
+    pause_wait = wait_fd;
+    /* release: pairs with the acquire CAS in test_pause (the fds above are visible). */
+    __atomic_store_n(&pause_point, point, __ATOMIC_RELEASE);
+    return SHM_OK;
+}
+
+static void test_pause(int point) {
+    /* relaxed: a stale read only delays a test's pause to the next call; the CAS below
+     * decides. */
+    if (LIKELY(__atomic_load_n(&pause_point, __ATOMIC_RELAXED) != point)) return;
+    int p = point;
+    /* acquire: pairs with the release store in shm_test_pause_at; one pause per arming. */
+    if (!__atomic_compare_exchange_n(&pause_point, &p, 0, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+        return;
+    char b = 0;
+    if (write(pause_notify, &b, 1) != 1) return;
+    if (read(pause_wait, &b, 1) != 1) return;
+}
+
 /* ---- hand-over: a handle pickled to another process ----------------------------------
  * A handle in transit names nobody who can release it: the process that pickled it may
  * have dropped the pickle, and the one meant to unpickle it may die first. So pickling
@@ -611,25 +642,51 @@ int shm_unmoved(shm_chan *c, uint32_t s, uint64_t word, uint64_t pos) {
  * one wins: an adopter that loses finds REVOKED and reports SHM_LOST (the message is on
  * its way back, with attempt + 1); a revoker that loses finds a plain token and leaves
  * the handle to its new holder, whose death is then noticed as usual. The deadline is
- * stored before the TRANSIT bit is set, so whoever sees the bit sees a deadline at least
+ * raised before the TRANSIT bit is set, so whoever sees the bit sees a deadline at least
  * that new. Pickling an already pickled handle again only moves its deadline later.
+ *
+ * Generations. Pickling and adopting run in any process, so they can be late: checked
+ * against generation g, then paused while the message is taken back and handed out again
+ * as g + 1, often to the same process (a receiver that pickles its handles to workers),
+ * so with the same holder word. A plain CAS of the holder word would then mark or take
+ * the *new* handle. So both change the holder with one cas_pair over (state, holder),
+ * expecting state = (g, INFLIGHT): a step for an old generation matches nothing. The
+ * revoker needs no pair: it runs in the receiver, under rx_mu, and the generation only
+ * changes there. Extending a lease is guarded the same way, with the pair (deadline,
+ * lease_gen); hand_out stores lease_gen before deadline. A late handover deadline is
+ * harmless: it is only ever raised, never lowered.
+ *
  * A process killed at any instruction leaves either its token (not yet marked; the
  * handle is its own and goes back when it dies) or the marked word (taken back at the
  * deadline). */
+static int lost_or_stale(shm_slot *sl, uint32_t gen) {
+    /* relaxed: the caller's seq_cst (or acquire) load that found the state changed
+     * orders this after the revoker's store of lost_gen, which precedes its state CAS. */
+    return LOAD_RELAXED(&sl->lost_gen) == gen + 1u ? SHM_LOST : SHM_STALE;
+}
+
 static int handle_send(shm_chan *c, uint32_t s, uint32_t gen, uint64_t deadline) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
     shm_slot *sl = &c->slots[s];
-    if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE; /* pairs with hand_out */
-    /* seq_cst: before the TRANSIT bit below; pairs with the revoker's seq_cst loads of
-     * holder then handover (shm_revoke, shm_holders). */
-    STORE_SEQCST(&sl->handover, deadline);
+    const uint64_t live = SLOT_WORD(gen, SLOT_INFLIGHT);
+    if (LOAD_ACQUIRE(&sl->state) != live) return SHM_STALE; /* pairs with hand_out */
+    test_pause(SHM_PAUSE_HANDOVER_SEND);
+    /* Raise, never lower: we may be late, and a newer hand-over's deadline must not come
+     * forward. seq_cst: before the TRANSIT bit below; pairs with the revoker's seq_cst
+     * loads of holder then handover (shm_revoke, shm_holders). */
+    uint64_t dl = LOAD_RELAXED(&sl->handover);
+    while (dl < deadline && !CAS_SEQCST(&sl->handover, &dl, deadline)) {
+    }
     uint64_t cur = LOAD_ACQUIRE(&sl->holder); /* pairs with adopt / revoke CASes */
-    do {
+    for (;;) {
         if (cur == HOLDER_REVOKED) return SHM_STALE;
-        /* seq_cst: pairs with the CASes in shm_handle_adopt and shm_revoke. */
-    } while (!CAS_SEQCST(&sl->holder, &cur, cur | HOLDER_TRANSIT));
-    if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
-    return SHM_OK;
+        /* cas_pair (seq_cst): only while the slot still holds generation gen in flight.
+         * Pairs with the pair CAS in shm_handle_adopt, the revoking CAS of holder in
+         * shm_revoke, and the holders' CAS of state (release, nack). */
+        if (cas_pair(&sl->state, live, cur, live, cur | HOLDER_TRANSIT)) return SHM_OK;
+        if (LOAD_SEQCST(&sl->state) != live) return SHM_STALE;
+        cur = LOAD_SEQCST(&sl->holder);
+    }
 }
 
 int shm_handle_send(shm_chan *c, uint32_t s, uint32_t gen) {
@@ -651,20 +708,27 @@ int shm_handle_send_many(shm_chan *c, const uint32_t *slots, const uint32_t *gen
 int shm_handle_adopt(shm_chan *c, uint32_t s, uint32_t gen, uint64_t token) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
     shm_slot *sl = &c->slots[s];
+    const uint64_t live = SLOT_WORD(gen, SLOT_INFLIGHT);
     /* acquire: pairs with hand_out's release store and with the revoker's CAS, which
      * follows its store of lost_gen. */
-    if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT))
-        return LOAD_RELAXED(&sl->lost_gen) == gen ? SHM_LOST : SHM_STALE;
-    uint64_t cur = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_send's CAS */
+    if (LOAD_ACQUIRE(&sl->state) != live) return lost_or_stale(sl, gen);
+    test_pause(SHM_PAUSE_HANDOVER_ADOPT);
+    uint64_t cur = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_send's pair CAS */
     for (;;) {
-        if (cur == HOLDER_REVOKED) return SHM_LOST;
-        if (!(cur & HOLDER_TRANSIT)) /* adopted already: by us (the same pickle twice) or not */
+        if (cur == HOLDER_REVOKED || !(cur & HOLDER_TRANSIT)) {
+            /* taken back, or adopted already (by us: the same pickle twice; or not). The
+             * answer is about generation gen only if the slot still holds it: seq_cst,
+             * pairs with the CASes that move the state on (release, nack, revoke). */
+            if (LOAD_SEQCST(&sl->state) != live) return lost_or_stale(sl, gen);
             return cur == token ? SHM_OK : SHM_LOST;
-        /* seq_cst: pairs with the revoking CAS in shm_revoke: one of the two wins. */
-        if (CAS_SEQCST(&sl->holder, &cur, token)) break;
+        }
+        /* cas_pair (seq_cst): pairs with the revoking CAS of holder in shm_revoke (one of
+         * the two wins) and with shm_handle_send's pair CAS; a late adopter of an older
+         * generation matches nothing. */
+        if (cas_pair(&sl->state, live, cur, live, token)) return SHM_OK;
+        if (LOAD_SEQCST(&sl->state) != live) return lost_or_stale(sl, gen);
+        cur = LOAD_SEQCST(&sl->holder);
     }
-    if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
-    return SHM_OK;
 }
 
 /* A batch in one call: each handle exactly as shm_handle_adopt, then, once adopted,
@@ -685,8 +749,18 @@ int shm_handle_adopt_many(shm_chan *c, const uint32_t *slots, const uint32_t *ge
 int shm_handle_extend(shm_chan *c, uint32_t s, uint32_t gen, uint64_t deadline_ns) {
     if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
     shm_slot *sl = &c->slots[s];
-    if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
-    STORE_RELEASE(&sl->deadline, deadline_ns); /* pairs with the lease check's acquire */
-    if (LOAD_SEQCST(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
+    const uint64_t live = SLOT_WORD(gen, SLOT_INFLIGHT);
+    if (LOAD_ACQUIRE(&sl->state) != live) return SHM_STALE; /* pairs with hand_out */
+    test_pause(SHM_PAUSE_EXTEND);
+    for (;;) {
+        /* acquire, both: pair with hand_out's stores (lease_gen, then deadline). */
+        uint64_t dl = LOAD_ACQUIRE(&sl->deadline);
+        if (LOAD_ACQUIRE(&sl->lease_gen) != gen) return SHM_STALE; /* handed out again */
+        /* cas_pair (seq_cst): the deadline of generation gen only; pairs with hand_out's
+         * stores and with the lease check's acquire load of deadline (shm_holders,
+         * shm_revoke). */
+        if (cas_pair(&sl->deadline, dl, gen, deadline_ns, gen)) break;
+    }
+    if (LOAD_SEQCST(&sl->state) != live) return SHM_STALE; /* released or taken back meanwhile */
     return SHM_OK;
 }

@@ -137,7 +137,7 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
             if (!CAS_SEQCST(&sl->holder, &holder, HOLDER_REVOKED)) continue;
             /* late adopters of this generation learn it was taken back (adopt reads it
              * after seeing the state CAS below) */
-            if (transit) STORE_RELAXED(&sl->lost_gen, SLOT_GEN(w));
+            if (transit) STORE_RELAXED(&sl->lost_gen, SLOT_GEN(w) + 1u); /* 0: none */
         }
         /* seq_cst: the same transition a nack makes; pairs with the holder's CAS. */
         if (!CAS_SEQCST(&sl->state, &w, SLOT_WORD(SLOT_GEN(w), SLOT_NACKED))) continue;

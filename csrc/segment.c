@@ -467,6 +467,8 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"slot.holder", offsetof(shm_slot, holder)},
         {"slot.seq", offsetof(shm_slot, seq)},
         {"slot.pos", offsetof(shm_slot, pos)},
+        {"slot.deadline", offsetof(shm_slot, deadline)},
+        {"slot.lease_gen", offsetof(shm_slot, lease_gen)},
         {"node.size", sizeof(shm_node)},
         {"key.size", sizeof(shm_key)},
         {"key.tail", offsetof(shm_key, tail)},

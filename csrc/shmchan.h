@@ -41,7 +41,7 @@
 #define SHM_CFG_DURABLE     2   /* file-backed: records carry a CRC-32C (crc32c.c) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  10
+#define SHM_LAYOUT_VERSION  11
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
@@ -194,6 +194,15 @@ int  shm_handle_send_many(shm_chan *c, const uint32_t *slots, const uint32_t *ge
 int  shm_handle_adopt_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
                            uint32_t n, uint64_t token, shm_msg *out, int32_t *status);
 int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadline_ns);
+
+/* --- test pause points (tests only: tests/test_handover_race.py) ----------
+ * Arm one point in this process: the next thread to reach it writes one byte to
+ * notify_fd and blocks until it reads one byte from wait_fd; then the point is
+ * disarmed. Unarmed (always, outside tests) a point costs one load. */
+#define SHM_PAUSE_HANDOVER_SEND   1   /* hand-over marking, after its first state check */
+#define SHM_PAUSE_HANDOVER_ADOPT  2   /* adoption, after its first state check          */
+#define SHM_PAUSE_EXTEND          3   /* extend, after its first state check            */
+int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */
 int  shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64_t now_ns,
