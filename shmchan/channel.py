@@ -277,6 +277,11 @@ _segments: weakref.WeakSet[_Segment] = weakref.WeakSet()
 
 
 def _reset_after_fork() -> None:
+    # Only the forking thread lives on in the child: a lock another thread of the parent
+    # held at the fork would stay held for ever. Every threading lock of this module the
+    # child may take is made anew here (each segment's in after_fork).
+    global _shared_lock
+    _shared_lock = threading.Lock()
     for seg in list(_segments):
         seg.after_fork()
 

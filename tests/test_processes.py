@@ -564,3 +564,54 @@ def test_producers_killed_mid_send_never_tear_lose_or_duplicate(make_channel, tm
         f"{kills} kills, {len(sends)} logged sends, {len(delivered)} delivered, "
         f"{stats.discarded} reservations of dead producers discarded"
     )
+
+
+def _wait_or_kill(pid: int, limit: float) -> int | None:
+    """waitpid(pid) for at most `limit` seconds; None (after killing it) if still running."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_while_another_thread_holds_the_attachment_lock_can_send(ch, rx):
+    """Re-opening a channel by name (an unpickled Sender, an adopted handle) takes a
+    process-wide lock. A thread of the parent holds it at the moment another thread
+    forks; the child has no such thread, so it must start with the lock free."""
+    import pickle
+    import threading
+
+    from shmchan import channel as channel_mod
+
+    blob = pickle.dumps(ch.sender())
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with channel_mod._shared_lock:
+            held.set()
+            done.wait(WAIT)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(WAIT)
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest from here on, only os._exit
+            code = 1
+            try:
+                pickle.loads(blob).send("from the child", keys=("k",))
+                code = 0
+            finally:
+                os._exit(code)
+    finally:
+        done.set()
+        holder.join(WAIT)
+    assert _wait_or_kill(pid, 10) == 0, "the forked child hung on an inherited lock"
+    with rx.recv(timeout=WAIT) as h:
+        assert h.payload == "from the child"
