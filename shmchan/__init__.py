@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from .inspect import HeldKey, Line, Wait, WaitChain
     from .pool import (
         ExecutorStats,
+        InitializerFailed,
         KeyedExecutor,
         KeyedPool,
         PoolStats,
@@ -85,6 +86,7 @@ _LAZY_MODULES = {
     "inspect": ("HeldKey", "Line", "Wait", "WaitChain"),
     "pool": (
         "ExecutorStats",
+        "InitializerFailed",
         "KeyedExecutor",
         "KeyedPool",
         "PoolStats",
@@ -144,6 +146,7 @@ __all__ = [
     "WorkerDied",
     "TaskTimeout",
     "TaskNotPicklable",
+    "InitializerFailed",
     "KeyedExecutor",
     "KeyedPool",
     "ExecutorStats",

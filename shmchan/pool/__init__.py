@@ -38,6 +38,7 @@ they are unlinked at shutdown, and a new executor unlinks those of dead creators
 
 from __future__ import annotations
 
+from .common import InitializerFailed
 from .executor import KeyedExecutor
 from .keyedpool import KeyedPool
 from .stats import ExecutorStats, PoolStats, RemoteTraceback, WorkerStats
@@ -46,6 +47,7 @@ __all__ = [
     "KeyedExecutor",
     "KeyedPool",
     "ExecutorStats",
+    "InitializerFailed",
     "PoolStats",
     "WorkerStats",
     "RemoteTraceback",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import multiprocessing
 import pickle
@@ -22,6 +23,14 @@ _STOP_GRACE = 5.0  # seconds a stopped worker gets to exit before it is killed
 _CAPACITY = 32 << 20  # default bytes of each of an executor's two channels
 _NAME_RE = re.compile(r"kx-([0-9a-f]+)-(\d+)-(tasks|results)")
 _names = itertools.count()
+
+
+class InitializerFailed(errors.Error, concurrent.futures.BrokenExecutor):
+    """A KeyedExecutor's worker processes cannot start: the initializer raised (the
+    worker logs its traceback), or new workers kept dying before they ran any task.
+    Nothing can run, so the executor is broken: every pending future fails with this,
+    and submit and map raise it. (A concurrent.futures.BrokenExecutor, as
+    ProcessPoolExecutor's BrokenProcessPool is.)"""
 
 
 def _as_keys(keys: object) -> tuple[Any, ...]:

@@ -34,6 +34,7 @@ from .common import (
     _CAPACITY,
     _CHUNK_BATCH,
     _TICK,
+    InitializerFailed,
     _as_keys,
     _context,
     _dumps,
@@ -46,6 +47,9 @@ from .stats import ExecutorStats, RemoteTraceback
 from .workers import _Worker, _Workers
 
 _ONE_KEY = frozenset({int, str, bytes})  # the types of a value that is one key
+# New workers that may die in a row, per worker slot, before running any task (killed
+# by a signal in the initializer, say) before the executor counts itself broken.
+_EARLY_DEATHS = 3
 
 
 class _Pending:
@@ -229,7 +233,11 @@ class _Core:
         self.tasks: dict[int, _Task] = {}
         self.next_tid = 1
         self.shutdown_requested = False
-        self.broken: BaseException | None = None
+        self.broken: BaseException | None = None  # why the manager stopped, if it failed
+        self.breaking: InitializerFailed | None = None  # workers cannot start: stop now
+        self.early_deaths = 0  # new workers that died in a row before running anything
+        self.initializer = initializer
+        self.max_workers = max_workers
         self.done = self.retried = self.failed = self.cancelled = 0
         self.sleeping = False  # the manager waits on the result channel (see wake())
         self.spare: list[tuple[Handle, int]] = []  # taken, but no worker had room yet
@@ -266,6 +274,8 @@ class _Core:
 
     # -- caller side -------------------------------------------------------------------
     def check_open(self) -> None:
+        if isinstance(self.broken, InitializerFailed):
+            raise InitializerFailed(str(self.broken)) from None
         if self.broken is not None:
             raise errors.Error(f"KeyedExecutor's manager failed: {self.broken!r}") from self.broken
         if self.shutdown_requested:
@@ -303,6 +313,7 @@ class _Core:
         except BaseException as e:
             self.tasks.pop(tid, None)
             self.explain(e)
+            self.check_open()  # broken meanwhile: say why rather than "closed"
             raise
         if self.sleeping:
             self.wake()
@@ -386,16 +397,28 @@ class _Core:
         try:
             self.loop()
         except BaseException as e:
-            self.broken = e
-            for task in list(self.tasks.values()):
-                with contextlib.suppress(InvalidStateError):
-                    task.set_exception(errors.Error(f"KeyedExecutor's manager failed: {e!r}"))
+            failure = (
+                e
+                if isinstance(e, InitializerFailed)
+                else errors.Error(f"KeyedExecutor's manager failed: {e!r}")
+            )
+            # Under the lock: a submit either sees `broken` or has its task in the list.
+            with self.lock:
+                self.broken = e
+                tasks = list(self.tasks.values())
+                self.tasks.clear()
+            for task in tasks:
+                with contextlib.suppress(InvalidStateError):  # (cancelled meanwhile)
+                    task.set_exception(failure)
+                    self.failed += 1
         finally:
             self.teardown()
 
     def loop(self) -> None:
         next_check = 0.0
         while True:
+            if self.breaking is not None:
+                raise self.breaking
             busy = self.collect(0)
             busy |= self.dispatch(0)
             now = time.monotonic()
@@ -440,6 +463,8 @@ class _Core:
         tasks = self.tasks
         arrived: list[tuple[_Task, int, int, int]] = []  # task, status, start, end
         end = 0
+        if lengths:
+            self.early_deaths = 0  # workers do start
         for size in lengths:
             start, end = end, end + size
             if size < header:
@@ -593,9 +618,39 @@ class _Core:
                 pass
             for w, code, seq in ended:
                 self.bury(w, code, seq)
+                self.check_start(w, code, seq)
+        if self.breaking is not None:
+            return  # (no new worker: the loop stops now)
         for i, slot in enumerate(self.workers.slots):
             if slot is None:
                 self.workers.start(i)
+
+    def check_start(self, w: _Worker, code: int | None, running_seq: int | None) -> None:
+        """A worker ended: if it died before it ran anything, maybe workers cannot start
+        at all. Then the manager stops at the top of its loop and run() fails every
+        task with InitializerFailed (as a ProcessPoolExecutor breaks): replacing the
+        worker again would loop forever and no future would ever finish."""
+        if running_seq is not None or w.finished:
+            self.early_deaths = 0
+            return
+        if code == 0 or w.stopping:
+            return
+        self.early_deaths += 1
+        name = _name_of(self.initializer)
+        status = f"worker pid {w.process.pid} {_exit_status(code, w.oom)}"
+        if code == _worker.EXIT_INIT_FAILED:
+            why = f"the initializer {name}(...) raised ({status}; it logged the traceback)"
+        elif self.early_deaths >= _EARLY_DEATHS * self.max_workers:
+            why = (
+                f"{self.early_deaths} new workers in a row died before running any task "
+                f"(initializer {name}), the last one: {status}"
+            )
+        else:
+            return
+        self.breaking = InitializerFailed(
+            f"KeyedExecutor's workers cannot start: {why}; the executor is broken, its "
+            "pending tasks fail and it takes no new ones"
+        )
 
     def fail(self, task: _Task) -> None:
         kind = errors.TaskTimeout if task.timed_out else errors.WorkerDied
