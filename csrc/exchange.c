@@ -448,6 +448,26 @@ static void txn_end_empty(exch_txn *t, uint32_t gen, uint32_t st) {
     if (CAS_SEQCST(&t->word, &w, TXN_WORD(gen, 0, TXN_FREE))) STORE_RELEASE(&t->owner, 0);
 }
 
+/* Step 0: does channel c look as if it has room for a record of n bytes? Optimistic:
+ * tail_hint never runs ahead of the tail and head only grows, so "no" is certain when it
+ * is said and "yes" may still meet a full ring in step 2 (another producer took the room
+ * meanwhile; then the publish aborts as usual). Islands are ignored for the same reason.
+ * A rewind's SKIP at head that ends at a lap's end counts as passed, as claim() in ring.c
+ * counts it. */
+static int room_for(shm_chan *c, uint64_t n) {
+    /* acquire: pairs with the consumer's release store of head (ring_advance_head). */
+    uint64_t head = LOAD_ACQUIRE(&c->hdr->head);
+    uint64_t tail = LOAD_ACQUIRE(&c->hdr->tail_hint); /* pairs with hint_raise (ring.c) */
+    if (tail < head) tail = head;
+    if (tail + n + REC_HDR <= head + c->limit) return 1;
+    /* acquire: pairs with ring_rewind's release store of the SKIP's meta. */
+    uint64_t hm = LOAD_ACQUIRE(&rec_at(c, head)->meta);
+    uint64_t hl = META_LEN(hm);
+    if (META_STATE(hm) == REC_SKIP && hl <= c->cap && (head + hl) % c->cap == 0)
+        return tail + n + REC_HDR <= head + hl + c->limit;
+    return 0;
+}
+
 /* Publish one message to chans[0..n) all or nothing (steps 1-4 above). On SHM_OK,
  * seqs_out[i] is its seq in chans[i] and wake_out[i] says whether to post that channel's
  * receiver. Otherwise nothing was published and *failed is the channel that refused
@@ -461,6 +481,18 @@ int exch_publish(shm_exch *x, shm_chan **chans, uint32_t n, uint32_t kind, const
     for (uint32_t i = 0; i < n; i++) {
         wake_out[i] = 0;
         if (chans[i]->token != x->token) return SHM_E_INVALID; /* one identity per process */
+    }
+    /* 0. A channel without room refuses before any copy is written: a publish waiting
+     * for one full channel used to write (and cancel) a copy in every channel before it
+     * on each retry, filling them with cancelled copies their receivers had yet to pass,
+     * and then reported one of those as the full channel. */
+    uint64_t body = len + align8(x->gate.name_len) + GATE_FOOTER; /* as send_one sizes it */
+    for (uint32_t i = 0; i < n; i++) {
+        if (nkeys > SHM_MAX_KEYS_LIMIT || body > chans[i]->limit) break; /* step 2 says why */
+        if (!room_for(chans[i], rec_size(nkeys, keys_len, body))) {
+            *failed = i;
+            return SHM_FULL;
+        }
     }
     uint32_t slot, gen;
     int rc = txn_begin(x, &slot, &gen);

@@ -529,3 +529,42 @@ def _held_txns(ex: shmchan.Exchange) -> list[tuple[int, int, int]]:
         if owner[0]:
             held.append((i, int(word[0]) & 0xFF, (int(word[0]) >> 8) & 0xFFFFFF))
     return held
+
+
+@pytest.mark.timeout(60)
+def test_waiting_publish_leaves_the_other_channels_alone(
+    make_exchange: Any, make_channel: Any, new_chan_name: Any
+) -> None:
+    """A publish waiting for room in one full channel wrote, on every retry, a copy into
+    each channel before it (in name order) and cancelled it: those channels filled up
+    with cancelled copies no receiver had yet passed, and the Full raised at the
+    deadline named one of them instead of the channel that was full."""
+    first_name, full_name = sorted([new_chan_name(), new_chan_name()])
+    first = make_channel(first_name, capacity=4096)
+    full = make_channel(full_name, capacity=4096)
+    ex = make_exchange("fanout")
+    ex.bind(first.name)
+    ex.bind(full.name)
+    tx = full.sender()
+    with pytest.raises(shmchan.Full):
+        while True:
+            tx.send(b"x" * 1000, timeout=0)
+    with pytest.raises(shmchan.Full) as info:
+        ex.publish(b"y" * 1000, timeout=0.5)
+    assert repr(full.name) in str(info.value)
+    assert repr(first.name) not in str(info.value)
+    assert first.stats().used_bytes == 0  # no copy took room in the other channel
+    # another sender still has the whole of the other channel
+    other = first.sender()
+    other.send(b"z" * 1000, timeout=0)
+    other.send(b"z" * 1000, timeout=0)
+    other.send(b"z" * 1000, timeout=0)
+    assert [p for p, _, _ in drain(first)] == [b"z" * 1000] * 3
+    sent = len(drain(full))
+    assert sent == 3
+    got = ex.publish(b"y" * 1000, timeout=5)
+    assert set(got) == {first.name, full.name}
+    assert [p for p, _, _ in drain(first)] == [b"y" * 1000]
+    assert [p for p, _, _ in drain(full)] == [b"y" * 1000]
+    other.close()
+    tx.close()
