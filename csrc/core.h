@@ -201,7 +201,8 @@ typedef struct {
     uint64_t owner;   /* token of the registered process, 0 = free (CAS to claim)          */
     uint64_t sent;    /* messages committed through this entry; only its owner adds to it, */
                       /* and it is never reset, so stats sum every entry that ever existed */
-    uint32_t waiting; /* 1 while the owner counts itself in space_waiters                  */
+    uint32_t waiting; /* threads of the owner counted in space_waiters (ring.c): raised     */
+                      /* before space_waiters, lowered after it; a reaper takes it out     */
     uint32_t pad[11];
 } shm_producer;
 
@@ -487,6 +488,8 @@ int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t f
 int ring_advance_head(shm_chan *c);
 int ring_rewind(shm_chan *c);
 int space_wake_due(shm_chan *c, int idle);
+uint32_t space_count_sub(uint32_t *w, uint32_t n);
+void space_unwait_entry(shm_chan *c, shm_producer *p);
 /* sched.c */
 int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out);
 int sched_release(shm_chan *c, uint32_t s);
@@ -523,6 +526,7 @@ void island_remove(shm_chan *c, int i);
 int island_make_at_head(shm_chan *c, uint64_t head, int viewed);
 int island_rebuild(shm_chan *c, const uint64_t *kept_pos, uint32_t nkept);
 /* handles.c */
+void test_pause(int point); /* a test's pause point (shmchan.h): one load unless armed */
 int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m);
 int handles_drain(shm_chan *c);
 int handles_finish(shm_chan *c, uint32_t s);

@@ -616,7 +616,7 @@ int shm_test_pause_at(int point, int notify_fd, int wait_fd) {
     return SHM_OK;
 }
 
-static void test_pause(int point) {
+void test_pause(int point) {
     /* relaxed: a stale read only delays a test's pause to the next call; the CAS below
      * decides. */
     if (LIKELY(__atomic_load_n(&pause_point, __ATOMIC_RELAXED) != point)) return;

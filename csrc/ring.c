@@ -718,12 +718,28 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
  *      one is left and room remains (a baton): waiters wake one after another, each while
  *      there is room for it, instead of all at once.
  *
+ * Every waiting thread counts, not every waiting process: threads of one process share its
+ * registry entry, whose `waiting` is the number of them waiting (a counter, changed with
+ * atomics: the calls run without the GIL), and each adds one to space_waiters. Had a
+ * process counted once, the first of its threads to stop waiting would take the count to 0
+ * and pass the wake-up on to nobody, leaving the others asleep until their next poll.
+ *
  * No lost wake-up: a waiter counts itself (seq_cst add) before its last check of head, and
  * the consumer stores head before it loads the count (seq_cst fence), so either the check
  * sees the new head or the consumer sees the waiter. A waiter the consumer saw is then woken
  * by (1) once enough is free or the consumer idles, and a post that is not consumed stays
  * in the semaphore for the next waiter. Every wait is also bounded (the Python layer looks
- * again at least every 0.1 s), so even a waker killed mid-way costs a delay, not a hang. */
+ * again at least every 0.1 s), so even a waker killed mid-way costs a delay, not a hang.
+ *
+ * A waiter killed while counted: whoever reaps its registry entry (segment.c) takes the
+ * entry's count out of space_waiters, so the consumer does not go on posting for nobody.
+ * The two words cannot change together, so the order of the updates decides which way a
+ * death between them errs: an entry's `waiting` is raised before space_waiters and lowered
+ * after it, so it is never less than what the entry added, and a reaper can only take out
+ * too much. Every decrement stops at 0 (count_sub), so too low a count heals once the live
+ * waiters stop waiting (each of their decrements is then clipped), where too high a count
+ * would never come down: too low costs a sender a poll's delay, too high a post per
+ * receive call for good. */
 #define SPACE_LOW_WATER(c) ((c)->limit / 4)
 #define SPACE_MIN_RECORD (REC_BODY + REC_HDR) /* the smallest record a sender may wait for */
 
@@ -745,22 +761,58 @@ int space_wake_due(shm_chan *c, int idle) {
     return room >= SPACE_LOW_WATER(c) || (idle && room >= SPACE_MIN_RECORD);
 }
 
-/* arm = 1: count this sender as waiting. arm = 0: no longer waiting; *wake = 1 asks the
- * caller to wake the next waiting sender (rule 3 above). */
+/* *w -= n, stopping at 0 (see the top of this section); returns the new value. seq_cst:
+ * on space_waiters it pairs, as the add in shm_space_wait does, with the consumer's fence
+ * in space_wake_due's callers; on an entry's count with the reaper's acquire load
+ * (space_unwait_entry). */
+uint32_t space_count_sub(uint32_t *w, uint32_t n) {
+    uint32_t cur = LOAD_RELAXED(w); /* only a first guess: the CAS checks it */
+    for (;;) {
+        uint32_t next = cur > n ? cur - n : 0;
+        if (CAS_SEQCST(w, &cur, next)) return next;
+    }
+}
+
+/* Take a registry entry's waiting count out of space_waiters: its owner is dead (reap) or
+ * detaching. Subtract, then zero the entry: a reaper killed in between leaves the count in
+ * the entry, and the next reaper takes it out again (too low, never too high: see above). */
+void space_unwait_entry(shm_chan *c, shm_producer *p) {
+    /* acquire: pairs with the owner's seq_cst add in shm_space_wait (its last count). */
+    uint32_t n = LOAD_ACQUIRE(&p->waiting);
+    if (n == 0) return;
+    space_count_sub(&c->hdr->space_waiters, n);
+    /* release: after the subtraction; pairs with the acquire load above in a later reaper. */
+    STORE_RELEASE(&p->waiting, 0);
+}
+
+uint32_t shm_space_waiters(shm_chan *c) {
+    return LOAD_RELAXED(&c->hdr->space_waiters); /* a snapshot: nothing is read after it */
+}
+
+/* arm = 1: count the calling thread as waiting. arm = 0: it no longer waits (a no-op if its
+ * process's entry counts nobody); *wake = 1 asks the caller to wake the next waiting sender
+ * (rule 3 above). Each arm of a thread must be followed by one disarm of the same thread
+ * (the Python layer's `armed`). */
 int shm_space_wait(shm_chan *c, int arm, int *wake) {
     *wake = 0;
     if (c->producer == 0) return SHM_E_INVALID;
     shm_producer *p = &c->producers[c->producer - 1];
-    if (arm && !p->waiting) {
-        p->waiting = 1;
+    if (arm) {
+        /* The entry first (see the top of this section). seq_cst: pairs with the reaper's
+         * acquire load in space_unwait_entry. */
+        FETCH_ADD_SEQCST(&p->waiting, 1);
         /* seq_cst: pairs with the consumer's fence between its store of head and its load
          * of space_waiters (space_wake_due): either it sees us waiting or our retry sees
          * its head. */
         FETCH_ADD_SEQCST(&c->hdr->space_waiters, 1);
-    } else if (!arm && p->waiting) {
-        p->waiting = 0;
-        uint32_t left = FETCH_ADD_SEQCST(&c->hdr->space_waiters, (uint32_t)-1) - 1;
-        if (left > 0 && left < UINT32_MAX && space_free(c) >= SPACE_MIN_RECORD) *wake = 1;
+    } else {
+        /* relaxed: only the calling process changes its own entry while it lives (the
+         * thread's own arm is what makes it non-zero) */
+        if (LOAD_RELAXED(&p->waiting) == 0) return SHM_OK;
+        /* space_waiters first, then the entry (see the top of this section). */
+        uint32_t left = space_count_sub(&c->hdr->space_waiters, 1);
+        space_count_sub(&p->waiting, 1);
+        if (left > 0 && space_free(c) >= SPACE_MIN_RECORD) *wake = 1;
     }
     return SHM_OK;
 }

@@ -339,8 +339,9 @@ int shm_producer_attach(shm_chan *c) {
 
 int shm_producer_detach(shm_chan *c) {
     if (!c->producer) return SHM_OK;
-    int pass_on; /* a detaching producer is not waiting (the Python layer disarms first) */
-    shm_space_wait(c, 0, &pass_on);
+    /* Threads still waiting through this entry (a channel closed under them) count no
+     * more: their own disarm finds the entry gone (ring.c). */
+    space_unwait_entry(c, &c->producers[c->producer - 1]);
     uint64_t me = c->token;
     /* release: our last sent count is visible to whoever registers next; pairs with the
      * CAS in shm_producer_attach. */
@@ -356,18 +357,26 @@ int shm_producer_slot_owner(shm_chan *c, uint32_t i, uint64_t *owner) {
     return SHM_OK;
 }
 
-/* Free the entry of a producer the caller found dead (by token), undoing its wait. */
+/* Free the entry of a producer the caller found dead, undoing its waits (ring.c).
+ *
+ * Restartable: the reaper first marks the entry as its own (owner = its token | TOKEN_MAX,
+ * never a producer's token), so that one reaper at a time takes the entry's waits out of
+ * space_waiters, then frees it. A reaper killed in between leaves its mark; whoever finds
+ * the mark's reaper dead passes the mark as dead_owner and finishes the reap (the waits
+ * still in the entry are taken out then, see space_unwait_entry). Otherwise the entry
+ * would never be reaped nor reused: a mark names no producer. */
 int shm_producer_reap(shm_chan *c, uint32_t i, uint64_t dead_owner) {
     if (i >= c->cfg.max_producers || dead_owner == 0) return SHM_E_INVALID;
     shm_producer *p = &c->producers[i];
-    uint64_t expect = dead_owner;
-    /* Take the entry for ourselves first, so that only one reaper fixes the wait count. */
-    if (!CAS_SEQCST(&p->owner, &expect, c->token | TOKEN_MAX)) return SHM_STALE;
-    if (p->waiting) {
-        p->waiting = 0;
-        FETCH_ADD_SEQCST(&c->hdr->space_waiters, (uint32_t)-1);
-    }
-    /* release: pairs with the CAS in shm_producer_attach. */
+    uint64_t expect = dead_owner, mark = c->token | TOKEN_MAX;
+    if (dead_owner == mark) return SHM_STALE; /* another thread of ours is reaping it */
+    /* seq_cst: elects one reaper; pairs with the registering CAS in shm_producer_attach
+     * and with other reapers' CAS (on the dead owner's token or a dead reaper's mark). */
+    if (!CAS_SEQCST(&p->owner, &expect, mark)) return SHM_STALE;
+    test_pause(SHM_PAUSE_PRODUCER_REAP);
+    space_unwait_entry(c, p);
+    /* release: the entry's waits are out before it is free; pairs with the CAS in
+     * shm_producer_attach. */
     STORE_RELEASE(&p->owner, 0);
     return SHM_OK;
 }
@@ -447,6 +456,11 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.rewinds", offsetof(shm_header, rewinds)},
         {"header.tail_hint", offsetof(shm_header, tail_hint)},
         {"header.rx_sleeping", offsetof(shm_header, rx_sleeping)},
+        {"header.space_waiters", offsetof(shm_header, space_waiters)},
+        {"header.producers_off", offsetof(shm_header, producers_off)},
+        {"producer.size", sizeof(shm_producer)},
+        {"producer.owner", offsetof(shm_producer, owner)},
+        {"producer.waiting", offsetof(shm_producer, waiting)},
         {"header.writing_n", offsetof(shm_header, writing_n)},
         {"header.max_messages", offsetof(shm_header, cfg) + offsetof(shm_config, max_messages)},
         {"header.slots_off", offsetof(shm_header, slots_off)},

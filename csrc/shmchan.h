@@ -41,7 +41,7 @@
 #define SHM_CFG_DURABLE     2   /* file-backed: records carry a CRC-32C (crc32c.c) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  11
+#define SHM_LAYOUT_VERSION  12
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
@@ -161,6 +161,9 @@ int  shm_message_size(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_le
                       uint32_t nkeys, uint64_t *record, uint64_t *limit);
 int  shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner);
 int  shm_space_wait(shm_chan *c, int arm, int *wake);
+/* senders counted as waiting for space now (a snapshot: the receiver's upkeep reaps dead
+ * producers while it is non-zero) */
+uint32_t shm_space_waiters(shm_chan *c);
 int  shm_shutdown(shm_chan *c);
 
 /* --- receiver ----------------------------------------------------------- */
@@ -195,13 +198,14 @@ int  shm_handle_adopt_many(shm_chan *c, const uint32_t *slots, const uint32_t *g
                            uint32_t n, uint64_t token, shm_msg *out, int32_t *status);
 int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadline_ns);
 
-/* --- test pause points (tests only: tests/test_handover_race.py) ----------
+/* --- test pause points (tests only: test_handover_race, test_space_wakeups) -
  * Arm one point in this process: the next thread to reach it writes one byte to
  * notify_fd and blocks until it reads one byte from wait_fd; then the point is
  * disarmed. Unarmed (always, outside tests) a point costs one load. */
 #define SHM_PAUSE_HANDOVER_SEND   1   /* hand-over marking, after its first state check */
 #define SHM_PAUSE_HANDOVER_ADOPT  2   /* adoption, after its first state check          */
 #define SHM_PAUSE_EXTEND          3   /* extend, after its first state check            */
+#define SHM_PAUSE_PRODUCER_REAP   4   /* a producer's reap, after marking its entry       */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */

@@ -52,6 +52,7 @@ _SPIN_PAUSES = 500  # CPU pause instructions per spin round (a few microseconds)
 _MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least this often
 _STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
 _SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
+_REAPING = 1 << 63  # a producer registry entry's owner word while it is reaped (csrc/segment.c)
 _NAME_CHECK_SECONDS = 0.05  # how often a waiting sender checks that its name still holds
 _HOLDER_REVOKED = 1  # csrc/core.h HOLDER_REVOKED
 _RX, _TX = 0, 1  # _Segment.post / .wait: the receiver's semaphore, the senders'
@@ -290,17 +291,22 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def reap_dead_producers(seg: _Segment) -> int:
-    """Free registry entries of dead producers; returns how many live ones remain."""
+    """Free registry entries of dead producers; returns how many live ones remain.
+
+    An entry whose owner word has bit 63 set is being reaped: the rest is its reaper's
+    token. If that reaper died mid-way the reap is finished here (csrc/segment.c)."""
     owner = ffi.new("uint64_t *")
     live = 0
     i = 0
     while lib.shm_producer_slot_owner(seg.ptr, i, owner) == lib.SHM_OK:
         token = int(owner[0])
-        if token and token < (1 << 63):
+        if token and token < _REAPING:
             if liveness.is_alive(token):
                 live += 1
             else:
                 lib.shm_producer_reap(seg.ptr, i, token)
+        elif token and not liveness.is_alive(token - _REAPING):
+            lib.shm_producer_reap(seg.ptr, i, token)  # the mark of a reaper that died
         i += 1
     return live
 
@@ -1179,6 +1185,10 @@ class Receiver(_hot.ReceiverBase):
         if sweep:
             self._next_sweep = now + _SWEEP_SECONDS
             seg.removed()  # its name removed some other way: refuse its senders from now
+            if lib.shm_space_waiters(seg.ptr):
+                # a sender killed while waiting for space would stay counted (and posted
+                # for) until its registry entry is reaped (csrc/ring.c)
+                reap_dead_producers(seg)
         revoked = ffi.new("uint32_t *")
         rc = lib.shm_revoke(seg.ptr, dead, len(dead), now_ns, revoked)
         if rc:

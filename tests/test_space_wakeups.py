@@ -5,11 +5,17 @@ and never a sender left asleep while there is room."""
 
 from __future__ import annotations
 
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from procs import CTX, WAIT, running
+from procs import CTX, WAIT, child_env, running
 
 import shmchan
 from shmchan import channel
@@ -153,3 +159,162 @@ def test_many_producers_on_a_tiny_ring_all_finish(
             p.join(WAIT)
     assert results == {p: "ok" for p in range(nprod)}
     assert next_of == [count] * nprod
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def _fact(name: str) -> int:
+    """Where a field lives, from the C core itself (csrc/segment.c shm_layout_fact)."""
+    out = ffi.new("uint64_t *")
+    assert lib.shm_layout_fact(name.encode(), out) == 0, name
+    return int(out[0])
+
+
+def _space_waiters(ch: Any) -> int:
+    """The header's count of senders waiting for space (csrc/core.h space_waiters)."""
+    off = _fact("header.space_waiters")
+    return int.from_bytes(ch._seg.mem[off : off + 4], "little")
+
+
+def _until(cond: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_threads_waiting_through_one_sender_are_each_counted_and_each_woken(
+    make_channel: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads of one process share its registry entry. Each must count in space_waiters,
+    or the first one woken, as it stops waiting, sees nobody left to pass the wake-up on
+    to and the others sleep until their next periodic look (disabled here: they would
+    wait out their timeout)."""
+    monkeypatch.setattr(channel, "_MAINTENANCE_SECONDS", 3600.0)
+    nthreads = 4
+    ch = make_channel(capacity=CAPACITY)
+    tx, rx = ch.sender(), ch.receiver()
+    sent = _fill(tx)
+    results: dict[int, object] = {}
+
+    def send(i: int) -> None:
+        try:
+            results[i] = tx.send(PAYLOAD, ("t", i), timeout=WAIT)
+        except BaseException as e:  # reported to the test, which fails on it
+            results[i] = e
+
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(nthreads)]
+    for t in threads:
+        t.start()
+    try:
+        counted = _until(lambda: _space_waiters(ch) == nthreads)
+        assert counted, f"{_space_waiters(ch)} of {nthreads} waiting threads counted"
+    finally:
+        # drain: every blocked send goes in, each woken by a post (none by a timeout)
+        for _ in range(sent + nthreads):
+            rx.recv(timeout=WAIT).release()
+        for t in threads:
+            t.join(WAIT)
+    assert all(not t.is_alive() for t in threads)
+    assert all(isinstance(results[i], int) for i in range(nthreads)), results
+    assert _space_waiters(ch) == 0
+
+
+def _blocked_threads(name: str, nthreads: int) -> None:
+    """A producer process whose threads all block in send on a full channel."""
+    tx = shmchan.Sender.open(name)
+    threads = [
+        threading.Thread(target=tx.send, args=(PAYLOAD, ("k", i), WAIT)) for i in range(nthreads)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_killed_while_waiting_for_space_stops_counting_once_reaped(
+    make_channel: Callable[..., Any],
+) -> None:
+    """A producer SIGKILLed while its threads wait for space: the receiver's upkeep reaps
+    its registry entry and takes its waiters out of space_waiters, which would otherwise
+    stay up for good (the receiver posting the senders' semaphore for nobody)."""
+    ch = make_channel(capacity=CAPACITY)
+    _fill(ch.sender())
+    p = CTX.Process(target=_blocked_threads, args=(ch.name, 2))
+    with running(p):
+        assert _until(lambda: _space_waiters(ch) == 2, WAIT), _space_waiters(ch)
+        p.kill()
+        p.join(WAIT)
+    rx = ch.receiver()  # nothing received: the ring stays full, only upkeep runs
+    assert _until(lambda: rx.maintain() >= 0 and _space_waiters(ch) == 0, 5.0), (
+        f"space_waiters stayed at {_space_waiters(ch)} after its waiters' process died"
+    )
+
+
+_REAPER = r"""
+import sys
+import shmchan
+from shmchan import channel
+from shmchan._lib import lib
+notify, wait, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+ch = shmchan.Channel.open(name)
+lib.shm_test_pause_at(lib.SHM_PAUSE_PRODUCER_REAP, notify, wait)
+channel.reap_dead_producers(ch._seg)
+"""
+
+
+def _registry_owners(ch: Any) -> list[int]:
+    """The owner word of every producer registry entry (csrc/core.h shm_producer)."""
+    mem = ch._seg.mem
+    (base,) = mem[_fact("header.producers_off") :][:8].cast("Q")
+    (count,) = mem[_fact("header.max_producers") :][:4].cast("I")
+    size, at = _fact("producer.size"), _fact("producer.owner")
+    return [int.from_bytes(mem[base + i * size + at :][:8], "little") for i in range(count)]
+
+
+@pytest.mark.timeout(60)
+def test_a_reap_cut_short_by_the_reapers_death_is_finished_by_the_next_upkeep(
+    make_channel: Callable[..., Any],
+) -> None:
+    """A reaper killed right after marking a dead producer's registry entry (the core's
+    pause point) leaves the entry marked: the receiver's upkeep finishes the reap, takes
+    the dead producer's wait out of space_waiters and frees the entry for reuse."""
+    ch = make_channel(capacity=CAPACITY, max_producers=8)
+    _fill(ch.sender())
+    p = CTX.Process(target=_blocked_threads, args=(ch.name, 1))
+    with running(p):
+        assert _until(lambda: _space_waiters(ch) == 1, WAIT), _space_waiters(ch)
+        dead_pid = p.pid
+        p.kill()
+        p.join(WAIT)
+    (entry,) = [i for i, t in enumerate(_registry_owners(ch)) if t >> 40 == dead_pid]
+    r_notify, w_notify = os.pipe()
+    r_wait, w_wait = os.pipe()
+    reaper = subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(w_notify), str(r_wait), ch.name],
+        pass_fds=(w_notify, r_wait),
+        env=child_env(),
+    )
+    try:
+        ready, _, _ = select.select([r_notify], [], [], WAIT)
+        assert ready, "the reaper never reached its pause point"
+        reaper.kill()  # killed between marking the entry and freeing it
+        reaper.wait(WAIT)
+    finally:
+        if reaper.poll() is None:
+            reaper.kill()
+            reaper.wait(WAIT)
+        for fd in (r_notify, w_notify, r_wait, w_wait):
+            os.close(fd)
+    assert _registry_owners(ch)[entry] >> 63 == 1  # marked, by a reaper now dead
+    assert _space_waiters(ch) == 1
+    rx = ch.receiver()
+    assert _until(lambda: rx.maintain() >= 0 and _registry_owners(ch)[entry] == 0, 5.0), (
+        f"entry {entry} still held: {_registry_owners(ch)[entry]:#x}"
+    )
+    assert _space_waiters(ch) == 0
