@@ -23,6 +23,9 @@ multiprocessing RawArray, written only by the worker):
     words[SLOT * i + STARTED]   CLOCK_MONOTONIC ns when that run started
     words[SLOT * i + FINISHED]  handles taken from the inbox and finished, ever
     words[SLOT * i + FAILED]    of those, handler calls that raised (KeyedPool)
+    words[SLOT * i + READY]     1 once the initializer returned (KeyedPool hands out
+                                nothing before: a worker whose initializer fails never
+                                held a message, so none is charged an attempt)
 
 Handles are finished in the order they were handed over, so the manager knows from
 FINISHED which of the handles it gave this worker are still in its hands.
@@ -51,6 +54,7 @@ __all__ = [
     "STARTED",
     "FINISHED",
     "FAILED",
+    "READY",
     "TASK_HEADER",
     "CALL",
     "ONE",
@@ -64,7 +68,7 @@ __all__ = [
     "pool_worker",
 ]
 
-SLOT, RUNNING, STARTED, FINISHED, FAILED = 4, 0, 1, 2, 3
+SLOT, RUNNING, STARTED, FINISHED, FAILED, READY = 5, 0, 1, 2, 3, 4
 
 # A task message: TASK_HEADER (the executor's task id, the function's id, n, kind) +
 # pickle(fn) (n bytes) + the body, by kind:
@@ -140,7 +144,12 @@ class _Inbox:
                     return
 
 
-def _start(initializer: Callable[..., object] | None, initargs: tuple[Any, ...]) -> None:
+def _start(
+    initializer: Callable[..., object] | None,
+    initargs: tuple[Any, ...],
+    words: Any = None,
+    index: int = 0,
+) -> None:
     # Ctrl-C in a terminal reaches the whole process group; the manager's process
     # decides what happens to the work, the workers just keep going until told.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -150,6 +159,8 @@ def _start(initializer: Callable[..., object] | None, initargs: tuple[Any, ...])
         except BaseException:
             log.exception("shmchan worker %d: the initializer raised", os.getpid())
             os._exit(EXIT_INIT_FAILED)
+    if words is not None:
+        words[SLOT * index + READY] = 1
 
 
 def _picklable_exception(exc: BaseException, text: str) -> bytes:
@@ -281,7 +292,7 @@ def pool_worker(
 ) -> None:
     """A KeyedPool worker: handler(payload, keys) per message; return releases, an
     exception is logged and nacks (the channel's max_attempts / dead letters apply)."""
-    _start(initializer, initargs)
+    _start(initializer, initargs, words, index)
     words = memoryview(words).cast("B").cast("q")  # (a ctypes item store costs 3x this)
     base = SLOT * index
     finished = failed = 0

@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 import pytest
+from procs import take_receiver_seat
 
 import shmchan
 from shmchan import liveness
@@ -834,3 +835,73 @@ def test_callable_objects_are_sent_with_their_state() -> None:
         fn.factor = 3  # pickled again at every submit: the new state travels
         assert ex.submit(fn, 5).result(timeout=WAIT) == 15
         assert list(ex.map(fn, [1, 2])) == [3, 6]
+
+
+# ------------------------------------------------------------------ KeyedPool: failures
+
+
+def failing_initializer() -> None:
+    raise RuntimeError("no database today")
+
+
+@pytest.mark.timeout(90)
+def test_a_pool_whose_initializer_fails_charges_no_attempt_and_join_raises(
+    make_channel: Callable[..., shmchan.Channel],
+) -> None:
+    """No worker ever ran a message: none may be charged an attempt (let alone reach
+    the dead letters), and the pool fails as the executor does."""
+    ch = make_channel(max_attempts=2)
+    sent = _send_keyed(ch, keys=3, per_key=2)
+    pool = shmchan.KeyedPool(ch.name, sleepy_handler, processes=2, initializer=failing_initializer)
+    try:
+        with pytest.raises(shmchan.InitializerFailed, match="initializer"):
+            pool.join(20)
+    finally:
+        pool.terminate()
+        with pytest.raises(shmchan.InitializerFailed):  # every join says why it stopped
+            pool.join(WAIT)
+    st = ch.stats()
+    assert st.dead_letters == 0 and st.queued == len(sent) and st.inflight == 0
+    rx = take_receiver_seat(ch)
+    try:
+        got = []
+        while (h := rx.try_recv()) is not None:
+            got.append((h.payload, h.attempt))
+            h.release()
+    finally:
+        rx.close()
+    assert sorted(got) == sorted((m, 1) for m in sent)
+
+
+def gated_log(directory: str, payload: Any, keys: tuple[Any, ...]) -> None:
+    """Log `payload` once the file `gate` in `directory` exists (bounded wait)."""
+    deadline = time.monotonic() + WAIT
+    while not os.path.exists(os.path.join(directory, "gate")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    append_line(os.path.join(directory, "log"), repr(payload))
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_dies_after_close_does_not_hang_join(
+    make_channel: Callable[..., shmchan.Channel], tmp_path: Path
+) -> None:
+    """close() lets the workers finish what the pool holds; one of them dies meanwhile:
+    join() still ends, and the dead worker's message is handled all the same."""
+    ch = make_channel(max_attempts=3)
+    tx = ch.sender()
+    for i in range(2):
+        tx.send(i, keys=(f"k{i}",))
+    pool = shmchan.KeyedPool(ch.name, _Handler(gated_log, str(tmp_path)), processes=2)
+    try:
+        _until(lambda: [w.state for w in pool.stats().workers] == ["busy", "busy"])
+        pool.close()
+        victim = next(w.pid for w in pool.stats().workers if w.state == "busy")
+        os.kill(victim, signal.SIGKILL)
+        _until(lambda: not psutil.pid_exists(victim) or psutil.Process(victim).status() == "zombie")
+        (tmp_path / "gate").touch()
+        assert pool.join(20), "join() hung after a worker died past close()"
+    finally:
+        pool.terminate()
+        pool.join(WAIT)
+    assert sorted((tmp_path / "log").read_text().split()) == ["0", "1"]
+    assert ch.stats().inflight == 0 and ch.stats().queued == 0

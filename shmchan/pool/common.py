@@ -30,7 +30,8 @@ class InitializerFailed(errors.Error, concurrent.futures.BrokenExecutor):
     worker logs its traceback), or new workers kept dying before they ran any task.
     Nothing can run, so the executor is broken: every pending future fails with this,
     and submit and map raise it. (A concurrent.futures.BrokenExecutor, as
-    ProcessPoolExecutor's BrokenProcessPool is.)"""
+    ProcessPoolExecutor's BrokenProcessPool is.) A KeyedPool whose initializer raises
+    stops, and its join() raises this."""
 
 
 def _as_keys(keys: object) -> tuple[Any, ...]:

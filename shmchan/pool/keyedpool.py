@@ -15,7 +15,7 @@ from .._worker import (
     SLOT,
 )
 from ..channel import Channel, Handle
-from .common import _BATCH, _TICK, _context
+from .common import _BATCH, _TICK, InitializerFailed, _context
 from .stats import PoolStats
 from .workers import _Worker, _Workers
 
@@ -26,10 +26,16 @@ class KeyedPool:
     an exception is logged and nacks it (the channel's max_attempts / dead letters
     apply), a worker that dies is replaced and its messages are redelivered.
 
-    `close()` stops taking messages and lets the workers finish what the pool holds;
-    `terminate()` kills them and gives back what they held; `join()` waits for either.
-    The pool also ends once the channel is shut down and drained. This process is the
-    channel's receiver meanwhile (ReceiverBusy if another live one exists)."""
+    `close()` stops taking messages and lets the workers finish what the pool holds
+    (a message whose worker dies meanwhile goes back to the channel and is taken again,
+    with whatever the channel hands out before it); `terminate()` kills them and gives
+    back what they held; `join()` waits for either. The pool also ends once the channel
+    is shut down and drained. This process is the channel's receiver meanwhile
+    (ReceiverBusy if another live one exists).
+
+    A worker's initializer that raises fails the pool: it stops, and `join()` raises
+    InitializerFailed. No worker is handed a message before its initializer returned,
+    so no message is charged an attempt for it."""
 
     def __init__(
         self,
@@ -53,6 +59,9 @@ class KeyedPool:
         self._held: collections.deque[Handle] = collections.deque()
         self._failed_before = 0
         self._redelivered = 0
+        self._failure: BaseException | None = None  # join() raises it
+        # seqs of messages a worker died with after close(): taken again before the end
+        self._owed: set[int] = set()
         self._ch = Channel.open(name)
         try:
             self._rx = self._ch.receiver()
@@ -72,6 +81,7 @@ class KeyedPool:
             # having run). The executor counts its tasks' attempts itself, so it
             # prefetches.
             prefetch=1,
+            ready_first=True,
         )
         try:
             self._workers.start_all()
@@ -92,17 +102,24 @@ class KeyedPool:
         self._terminating = True
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait until the pool has stopped (after close(), terminate(), or the channel's
-        shutdown and drain), at most `timeout` seconds; True if it has."""
+        """Wait until the pool has stopped (after close(), terminate(), the channel's
+        shutdown and drain, or a failure), at most `timeout` seconds; True if it has.
+        InitializerFailed if it stopped because a worker's initializer raised."""
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        if self._failure is not None:
+            raise self._failure
+        return True
 
     def __enter__(self) -> KeyedPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close()
-        self.join()
+        self._thread.join()
+        if self._failure is not None and exc_type is None:
+            raise self._failure
 
     def stats(self) -> PoolStats:
         """Messages queued in the channel, held by the pool, handled, failed; workers."""
@@ -137,9 +154,11 @@ class KeyedPool:
                 if now >= next_check:
                     next_check = now + _TICK
                     self._housekeeping()
+                    if self._failure is not None:
+                        break
                 workers.refresh()  # the workers released those themselves
                 self._give()
-                stopping = self._closing or drained
+                stopping = (self._closing and not self._owed) or drained
                 if stopping:
                     if not self._held and all(w.taken == w.finished for w in workers.live()):
                         break
@@ -148,9 +167,15 @@ class KeyedPool:
                 if self._held:
                     time.sleep(0.0005)  # every worker is full: wait for one to finish one
                     continue
-                room = max(workers.capacity(), 1)
+                room = workers.capacity()
+                if not room:  # every worker busy, or still in its initializer
+                    time.sleep(0.0005)
+                    continue
                 try:
-                    self._held.extend(self._rx.recv_many(min(room, _BATCH), timeout=_TICK))
+                    got = self._rx.recv_many(min(room, _BATCH), timeout=_TICK)
+                    self._held.extend(got)
+                    if self._owed:
+                        self._owed.difference_update(h.seq for h in got)
                 except errors.Empty:
                     pass
                 except errors.Closed:
@@ -171,14 +196,35 @@ class KeyedPool:
             self._workers.give(batch)
 
     def _housekeeping(self) -> None:
-        for w, _code, _seq in self._workers.ended():
+        for w, code, _seq in self._workers.ended():
             self._count_failed(w)
             for h, _ in w.given:
+                if self._closing:
+                    self._owed.add(h.seq)  # still the pool's to finish: taken again
                 h.nack()  # a no-op for those already released or revoked
                 self._redelivered += 1
             w.given.clear()
-            if not (self._closing or self._terminating):
-                self._workers.start(w.index)
+            if code == _worker.EXIT_INIT_FAILED and self._failure is None:
+                self._failure = InitializerFailed(
+                    f"KeyedPool({self._ch.name!r}): the initializer raised in worker pid "
+                    f"{w.process.pid} (its traceback is in the worker's log); the pool "
+                    "stopped, and the messages it had not handled are still in the channel"
+                )
+            if self._failure is None and not self._terminating:
+                if not self._closing or self._owed:
+                    self._workers.start(w.index)
+        if self._owed:
+            self._forget_lost_owed()
+
+    def _forget_lost_owed(self) -> None:
+        """Stop waiting for owed messages that cannot come back: gone to the dead
+        letters, or the channel has nothing queued and nothing out but the pool's."""
+        st = self._ch.stats()
+        if st.dead_letters:
+            self._owed.difference_update(d.seq for d in self._ch.dead_letters())
+        ours = len(self._held) + self._workers.outstanding()
+        if st.queued == 0 and st.inflight <= ours:
+            self._owed.clear()
 
     def _count_failed(self, w: _Worker) -> None:
         self._failed_before += int(self._workers.words[SLOT * w.index + _worker.FAILED])

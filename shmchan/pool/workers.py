@@ -10,6 +10,7 @@ from typing import Any
 
 from .._worker import (
     FINISHED,
+    READY,
     RUNNING,
     SLOT,
     STARTED,
@@ -22,7 +23,17 @@ from .stats import WorkerStats
 class _Worker:
     """One worker process as its manager sees it."""
 
-    __slots__ = ("index", "process", "conn", "given", "taken", "finished", "oom", "stopping")
+    __slots__ = (
+        "index",
+        "process",
+        "conn",
+        "given",
+        "taken",
+        "finished",
+        "oom",
+        "stopping",
+        "ready",
+    )
 
     def __init__(self, index: int, process: Any, conn: Any) -> None:
         self.index = index
@@ -33,6 +44,7 @@ class _Worker:
         self.finished = 0  # of those, finished (the worker's FINISHED word, or results)
         self.oom = _oom_kills()
         self.stopping = False
+        self.ready = False  # its initializer returned (the READY word, seen once)
 
     def catch_up(self, finished: int, done: list[Handle]) -> None:
         """The worker finished its first `finished` handles: move those to `done`."""
@@ -54,12 +66,16 @@ class _Workers:
         args: tuple[Any, ...],
         max_tasks: int | None,
         prefetch: int = _PREFETCH,
+        ready_first: bool = False,
     ) -> None:
         self.ctx = ctx
         self.target = target
         self.args = args  # after (conn, words, index)
         self.max_tasks = max_tasks
         self.prefetch = prefetch  # handles a worker may have in hand at once
+        # Hand a worker nothing before its initializer returned (its READY word): what
+        # a worker whose initializer fails was given would be charged an attempt.
+        self.ready_first = ready_first
         self.words = ctx.RawArray("q", SLOT * size)
         self.slots: list[_Worker | None] = [None] * size
         self.by_pid: dict[int, _Worker] = {}
@@ -94,6 +110,10 @@ class _Workers:
         """How many more handles `w` may be given now."""
         if w.stopping:
             return 0
+        if self.ready_first and not w.ready:
+            if not self.words[SLOT * w.index + READY]:
+                return 0
+            w.ready = True
         room = self.prefetch - (w.taken - w.finished)
         if self.max_tasks is not None:
             room = min(room, self.max_tasks - w.taken)
