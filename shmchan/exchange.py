@@ -296,11 +296,21 @@ class _Attachment:
 
 
 _attachments: weakref.WeakSet[_Attachment] = weakref.WeakSet()
+_exchanges: weakref.WeakSet[Exchange] = weakref.WeakSet()
+_forks = 0  # forks this process descends from: a _Target registered under another is stale
 
 
 def _reset_after_fork() -> None:
+    # The channel module's hook resets each channel segment's identity and its producer
+    # registration (a child is a new producer); the exchange's own state must follow:
+    # its token, the targets' note that their channels were registered, and the locks,
+    # which a thread of the parent that no longer exists here may have held.
+    global _forks
+    _forks += 1
     for a in list(_attachments):
         a.after_fork()
+    for ex in list(_exchanges):
+        ex._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -382,7 +392,7 @@ class _Target:
         self.nidx = len(bindings)
         self.raw_only = any(seg.raw_only for seg in self.segs)
         self.max_keys = min((seg.max_keys for seg in self.segs), default=0)
-        self.registered = False
+        self.registered = -1  # the value of _forks when every segment was registered
 
 
 class _Scratch:
@@ -412,6 +422,7 @@ class Exchange:
         self._version = -1
         self._sender_cache: dict[str, _channel.Sender] = {}  # refreshed with the bindings
         self._lock = threading.Lock()
+        _exchanges.add(self)
 
     @classmethod
     def create(cls, name: str, kind: str = "fanout", mode: int = 0o600) -> Exchange:
@@ -654,11 +665,11 @@ class Exchange:
         segs = target.segs
         kind, buf = codec.encode_payload(payload, target.raw_only)
         blob, nkeys = codec.encode_keys(keys, target.max_keys)
-        if not target.registered:
+        if target.registered != _forks:  # first use, or first in a forked child
             for seg in segs:
                 if not seg.registered:
                     seg.register_producer()
-            target.registered = True
+            target.registered = _forks
         n = len(segs)
         data = buf if type(buf) is bytes else ffi.from_buffer("char[]", buf)
         chans = target.chans

@@ -568,3 +568,42 @@ def test_waiting_publish_leaves_the_other_channels_alone(
     assert [p for p, _, _ in drain(full)] == [b"y" * 1000]
     other.close()
     tx.close()
+
+
+def _wait_child(pid: int, limit: float = 30.0) -> int:
+    """The exit code of forked child `pid`, killed (and reported as -9) after `limit` s."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -9
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("channels", [1, 2])
+def test_publish_from_a_forked_child(make_exchange: Any, make_channel: Any, channels: int) -> None:
+    """A child forked after its parent had published kept the exchange's record that
+    this process was registered as a producer of each channel, which the fork had
+    reset: its publish to two channels raised InvalidArgument."""
+    ex = make_exchange("fanout")
+    chans = [make_channel() for _ in range(channels)]
+    for c in chans:
+        ex.bind(c.name)
+    ex.publish(b"parent", keys=("k",), timeout=5)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            got = ex.publish(b"child", keys=("k",), timeout=5)
+            got2 = ex.publish_many([(b"child2", "")], timeout=5)[0]
+            code = 0 if set(got) == set(got2) == {c.name for c in chans} else 2
+        finally:
+            os._exit(code)
+    assert _wait_child(pid) == 0
+    ex.publish(b"parent2", keys=("k",), timeout=5)
+    for c in chans:
+        assert [p for p, _, _ in drain(c)] == [b"parent", b"child", b"child2", b"parent2"]
