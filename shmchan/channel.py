@@ -51,6 +51,7 @@ _SPIN_SECONDS = 50e-6  # poll this long before sleeping on the semaphore
 _SPIN_PAUSES = 500  # CPU pause instructions per spin round (a few microseconds)
 _MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least this often
 _STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
+_STALL_NAP_SECONDS = 0.0002  # a sender's first sleep behind a stuck claim; doubles each time
 _SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
 _REAPING = 1 << 63  # a producer registry entry's owner word while it is reaped (csrc/segment.c)
 _NAME_CHECK_SECONDS = 0.05  # how often a waiting sender checks that its name still holds
@@ -1039,10 +1040,12 @@ class Sender(_hot.SenderBase):
         s = seg.scratch()
         armed = False
         stalled_since: float | None = None
+        nap = _STALL_NAP_SECONDS
         try:
             while rc:
                 if rc == lib.SHM_FULL:
                     stalled_since = None
+                    nap = _STALL_NAP_SECONDS
                     if not armed:
                         lib.shm_space_wait(seg.ptr, 1, s.pass_on)
                         armed = True
@@ -1071,7 +1074,13 @@ class Sender(_hot.SenderBase):
                     left = _remaining(deadline)
                     if left is not None and left <= 0:
                         raise errors.Full(f"{what}: stuck behind a producer that does not finish")
-                    time.sleep(0.0002)
+                    # A claimant mostly commits within a few microseconds; one that does
+                    # not (preempted, stopped by SIGSTOP or a debugger) is waited for with
+                    # sleeps doubling up to the maintenance period, not a spin (each retry
+                    # spins in the core first). A sleep, not the senders' semaphore: a post
+                    # taken here would be a wake-up lost to a sender waiting for space.
+                    time.sleep(nap if left is None else min(nap, left))
+                    nap = min(2 * nap, _MAINTENANCE_SECONDS)
                 else:
                     raise_for(rc, what)
                 rc = attempt()

@@ -476,6 +476,44 @@ def test_the_receivers_spin_waits_through_a_claim(make_channel):
     assert rx.recv(timeout=WAIT).payload == b"committed"
 
 
+def send_behind_a_claim(name: str, ready) -> None:
+    """A producer whose send meets a record claimed and never written (below)."""
+    with shmchan.Sender.open(name) as tx:
+        ready.set()
+        tx.send(b"behind the claim", keys="k2", timeout=WAIT)
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinning(make_channel):
+    # A producer stopped between its claim and its length (SIGSTOP, a debugger) holds up
+    # every sender that walks to the tail. Such a sender used to retry every 0.2 ms with
+    # a spin of 2000 pauses in between: a fifth to a quarter of a core for as long as the
+    # claimant stayed stopped. Now its sleeps double up to the maintenance period. A bound
+    # on CPU, far above what backing off costs and below what the old loop burnt.
+    import psutil
+
+    ch, tx, rx = _one_message_through(make_channel)
+    with _tail_claimed_by_us(ch) as (seg, owner_at, owner):
+        ready = CTX.Event()
+        p = CTX.Process(target=send_behind_a_claim, args=(ch.name, ready))
+        with running(p):
+            assert ready.wait(WAIT)
+            proc = psutil.Process(p.pid)
+            time.sleep(0.5)  # well past its first few retries
+            cpu0, wall0 = sum(proc.cpu_times()[:2]), time.monotonic()
+            time.sleep(1.0)
+            cpu1, wall1 = sum(proc.cpu_times()[:2]), time.monotonic()
+            assert rx.try_recv() is None  # still held up: it waited all along
+            struct.pack_into("<Q", seg, owner_at, owner)  # the claim is given back
+            h = rx.recv(timeout=WAIT)  # and the waiting send goes in
+            assert h.payload == b"behind the claim"
+            h.release()
+            p.join(WAIT)
+            assert p.exitcode == 0
+    share = (cpu1 - cpu0) / (wall1 - wall0)
+    assert share < 0.08, f"a sender behind a stuck claim used {share:.0%} of a core"
+
+
 def _paced_producer(tx: shmchan.Sender, n: int, gap: float) -> None:
     tx.send(b"ready", keys=0, timeout=WAIT)
     for i in range(n):
