@@ -449,8 +449,9 @@ class _Core:
             self.sleeping = False
             self.wake_tx.send(b"")
 
-    def collect(self, timeout: float) -> bool:
-        """Resolve the futures of the results that arrived; False if none did."""
+    def collect(self, timeout: float, dispatch: bool = True) -> bool:
+        """Resolve the futures of the results that arrived; False if none did. With
+        `dispatch`, the tasks their results free go to the workers first (see below)."""
         try:
             b = self.rx_results.recv_batch(_BATCH, timeout=timeout)
         except errors.Empty:
@@ -486,7 +487,8 @@ class _Core:
         # is seen (so closing a map right after a result never cancels the next one).
         if finished:
             self.rx_tasks.release_many(finished)
-        self.dispatch(0)
+        if dispatch:
+            self.dispatch(0)
         for task, status, start, end in arrived:
             try:
                 value = pickle.loads(data[start:end])
@@ -614,7 +616,11 @@ class _Core:
         """Notice workers that ended and bury them (results they sent first count)."""
         ended = self.workers.ended()
         if ended:
-            while self.collect(0):
+            # Collect without dispatching: the channel may already have redelivered what
+            # the dead workers held, and a copy of a task whose death is not counted yet
+            # must not go to a worker: its last attempt may have been this one, and then
+            # it fails (WorkerDied) and must not run again.
+            while self.collect(0, dispatch=False):
                 pass
             for w, code, seq in ended:
                 self.bury(w, code, seq)
