@@ -7,12 +7,19 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_pool import WAIT, no_leftovers, square  # noqa: F401 - no_leftovers is autouse
+from test_pool import (  # noqa: F401 - no_leftovers is autouse
+    WAIT,
+    append_line,
+    gated,
+    no_leftovers,
+    square,
+)
 
 import shmchan
 from shmchan.pool.workers import _Workers
@@ -109,6 +116,97 @@ def test_workers_that_always_die_in_the_initializer_break_the_executor(
         fut.result(timeout=BOUND)
     assert _shutdown_within(ex, BOUND)
     assert isinstance(fut.exception(), concurrent.futures.BrokenExecutor)
+
+
+# ------------------------------------------------------------------ callbacks
+
+
+@pytest.mark.timeout(3 * BOUND)
+def test_done_callbacks_that_submit_do_not_block_the_manager_on_a_full_channel(
+    executors: list[shmchan.KeyedExecutor],
+) -> None:
+    # Callbacks run in the manager thread, the only one that empties the task channel:
+    # a submit there must not wait for room in it. A tiny channel, kept full by a
+    # thread that submits more than it holds, while every callback submits a follow-up.
+    ex = shmchan.KeyedExecutor(1, capacity=4096)
+    executors.append(ex)
+    n = 300
+    follow_ups: list[concurrent.futures.Future[int]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def again(fut: concurrent.futures.Future[int]) -> None:
+        try:
+            f = ex.submit(square, fut.result(), keys=("k", str(fut.result() % 4)))
+        except BaseException as e:  # pragma: no cover - shows up in the assertion below
+            errors.append(e)
+            return
+        with lock:
+            follow_ups.append(f)
+
+    firsts: list[concurrent.futures.Future[int]] = []
+
+    def submit_all() -> None:
+        for i in range(n):
+            f = ex.submit(square, i, keys=("k", str(i % 4)))
+            f.add_done_callback(again)
+            firsts.append(f)
+
+    feeder = threading.Thread(target=submit_all, daemon=True)
+    feeder.start()
+    feeder.join(BOUND)
+    assert not feeder.is_alive(), "submits stopped: the manager is stuck in a callback"
+    concurrent.futures.wait(firsts, timeout=BOUND)
+    assert all(f.done() for f in firsts)
+    assert not errors
+    with lock:
+        assert len(follow_ups) == n
+        done, _ = concurrent.futures.wait(follow_ups, timeout=BOUND)
+    assert len(done) == n
+    assert sorted(f.result() for f in follow_ups) == sorted((i * i) ** 2 for i in range(n))
+    assert _shutdown_within(ex, BOUND)
+
+
+@pytest.mark.timeout(3 * BOUND)
+def test_a_submit_after_a_callbacks_submit_runs_after_it(
+    executors: list[shmchan.KeyedExecutor], tmp_path: Path
+) -> None:
+    # The callback's submit finds the task channel full and waits in the manager's
+    # backlog; a submit the caller makes after it, on the same key, must still run after.
+    ex = shmchan.KeyedExecutor(1, capacity=4096)
+    executors.append(ex)
+    gate, log = str(tmp_path / "gate"), str(tmp_path / "log")
+    submitted = threading.Event()
+    backlogged: list[bool] = []
+    line = "callback" + "." * 2500  # more than the room a filler's dispatch frees
+
+    def from_callback(fut: concurrent.futures.Future[Any]) -> None:
+        ex.submit(append_line, log, line, keys=("log",))
+        backlogged.append(bool(ex._core.backlog))
+        submitted.set()
+
+    first = ex.submit(gated, gate, keys=("gate",))
+    first.add_done_callback(from_callback)
+    fillers: list[concurrent.futures.Future[Any]] = []
+
+    def fill() -> None:  # more than the channel holds, all behind the gate
+        for _ in range(200):
+            fillers.append(ex.submit(gated, gate, keys=("gate",)))
+
+    feeder = threading.Thread(target=fill, daemon=True)
+    feeder.start()
+    deadline = time.monotonic() + BOUND
+    while (st := ex._core.task_ch.stats()).capacity - st.used_bytes >= 1600:
+        assert time.monotonic() < deadline, "the task channel never filled"
+        time.sleep(0.01)
+    Path(gate).touch()
+    assert submitted.wait(BOUND)
+    assert backlogged == [True]  # the callback's task found no room
+    last = ex.submit(append_line, log, "caller", keys=("log",))
+    assert last.result(timeout=BOUND).split() == [line, "caller"]
+    feeder.join(BOUND)
+    concurrent.futures.wait(fillers, timeout=BOUND)
+    assert _shutdown_within(ex, BOUND)
 
 
 # ------------------------------------------------------------------ deaths

@@ -20,6 +20,11 @@ caller's threads only register futures and send task messages):
                                                                 handle: its keys go to
                                                                 the next task in line
 
+Done-callbacks run in the manager thread, which is what empties the task channel: a
+submit made there never waits for room in it (what finds it full waits in the manager's
+backlog and goes out, in order, as room appears; submits from other threads wait for
+that backlog to empty first, so none overtakes it).
+
 A worker that dies (any exit, signal, OOM kill) still holds, or was about to adopt, the
 handles it was given. The manager sees the death, nacks them (the channel redelivers
 each with attempt + 1 ahead of everything behind it on its keys, so the keys are never

@@ -3,6 +3,7 @@ package docstring for its data flow)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import os
@@ -241,6 +242,11 @@ class _Core:
         self.done = self.retried = self.failed = self.cancelled = 0
         self.sleeping = False  # the manager waits on the result channel (see wake())
         self.spare: list[tuple[Handle, int]] = []  # taken, but no worker had room yet
+        # Task messages sent from the manager thread (by a done-callback) that found the
+        # task channel full: the manager is what empties it, so it must not wait for
+        # room; it sends them, in order, as room appears (see post() and flush()).
+        self.backlog: collections.deque[tuple[int, bytes, tuple[Any, ...]]] = collections.deque()
+        self.drained = threading.Condition(self.lock)  # notified when the backlog empties
         self.functions: dict[object, tuple[int, bytes]] = {}  # see pickled()
         self.function_ids = itertools.count(1)
         _reap_dead_executors()
@@ -308,8 +314,12 @@ class _Core:
             tid = self.next_tid
             self.next_tid = tid + 1
             self.tasks[tid] = _Task(fn, keys, future)
+        message = TASK_HEADER.pack(tid, fid, len(blob), CALL) + blob + body
         try:
-            self.tx.send(TASK_HEADER.pack(tid, fid, len(blob), CALL) + blob + body, keys=keys)
+            if self.backlog or threading.current_thread() is self.thread:
+                if self.post([(tid, message, keys)]):
+                    return future
+            self.tx.send(message, keys=keys)
         except BaseException as e:
             self.tasks.pop(tid, None)
             self.explain(e)
@@ -354,11 +364,15 @@ class _Core:
                 self.next_tid += len(tasks)
                 self.tasks.update(zip(range(first, first + len(tasks)), tasks, strict=True))
             messages = [
-                (head(tid, fid, nblob, kind) + blob + body, k)
+                (tid, head(tid, fid, nblob, kind) + blob + body, k)
                 for tid, body, k in zip(itertools.count(first), bodies, part_keys)
             ]
             try:
-                self.tx.send_many(messages)
+                if not (
+                    (self.backlog or threading.current_thread() is self.thread)
+                    and self.post(messages)
+                ):
+                    self.tx.send_many([(m, k) for _, m, k in messages])
             except BaseException as e:
                 for tid in range(first, first + len(tasks)):
                     self.tasks.pop(tid, None)
@@ -369,6 +383,53 @@ class _Core:
             self.wake()
             out += tasks
         return out
+
+    def post(self, messages: list[tuple[int, bytes, tuple[Any, ...]]]) -> bool:
+        """Send (task id, message, keys) without waiting for room if this is the manager
+        thread (what finds no room goes to the backlog); True if done. In another thread
+        while the backlog holds messages: wait until it is sent, then False (the caller
+        sends as usual), so that a later submit never overtakes an earlier one."""
+        if threading.current_thread() is not self.thread:
+            with self.lock:
+                while self.backlog and self.broken is None and self.thread.is_alive():
+                    self.drained.wait(_TICK)
+            return False
+        if not self.backlog:
+            try:
+                self.tx.send_many([(m, k) for _, m, k in messages], timeout=0)
+                return True
+            except errors.Full as e:
+                messages = messages[len(e.seqs) :]
+        self.backlog.extend(messages)
+        return True
+
+    def flush(self) -> bool:
+        """Manager thread: send what the backlog holds, in order, while the task channel
+        has room; False if none went. A message that cannot be sent at all fails its
+        task, as it would have failed its submit."""
+        backlog, sent = self.backlog, False
+        while backlog:
+            tid, message, keys = backlog[0]
+            try:
+                self.tx.send(message, keys=keys, timeout=0)
+            except errors.Full:
+                break
+            except errors.Error as e:
+                task = self.tasks.pop(tid, None)
+                if task is not None:
+                    try:
+                        self.explain(e)
+                    except errors.Error as explained:
+                        e = explained
+                    with contextlib.suppress(InvalidStateError):
+                        task.set_exception(e)
+                        self.failed += 1
+            backlog.popleft()
+            sent = True
+        if sent and not backlog:
+            with self.lock:
+                self.drained.notify_all()
+        return sent
 
     def explain(self, e: BaseException) -> None:
         """A task too large for the task channel: say how to make room."""
@@ -421,6 +482,8 @@ class _Core:
                 raise self.breaking
             busy = self.collect(0)
             busy |= self.dispatch(0)
+            if self.backlog:
+                busy |= self.flush()
             now = time.monotonic()
             if now >= next_check or self.shutdown_requested:
                 next_check = now + _TICK
@@ -670,6 +733,9 @@ class _Core:
         self.failed += 1
 
     def teardown(self) -> None:
+        self.backlog.clear()  # (its tasks are resolved: the manager failed, or cancelled)
+        with self.lock:
+            self.drained.notify_all()
         workers = getattr(self, "workers", None)
         if workers is not None:
             workers.shut(kill=self.broken is not None)
