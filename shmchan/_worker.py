@@ -10,6 +10,12 @@ memory through the handle.
     main thread: take a handle, run it, [executor: send the result into the result
     channel], release the handle  <--------------------------------------------'
 
+A watcher thread checks every _PARENT_CHECK_SECONDS, from before the initializer to
+the worker's end, that the manager's process lives (its liveness token: pid and start
+time), and exits the worker once it does not: nobody wants its results any more, and
+what it holds goes back to the channel as a dead holder's handles do. Every blocking
+send in a worker waits at most that long at a time, so nothing outlives the check.
+
 The reader thread unpickles every batch the moment it arrives: unpickling is what makes
 this process the handles' holder, so from then on the channel notices this process's
 death and redelivers them (attempt + 1), and no handle waits in the pipe past the
@@ -90,7 +96,7 @@ _FUNCTIONS = 64  # unpickled functions a worker keeps
 RESULT_HEADER = struct.Struct("<QQIQB")
 OK, RAISED = 0, 1
 
-_PARENT_CHECK_SECONDS = 1.0  # how often an idle reader checks that its manager lives
+_PARENT_CHECK_SECONDS = 1.0  # how often a worker checks that its manager lives
 EXIT_PARENT_GONE = 70  # the manager's process died: nobody wants our results any more
 EXIT_INIT_FAILED = 71  # the initializer raised
 
@@ -100,9 +106,8 @@ log = logging.getLogger("shmchan.pool")
 class _Inbox:
     """Handles received from the manager, adopted on arrival by a reader thread."""
 
-    def __init__(self, conn: Any, parent_token: int) -> None:
+    def __init__(self, conn: Any) -> None:
         self._conn = conn
-        self._parent = parent_token
         self._queue: collections.deque[Handle] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -111,10 +116,6 @@ class _Inbox:
     def _read(self) -> None:
         try:
             while True:
-                if not self._conn.poll(_PARENT_CHECK_SECONDS):
-                    if not liveness.is_alive(self._parent):
-                        os._exit(EXIT_PARENT_GONE)
-                    continue
                 data = self._conn.recv_bytes()
                 if not data:  # the manager's stop mark: finish what is here, then exit
                     break
@@ -144,15 +145,41 @@ class _Inbox:
                     return
 
 
+def _watch_parent(parent_token: int) -> None:
+    """Exit this worker once its manager's process has died (checked every
+    _PARENT_CHECK_SECONDS), whatever the other threads are doing."""
+    while True:
+        time.sleep(_PARENT_CHECK_SECONDS)
+        if not liveness.is_alive(parent_token):
+            os._exit(EXIT_PARENT_GONE)
+
+
+def _send(tx: Sender, data: bytes, parent_token: int) -> None:
+    """tx.send(data), waiting for room at most _PARENT_CHECK_SECONDS at a time: a
+    worker whose manager died exits rather than wait for room nobody will make."""
+    while True:
+        try:
+            tx.send(data, timeout=_PARENT_CHECK_SECONDS)
+            return
+        except errors.Full:
+            if not liveness.is_alive(parent_token):
+                os._exit(EXIT_PARENT_GONE)
+
+
 def _start(
     initializer: Callable[..., object] | None,
     initargs: tuple[Any, ...],
+    parent_token: int,
     words: Any = None,
     index: int = 0,
 ) -> None:
     # Ctrl-C in a terminal reaches the whole process group; the manager's process
     # decides what happens to the work, the workers just keep going until told.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watcher = threading.Thread(
+        target=_watch_parent, args=(parent_token,), name="shmchan-worker-watch", daemon=True
+    )
+    watcher.start()
     if initializer is not None:
         try:
             initializer(*initargs)
@@ -215,7 +242,7 @@ def executor_worker(
     initargs: tuple[Any, ...],
 ) -> None:
     """A KeyedExecutor worker: run tasks, send each result, then release its handle."""
-    _start(initializer, initargs)
+    _start(initializer, initargs, parent_token)
     words = memoryview(words).cast("B").cast("q")  # (a ctypes item store costs 3x this)
     tx = Sender.open(result_channel)
     base = SLOT * index
@@ -223,7 +250,7 @@ def executor_worker(
     finished = 0
     clock = time.monotonic_ns
     functions: dict[int, Callable[..., Any]] = {}
-    for h in _Inbox(conn, parent_token):
+    for h in _Inbox(conn):
         finished += 1
         try:
             view = h.data
@@ -271,11 +298,11 @@ def executor_worker(
             body = _picklable_exception(e, traceback.format_exc())
         header = RESULT_HEADER.pack(tid, seq, pid, finished, status)
         try:
-            tx.send(header + body)
+            _send(tx, header + body, parent_token)
         except errors.MessageTooLarge as e:
             too_large = errors.MessageTooLarge(f"the task's result is too large to send back: {e}")
             header = RESULT_HEADER.pack(tid, seq, pid, finished, RAISED)
-            tx.send(header + _picklable_exception(too_large, ""))
+            _send(tx, header + _picklable_exception(too_large, ""), parent_token)
         words[base + RUNNING] = 0
         h.release()
         words[base + FINISHED] = finished
@@ -292,12 +319,12 @@ def pool_worker(
 ) -> None:
     """A KeyedPool worker: handler(payload, keys) per message; return releases, an
     exception is logged and nacks (the channel's max_attempts / dead letters apply)."""
-    _start(initializer, initargs, words, index)
+    _start(initializer, initargs, parent_token, words, index)
     words = memoryview(words).cast("B").cast("q")  # (a ctypes item store costs 3x this)
     base = SLOT * index
     finished = failed = 0
     clock = time.monotonic_ns
-    for h in _Inbox(conn, parent_token):
+    for h in _Inbox(conn):
         finished += 1
         try:
             payload, keys = h.payload, h.keys

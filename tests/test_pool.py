@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -905,3 +906,93 @@ def test_a_worker_that_dies_after_close_does_not_hang_join(
         pool.join(WAIT)
     assert sorted((tmp_path / "log").read_text().split()) == ["0", "1"]
     assert ch.stats().inflight == 0 and ch.stats().queued == 0
+
+
+# ------------------------------------------------------------------ orphaned workers
+
+
+def _pool_past_its_stop_marks(name: str, directory: str, ready: Any) -> None:
+    """Serve `name` with two workers, each stuck in a handler; hand both their stop
+    mark (what close() and max tasks send); report their pids; wait to be killed."""
+    pool = shmchan.KeyedPool(name, _Handler(gated_log, directory), processes=2)
+    _until(lambda: [w.state for w in pool.stats().workers] == ["busy", "busy"])
+    for w in pool._workers.live():
+        pool._workers.stop(w)
+    ready.put([w.pid for w in pool.stats().workers])
+    time.sleep(WAIT)
+
+
+def big_after_gate(gate: str) -> bytes:
+    deadline = time.monotonic() + WAIT
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return b"x" * (700 << 10)
+
+
+def _executor_with_results_to_come(gate: str, ready: Any) -> None:
+    """One worker, three tasks whose 700 KiB results cannot all fit in the 1 MiB result
+    channel unless someone reads them; report the worker's pid; wait to be killed."""
+    ex = shmchan.KeyedExecutor(1, capacity=1 << 20)
+    for _ in range(3):
+        ex.submit(big_after_gate, gate)
+    _until(lambda: ex.stats().workers[0].state == "busy")
+    ready.put([w.pid for w in ex.stats().workers])
+    time.sleep(WAIT)
+
+
+def _kill_owner_then_wait_for_workers(owner: Any, ready: Any, then: Callable[[], None]) -> None:
+    """SIGKILL the process owning a pool once it reported its workers' pids; then();
+    each worker must exit within 10 s (none is left running either way)."""
+    pids: list[int] = []
+    token = None
+    try:
+        pids = ready.get(timeout=WAIT)
+        token = liveness.token_of(owner.pid)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join(WAIT)
+        then()
+        deadline = time.monotonic() + 10
+        while alive := [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+        ]:
+            assert time.monotonic() < deadline, f"orphaned workers still running: {alive}"
+            time.sleep(0.05)
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        owner.join(WAIT)
+        for p in pids:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(p).kill()
+        for n in shmchan.list_channels():  # the dead executor's channels
+            if token is not None and n.startswith(f"kx-{token:x}-"):
+                shmchan.unlink(n)
+
+
+@pytest.mark.timeout(90)
+def test_orphaned_pool_workers_past_their_stop_mark_exit(
+    make_channel: Callable[..., shmchan.Channel], tmp_path: Path
+) -> None:
+    import multiprocessing
+
+    ch = make_channel()
+    tx = ch.sender()
+    for i in range(2):
+        tx.send(i, keys=(f"k{i}",))
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    owner = ctx.Process(target=_pool_past_its_stop_marks, args=(ch.name, str(tmp_path), ready))
+    owner.start()
+    _kill_owner_then_wait_for_workers(owner, ready, lambda: None)
+
+
+@pytest.mark.timeout(90)
+def test_orphaned_executor_worker_blocked_sending_a_result_exits(tmp_path: Path) -> None:
+    import multiprocessing
+
+    gate = str(tmp_path / "gate")
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    owner = ctx.Process(target=_executor_with_results_to_come, args=(gate, ready))
+    owner.start()
+    _kill_owner_then_wait_for_workers(owner, ready, lambda: Path(gate).touch())
