@@ -957,7 +957,7 @@ class Sender(_hot.SenderBase):
         """send_batch() from message `done_so_far` on, when its C call did not send it all
         (full, unregistered, an odd timeout): waits like send_many."""
         if packed[0]:
-            self._send_packed(packed, seqs_buf, done_so_far, timeout)
+            self._send_packed(packed, seqs_buf, done_so_far, timeout, "send_batch")
         else:
             self._live()
             _deadline(timeout)
@@ -980,9 +980,11 @@ class Sender(_hot.SenderBase):
         seqs_buf: bytearray,
         done_so_far: int,
         timeout: float | None,
+        what: str = "send_many",
     ) -> list[int]:
         """Send a packed batch from message `done_so_far` on, waiting while the channel
-        is full; `seqs_buf` holds the seqs of those already sent (C calls this too)."""
+        is full; `seqs_buf` holds the seqs of those already sent (C calls this too).
+        `what` names the call in errors: send_many or send_batch."""
         seg = self._live()
         deadline = _deadline(timeout)
         if not seg.registered:
@@ -1025,9 +1027,9 @@ class Sender(_hot.SenderBase):
         try:
             rc = attempt()
             if rc < 0:
-                _refuse_batch(seg, rc, packed)
+                _refuse_batch(seg, rc, packed, what)
             if rc:
-                rc = self._wait_and_retry(seg, rc, deadline, attempt, "send_many")
+                rc = self._wait_and_retry(seg, rc, deadline, attempt, what)
         except (errors.Full, errors.Closed) as e:
             e.seqs = list(ffi.unpack(seqs, done[0]))  # the prefix that went in
             raise
@@ -1118,10 +1120,13 @@ def _refuse(
 
 
 def _refuse_batch(
-    seg: _Segment, rc: int, packed: tuple[int, bytes, bytes, bytes, bytes, bytes, bytes]
+    seg: _Segment,
+    rc: int,
+    packed: tuple[int, bytes, bytes, bytes, bytes, bytes, bytes],
+    what: str = "send_many",
 ) -> NoReturn:
-    """Raise for a send_many batch the core refused before sending any of it: name the
-    first message that cannot go."""
+    """Raise for a batch (of `what`: send_many or send_batch) the core refused before
+    sending any of it: name the first message that cannot go."""
     n, kinds, _data, lens, _keys, klens, nkeys = packed
     k_kinds = memoryview(kinds).cast("I")
     k_lens = memoryview(lens).cast("Q")
@@ -1132,8 +1137,8 @@ def _refuse_batch(
         args = (k_kinds[i], k_lens[i], k_klens[i], k_nkeys[i])
         bad = lib.shm_message_size(seg.ptr, *args, rec, rec + 1)
         if bad:
-            _refuse(seg, bad, f"send_many: item {i} (nothing was sent)", *args)
-    raise_for(rc, "send_many (nothing was sent)")
+            _refuse(seg, bad, f"{what}: item {i} (nothing was sent)", *args)
+    raise_for(rc, f"{what} (nothing was sent)")
 
 
 def _open_sender(name: str, path: str | None) -> Sender:
@@ -1155,6 +1160,7 @@ class Receiver(_hot.ReceiverBase):
     def __init__(self, channel: Channel, seg: _Segment) -> None:
         self._channel = channel
         self._seg: _Segment | None = seg
+        self._ident = (seg.name, seg.path)  # its channel's, also once closed (release_many)
         self._next_maintenance = 0.0
         self._next_sweep = time.monotonic() + _SWEEP_SECONDS
         self._stall: tuple[int, int, float] | None = None  # (pos, owner, since)
@@ -1310,15 +1316,17 @@ class Receiver(_hot.ReceiverBase):
     def _release_many_slow(self, handles: list[object]) -> None:
         """release_many() for lists its C fast path does not take: handles of another
         attachment of the channel, things that are not handles, more than 65536 handles,
-        or a closed receiver (which raises Closed here)."""
-        seg = self._live()
+        or a closed receiver: then each handle is released as its own release() does after
+        the close (a handle keeps its mapping; one whose mapping is gone is a no-op)."""
+        seg = self._seg
+        name, path = self._ident if seg is None else (self._live().name, seg.path)
         todo = []
         for h in handles:
             if not isinstance(h, Handle):
                 raise errors.UnsupportedType(f"release_many: not a Handle: {type(h).__name__}")
-            if (h._seg.name, h._seg.path) != (seg.name, seg.path):
+            if (h._seg.name, h._seg.path) != (name, path):
                 raise errors.InvalidArgument(
-                    f"release_many: a handle of channel {h._seg.name!r}, not {seg.name!r}"
+                    f"release_many: a handle of channel {h._seg.name!r}, not {name!r}"
                 )
             todo.append(h)
         for h in todo:
@@ -1488,6 +1496,11 @@ class Handle(_hot.HandleBase):
         self.__copy__()
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._done:
+            # Released or given back here already: it travels as a no-op handle, as
+            # hand_over() sends one (a second release is a no-op: DESIGN.md, Handles).
+            seg: _Segment = self._seg
+            return (_released_handle, (seg.name, seg.path, self._slot, self._gen, seg.chan_id))
         seg = self._check()
         # Hand-over: the handle is in transit until a process unpickles it (which then
         # holds it) or the channel's `handover` seconds pass (then it is taken back and
@@ -1502,6 +1515,16 @@ class Handle(_hot.HandleBase):
     def __repr__(self) -> str:
         state = "released" if self._done else "held"
         return f"<shmchan.Handle seq={self.seq} attempt={self.attempt} {state}>"
+
+
+def _released_handle(name: str, path: str | None, slot: int, gen: int, chan_id: int) -> Handle:
+    """Unpickle a handle that was pickled after its release: a no-op one (its release()
+    does nothing, its payload raises Closed). Nothing in the channel is touched."""
+    m = ffi.new("shm_msg *")
+    m.slot, m.gen = slot, gen
+    h = Handle._from_msg(_attachment_of(name, path, chan_id), m)
+    h._done = True
+    return h
 
 
 def _adopt_handle(name: str, path: str | None, slot: int, gen: int, chan_id: int) -> Handle:

@@ -269,3 +269,18 @@ def test_a_killed_batch_holder_has_its_messages_redelivered(ch: Any) -> None:
         rest = rx.recv_batch(16, timeout=WAIT)
         assert list(rest.seqs) == [seqs[2], seqs[4]]
         rest.release()
+
+
+def test_send_batch_errors_name_send_batch(make_channel: Callable[..., Any]) -> None:
+    """send_batch's Full and MessageTooLarge said "send_many" (they come from the code
+    send_many shares), which sent users looking for a call they never made."""
+    ch = make_channel(capacity=4096)
+    tx = ch.sender()
+    with pytest.raises(shmchan.MessageTooLarge, match=r"^send_batch: item 1 \(nothing was sent\)"):
+        tx.send_batch(b"a" + b"x" * 8000, [1, 8000], None, 0)
+    with pytest.raises(shmchan.Full, match=r"^send_batch: channel .* stayed full") as info:
+        tx.send_batch(b"y" * 6000, [1000] * 6, None, 0.05)
+    assert len(info.value.seqs) == 3  # the prefix that went in
+    with pytest.raises(shmchan.Full, match=r"^send_many: channel .* stayed full"):
+        tx.send_many([(b"z" * 1000, None)], timeout=0.05)
+    tx.close()

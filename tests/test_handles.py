@@ -354,3 +354,49 @@ def test_release_many_frees_every_key_once(ch, tx, rx):
     rx.release_many(second)
     assert rx.try_recv() is None
     assert ch.stats().released == 6
+
+
+@pytest.mark.parametrize("closed", ["receiver", "channel"])
+def test_release_many_after_close_does_what_release_does(make_channel, closed):
+    """Handles stay valid when their receiver (or channel object) is closed, and each
+    one's release() still works; release_many through the closed receiver raised Closed
+    instead, even for an empty list, leaving the handles held."""
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    for i in range(4):
+        tx.send(b"m%d" % i, keys=f"k{i}")
+    hs = rx.recv_many(4, timeout=5)
+    assert len(hs) == 4
+    (rx if closed == "receiver" else ch).close()
+    hs[0].release()
+    rx.release_many(hs[1:3])
+    rx.release_many([])
+    rx.release_many(hs[1:3])  # released already: a no-op, as a second release() is
+    assert [h._done for h in hs] == [True, True, True, False]
+    with pytest.raises(shmchan.UnsupportedType):
+        rx.release_many([object()])
+    if closed == "receiver":
+        assert ch.stats().released == 3
+        hs[3].release()
+        assert ch.stats().released == 4
+
+
+@pytest.mark.parametrize("how", ["release", "nack"])
+def test_a_released_handle_pickles_to_a_no_op_one(tx, rx, how):
+    """Pickling a handle after its release raised Closed, where hand_over() of the same
+    handle sends a no-op one (and the comment in Handle.__reduce__ promised as much):
+    a second release is a no-op (DESIGN.md), so a released handle travels as one."""
+    tx.send(b"1", keys="k")
+    tx.send(b"2", keys="k")
+    h = rx.recv(timeout=5)
+    getattr(h, how)()
+    copy = pickle.loads(pickle.dumps(h))
+    assert copy._done and "released" in repr(copy)
+    with pytest.raises(shmchan.Closed):
+        copy.payload  # noqa: B018 - the property read is the test
+    now_holding = rx.recv(timeout=5)
+    copy.release()  # a no-op: must not free "k" from the handle holding it now
+    copy.nack()
+    assert rx.try_recv() is None
+    assert now_holding.payload == (b"1" if how == "nack" else b"2")
+    now_holding.release()
