@@ -245,3 +245,42 @@ def test_a_task_failed_for_good_does_not_run_again(
     assert _shutdown_within(ex, BOUND)
     assert Path(runs).read_text() == "x"  # it ran once, as the future says
     assert calls == [fut]
+
+
+def mark_then_nap(path: str, seconds: float) -> int:
+    """Count a run in the file `path`, then sleep; the number of runs so far."""
+    with open(path, "a") as f:
+        f.write("x")
+    time.sleep(seconds)
+    return Path(path).read_text().count("x")
+
+
+@pytest.mark.timeout(3 * BOUND)
+def test_a_timeout_kill_that_lands_on_the_next_task_does_not_count_against_it(
+    executors: list[shmchan.KeyedExecutor], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The manager reads which task a worker runs and since when, finds it past
+    # task_timeout and kills the worker; but the worker may have moved on to its next
+    # task in between. Stage that: the first time the manager looks while the second
+    # task runs, it is shown the first task (already done) as running for ages.
+    runs = str(tmp_path / "runs")
+    running = _Workers.running
+    staged: list[int] = []
+
+    def stale_running(self: _Workers, w: Any) -> tuple[int, int] | None:
+        now = running(self, w)
+        if now is not None and not staged and w.process.exitcode is None and Path(runs).exists():
+            staged.append(now[0])
+            return now[0] - 1, 0  # the task before, started long ago
+        return now
+
+    monkeypatch.setattr(_Workers, "running", stale_running)
+    ex = shmchan.KeyedExecutor(1, max_attempts=1, task_timeout=10)
+    executors.append(ex)
+    first = ex.submit(square, 4, keys=("k",))
+    assert first.result(timeout=BOUND) == 16
+    second = ex.submit(mark_then_nap, runs, 0.5, keys=("k",))
+    # killed through no fault of its own, it runs again instead of failing
+    assert second.result(timeout=BOUND) == 2
+    assert staged
+    assert _shutdown_within(ex, BOUND)

@@ -242,6 +242,7 @@ class _Core:
         self.done = self.retried = self.failed = self.cancelled = 0
         self.sleeping = False  # the manager waits on the result channel (see wake())
         self.spare: list[tuple[Handle, int]] = []  # taken, but no worker had room yet
+        self.timeout_kills: dict[int, int] = {}  # worker pid -> seq of the task it overran
         # Task messages sent from the manager thread (by a done-callback) that found the
         # task channel full: the manager is what empties it, so it must not wait for
         # room; it sends them, in order, as room appears (see post() and flush()).
@@ -633,6 +634,7 @@ class _Core:
                     task = self.tasks.get(tid) if tid is not None else None
                     if task is not None:
                         task.timed_out = True
+                    self.timeout_kills[w.process.pid] = run[0]
                     w.process.kill()
         self.reap()
         if self.shutdown_requested:
@@ -646,7 +648,14 @@ class _Core:
 
         Its list may hold two copies of one task: the channel may have redelivered the
         first (dead holder) and we handed the copy to this worker before seeing it dead.
-        Giving back a stale copy is a no-op; the death counts once."""
+        Giving back a stale copy is a no-op; the death counts once.
+
+        A worker killed for task_timeout may have finished that task and started the
+        next one between our look at its RUNNING word and the kill: then the task it
+        ran did nothing wrong, and no attempt is counted against it."""
+        killed_for = self.timeout_kills.pop(w.process.pid, None)
+        if killed_for is not None and killed_for != running_seq:
+            running_seq = None
         status = _exit_status(code, w.oom)
         give_back: list[Handle] = []
         drop: list[Handle] = []
