@@ -22,6 +22,7 @@ from test_pool import (  # noqa: F401 - no_leftovers is autouse
 )
 
 import shmchan
+from shmchan.pool import executor
 from shmchan.pool.workers import _Workers
 
 BOUND = 30  # seconds a test here waits for what the fixed executor does at once
@@ -284,3 +285,58 @@ def test_a_timeout_kill_that_lands_on_the_next_task_does_not_count_against_it(
     assert second.result(timeout=BOUND) == 2
     assert staged
     assert _shutdown_within(ex, BOUND)
+
+
+# ------------------------------------------------------------------ cancelling
+
+
+def touch(path: str) -> str:
+    Path(path).touch()
+    return path
+
+
+@pytest.mark.timeout(3 * BOUND)
+def test_a_map_item_reported_cancelled_never_runs(
+    executors: list[shmchan.KeyedExecutor], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # shutdown(cancel_futures=True) cancels the map items that have not started, in the
+    # caller's thread, while the manager may be starting one. Stage the closest race:
+    # the manager has checked the item is not cancelled and the cancel comes before it
+    # marks the item started. Either the item runs and the map gives its result, or
+    # the map gives CancelledError and it never runs.
+    in_start, go_on = threading.Event(), threading.Event()
+
+    class Batch(executor._MapBatch):
+        def __init__(self, *args: Any) -> None:
+            self.flag = False
+            super().__init__(*args)
+
+        @property  # type: ignore[override]
+        def closed(self) -> bool:
+            value = self.flag
+            if threading.current_thread() is ex._core.thread and not in_start.is_set():
+                in_start.set()  # (the manager, in _Task.start: hold it here)
+                go_on.wait(BOUND)
+            return value
+
+        @closed.setter
+        def closed(self, value: bool) -> None:
+            self.flag = value
+
+    monkeypatch.setattr(executor, "_MapBatch", Batch)
+    ex = shmchan.KeyedExecutor(1)
+    executors.append(ex)
+    ran = str(tmp_path / "ran")
+    results = ex.map(touch, [ran])
+    assert in_start.wait(BOUND)
+    ex.shutdown(wait=False, cancel_futures=True)
+    go_on.set()
+    try:
+        outcome: object = next(results)
+    except concurrent.futures.CancelledError as e:
+        outcome = e
+    assert _shutdown_within(ex, BOUND)
+    if os.path.exists(ran):
+        assert outcome == ran
+    else:
+        assert isinstance(outcome, concurrent.futures.CancelledError)

@@ -164,23 +164,40 @@ class _Task:
         self.timed_out = False  # the last death was a task_timeout kill
 
     def start(self) -> bool:
-        """Mark it running; False if it was cancelled first (then it must not run)."""
+        """Manager side: mark it running; False if it was cancelled first (then it must
+        not run, and dispatch resolves it as cancelled: see resolve_cancelled)."""
         if self.future is not None:
             return self.future.set_running_or_notify_cancel()
-        return not (self.cancelled or self.batch is None or self.batch.closed)
+        # A map item: `started` is written before `cancelled` and `batch.closed` are
+        # read, and cancel() and the map's iterator write theirs before they read
+        # `started`; so at least one side sees the other's write (the GIL keeps these
+        # loads and stores in order), and an item never runs after being reported
+        # cancelled.
+        self.started = True
+        if self.cancelled or self.batch is None or self.batch.closed:
+            self.started = False
+            return False
+        return True
 
     def cancel(self) -> None:
-        """Cancel it if it has not started."""
+        """Caller side: cancel it if it has not started."""
         if self.future is not None:
             self.future.cancel()
-        elif not self.started and self.batch is not None:
-            self.cancelled = True
+        elif self.batch is not None:
+            self.cancelled = True  # (before reading `started`: see start())
+            if not self.started:
+                self._resolve_all(_Raised(CancelledError()))
+
+    def resolve_cancelled(self) -> None:
+        """Manager side: start() said no. A map item's slots say CancelledError (again,
+        if cancel() did too: whichever comes second writes the same)."""
+        if self.future is None:
             self._resolve_all(_Raised(CancelledError()))
 
     def is_cancelled(self) -> bool:
         if self.future is not None:
             return self.future.cancelled()
-        return self.cancelled or (not self.started and self.batch is not None and self.batch.closed)
+        return not self.started and (self.cancelled or self.batch is None or self.batch.closed)
 
     def set_result(self, value: Any) -> None:
         if self.future is not None:
@@ -609,6 +626,7 @@ class _Core:
                 task.started = True
             else:
                 del tasks[tid]
+                task.resolve_cancelled()
                 self.cancelled += 1
                 drop.append(h)
                 continue
