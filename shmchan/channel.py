@@ -1042,6 +1042,7 @@ class Sender(_hot.SenderBase):
         s = seg.scratch()
         armed = False
         stalled_since: float | None = None
+        stall_began = 0.0
         nap = _STALL_NAP_SECONDS
         try:
             while rc:
@@ -1069,20 +1070,24 @@ class Sender(_hot.SenderBase):
                 elif rc == lib.SHM_STALLED:
                     now = time.monotonic()
                     if stalled_since is None:
-                        stalled_since = now
+                        stalled_since = stall_began = now
                     elif now - stalled_since > _STALL_CHECK_SECONDS:
                         _resolve_stall(seg, s.stall, consumer=False)
                         stalled_since = now
                     left = _remaining(deadline)
                     if left is not None and left <= 0:
                         raise errors.Full(f"{what}: stuck behind a producer that does not finish")
-                    # A claimant mostly commits within a few microseconds; one that does
-                    # not (preempted, stopped by SIGSTOP or a debugger) is waited for with
-                    # sleeps doubling up to the maintenance period, not a spin (each retry
-                    # spins in the core first). A sleep, not the senders' semaphore: a post
-                    # taken here would be a wake-up lost to a sender waiting for space.
+                    # A claimant mostly commits within a few microseconds, and a preempted
+                    # one within a scheduler slice or two: for the first _STALL_CHECK_SECONDS
+                    # we retry every nap, so that many producers on few cores lose no time
+                    # behind each other. One that takes longer (stopped by SIGSTOP or a
+                    # debugger) is waited for with sleeps doubling up to the maintenance
+                    # period, not a spin (each retry spins in the core first). A sleep, not
+                    # the senders' semaphore: a post taken here would be a wake-up lost to a
+                    # sender waiting for space.
                     time.sleep(nap if left is None else min(nap, left))
-                    nap = min(2 * nap, _MAINTENANCE_SECONDS)
+                    if now - stall_began >= _STALL_CHECK_SECONDS:
+                        nap = min(2 * nap, _MAINTENANCE_SECONDS)
                 else:
                     raise_for(rc, what)
                 rc = attempt()
