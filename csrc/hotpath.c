@@ -623,16 +623,27 @@ static PyObject *handles_from(PyObject *mod, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "an unbound segment");
     const shm_msg *m = (const shm_msg *)(uintptr_t)addr;
     PyObject *out = PyList_New(n);
-    if (out == NULL) return NULL;
-    for (unsigned int i = 0; i < n; i++) {
-        PyObject *h = make_handle((SegmentObject *)seg, &m[i]);
-        if (h == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, h);
+    unsigned int made = 0;
+    for (; out != NULL && made < n; made++) {
+        PyObject *h = make_handle((SegmentObject *)seg, &m[made]);
+        if (h == NULL) break;
+        PyList_SET_ITEM(out, made, h);
     }
-    return out;
+    if (out != NULL && made == n) return out;
+    /* Out of memory part-way: the messages were taken out for us. Give every one back
+     * (as poll_fast does) rather than drop them: a Handle made already is given back
+     * through itself (and so marked done: collecting it must not release it), the rest
+     * by their (slot, gen). */
+    for (unsigned int i = 0; i < n; i++) {
+        if (i < made) {
+            (void)release_core((HandleObject *)PyList_GET_ITEM(out, i), 1);
+            continue;
+        }
+        int r = core.release(((SegmentObject *)seg)->c, (uint32_t)m[i].slot, (uint32_t)m[i].gen, 1);
+        if (r > 0) post_wakeups((SegmentObject *)seg, r);
+    }
+    Py_XDECREF(out);
+    return NULL;
 }
 
 /* ---------------------------------------------------------------------------------
@@ -2048,6 +2059,7 @@ static PyObject *adopt_many(PyObject *mod, PyObject *args) {
     SegmentObject *sg = (SegmentObject *)seg;
     PyObject *res = NULL, *list = NULL;
     Py_ssize_t n = buf.len / 8;
+    int adopted = 0; /* the core call was made: some messages may be ours now */
     uint32_t *mem = NULL;
     shm_msg *msgs = NULL;
     if (sg->c == NULL || seg_detached(sg)) {
@@ -2071,6 +2083,7 @@ static PyObject *adopt_many(PyObject *mod, PyObject *args) {
         memcpy(&gens[i], (const char *)buf.buf + 8 * i + 4, 4);
     }
     if (n) core.handle_adopt_many(sg->c, slots, gens, (uint32_t)n, (uint64_t)token, msgs, status);
+    adopted = 1;
     list = PyList_New(n);
     if (list == NULL) goto out;
     int worst = 0;
@@ -2090,6 +2103,22 @@ static PyObject *adopt_many(PyObject *mod, PyObject *args) {
     }
     res = Py_BuildValue("(Oi)", list, worst);
 out:
+    if (res == NULL && adopted) {
+        /* Failed after the core adopted them (no memory for the list or a Handle): give
+         * back every message this process now holds rather than drop it. A Handle
+         * already made is marked done first, or collecting it would release (and so
+         * lose) its message; one not made yet would stay held by this live process. */
+        const uint32_t *sl = mem, *gn = mem + n;
+        const int32_t *st = (const int32_t *)(mem + 2 * n);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (st[i] == SHM_STALE || st[i] == SHM_LOST || st[i] == SHM_E_INVALID)
+                continue; /* not ours */
+            if (list != NULL && PyList_GET_ITEM(list, i) != NULL)
+                ((HandleObject *)PyList_GET_ITEM(list, i))->done = 1;
+            int r = core.release(sg->c, sl[i], gn[i], 1);
+            if (r > 0) post_wakeups(sg, r);
+        }
+    }
     Py_XDECREF(list);
     PyMem_Free(mem);
     PyMem_Free(msgs);

@@ -1315,7 +1315,15 @@ class Receiver(_hot.ReceiverBase):
         """recv_batch() when its one poll found nothing (or an argument needs checking):
         wait as recv_many does, then turn the Handles into one Batch."""
         handles = self.recv_many(max_items, timeout)  # type: ignore[arg-type]  # checked there
-        batch: Batch = _hot.batch_from_handles(self._live(), handles)
+        try:
+            batch: Batch = _hot.batch_from_handles(self._live(), handles)
+        except BaseException:
+            # Dropped, the Handles would release their messages undelivered: give them
+            # back (delivered again, attempt + 1) and let the error through.
+            for h in handles:
+                with contextlib.suppress(errors.Error):
+                    h.nack()
+            raise
         return batch
 
     def _release_many_slow(self, handles: list[object]) -> None:

@@ -284,3 +284,26 @@ def test_send_batch_errors_name_send_batch(make_channel: Callable[..., Any]) -> 
     with pytest.raises(shmchan.Full, match=r"^send_many: channel .* stayed full"):
         tx.send_many([(b"z" * 1000, None)], timeout=0.05)
     tx.close()
+
+
+def test_recv_batch_failing_after_the_receive_gives_the_messages_back(
+    tx: Any, rx: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """recv_batch's waiting path receives Handles, then makes them one Batch. When that
+    step failed (out of memory, the receiver closed by another thread meanwhile) the
+    Handles were dropped, and a dropped Handle releases its message: taken out of the
+    ring and never delivered to anyone. They must be given back instead."""
+    _send(tx, [b"1", b"2", b"3"], ["a", "b", "c"])
+
+    def fail(seg: Any, handles: Any) -> Any:
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(channel._hot, "batch_from_handles", fail)
+    with pytest.raises(MemoryError, match="injected"):
+        rx._recv_batch_slow(10, WAIT)
+    monkeypatch.undo()
+    assert rx._seg is not None
+    got = rx.recv_many(10, timeout=WAIT)
+    assert sorted(h.payload for h in got) == [b"1", b"2", b"3"]
+    assert all(h.attempt == 2 for h in got)  # given back, delivered again
+    rx.release_many(got)

@@ -400,3 +400,103 @@ def test_a_released_handle_pickles_to_a_no_op_one(tx, rx, how):
     assert rx.try_recv() is None
     assert now_holding.payload == (b"1" if how == "nack" else b"2")
     now_holding.release()
+
+
+_ADOPT_OUT_OF_MEMORY = """
+import sys
+import _testcapi
+import shmchan
+
+ch = shmchan.Channel.open(sys.argv[1])
+tx, rx = ch.sender(), ch.receiver()
+want = [b"m%d" % i for i in range(4)]
+for i, p in enumerate(want):
+    tx.send(p, keys=f"k{i}")
+fail_from, stop_failing, adopt = _testcapi.set_nomemory, _testcapi.remove_mem_hooks, shmchan.adopt
+for start in range(400):  # the n-th allocation fails, for n = 0, 1, ... until adopt succeeds
+    hs = rx.recv_many(4, timeout=5)
+    if sorted(h.payload for h in hs) != want or ch.stats().released:
+        print("lost at", start, sorted(h.payload for h in hs), ch.stats().released)
+        sys.exit(1)
+    blob = shmchan.hand_over(hs)
+    del hs
+    got = None
+    fail_from(start, 0)
+    try:
+        got = adopt(blob)
+    except MemoryError:
+        pass
+    finally:
+        stop_failing()
+    if got is not None:
+        sys.exit(0 if len(got) == 4 and not ch.stats().released else 3)
+    for h in adopt(blob):  # whatever is still in transit, and give it back too
+        h.nack()
+sys.exit(2)
+"""
+
+
+_RECV_OUT_OF_MEMORY = """
+import sys
+import _testcapi
+import shmchan
+
+ch = shmchan.Channel.open(sys.argv[1])
+tx, rx = ch.sender(), ch.receiver()
+want = [b"m%d" % i for i in range(4)]
+for i, p in enumerate(want):
+    tx.send(p, keys=f"k{i}")
+fail_from, stop_failing = _testcapi.set_nomemory, _testcapi.remove_mem_hooks
+recv = rx._recv_many_slow
+for start in range(400):  # the n-th allocation fails, for n = 0, 1, ... until recv succeeds
+    got = None
+    fail_from(start, 0)
+    try:
+        got = recv(4, 5)
+    except MemoryError:
+        pass
+    finally:
+        stop_failing()
+    if ch.stats().released:
+        print("lost at", start, ch.stats())
+        sys.exit(1)
+    if got is not None:
+        sys.exit(0 if sorted(h.payload for h in got) == want else 3)
+sys.exit(2)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_recv_running_out_of_memory_part_way_loses_nothing(make_channel):
+    """recv's waiting path (Receiver._poll) takes messages out with one core call and
+    then makes a Handle for each (handles_from). Out of memory part-way, the Handles
+    made were dropped, releasing their messages undelivered, and the rest stayed held by
+    this process. Every allocation is made to fail in turn, in a child process."""
+    pytest.importorskip("_testcapi")
+    ch = make_channel()
+    out = subprocess.run(
+        [sys.executable, "-c", _RECV_OUT_OF_MEMORY, ch.name],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_adopt_running_out_of_memory_part_way_loses_nothing(make_channel):
+    """adopt() makes a Handle per message after one core call has made this process
+    their holder. Out of memory part-way (for the list or a Handle), the Handles made so
+    far were dropped, which releases their messages (taken out, never processed), and
+    the rest stayed held by this live process. Every allocation is made to fail in turn
+    (in a child process: _testcapi.set_nomemory); each time, every message must come
+    back, and none may count as released."""
+    pytest.importorskip("_testcapi")
+    ch = make_channel()
+    out = subprocess.run(
+        [sys.executable, "-c", _ADOPT_OUT_OF_MEMORY, ch.name],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
