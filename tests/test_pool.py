@@ -996,3 +996,39 @@ def test_orphaned_executor_worker_blocked_sending_a_result_exits(tmp_path: Path)
     owner = ctx.Process(target=_executor_with_results_to_come, args=(gate, ready))
     owner.start()
     _kill_owner_then_wait_for_workers(owner, ready, lambda: Path(gate).touch())
+
+
+def _nothing() -> None:
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_while_an_executors_lock_is_held_exits() -> None:
+    """A forked child inherits the parent's executors as copies, locks included, held
+    or not; at its exit it must not try to shut them down (and hang on such a lock)."""
+    import multiprocessing
+
+    with shmchan.KeyedExecutor(1) as ex:
+        held, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with ex._core.lock:
+                held.set()
+                done.wait(WAIT)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert held.wait(WAIT)
+            child = multiprocessing.get_context("fork").Process(target=_nothing)
+            child.start()
+        finally:
+            done.set()
+            holder.join(WAIT)
+        child.join(10)
+        try:
+            assert child.exitcode == 0, "the forked child hung at exit on an inherited lock"
+        finally:
+            if child.exitcode is None:
+                child.kill()
+                child.join(WAIT)

@@ -812,6 +812,10 @@ def _at_exit() -> None:
 
 
 getattr(threading, "_register_atexit")(_at_exit)  # noqa: B009 - private, as concurrent.futures
+# A forked child (a fork-started worker, any os.fork) inherits copies of this process's
+# executors, their locks as they were at the fork: they are not its own, and its exit
+# (multiprocessing runs the threading at-exit hooks) must not try to shut them down.
+os.register_at_fork(after_in_child=_live_cores.clear)
 
 
 def _key_tuples(raw: list[Any]) -> list[tuple[Any, ...]]:
