@@ -119,6 +119,28 @@ def test_workers_that_always_die_in_the_initializer_break_the_executor(
     assert isinstance(fut.exception(), concurrent.futures.BrokenExecutor)
 
 
+@pytest.mark.timeout(3 * BOUND)
+def test_workers_killed_before_any_task_never_break_an_executor_without_initializer(
+    executors: list[shmchan.KeyedExecutor],
+) -> None:
+    # DESIGN.md: the executor is never "broken" by deaths. Only an initializer (user code
+    # that runs before any task) can make workers unable to start; without one, new
+    # workers killed again and again before their first task are just replaced.
+    ex = shmchan.KeyedExecutor(1)
+    executors.append(ex)
+    killed: set[int] = set()
+    deadline = time.monotonic() + BOUND
+    while len(killed) < 4 * executor._EARLY_DEATHS and time.monotonic() < deadline:
+        for w in list(ex._core.workers.slots):
+            if w is not None and w.process.pid not in killed:
+                killed.add(w.process.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.process.pid, signal.SIGKILL)
+        time.sleep(0.001)
+    assert len(killed) >= 4 * executor._EARLY_DEATHS
+    assert ex.submit(square, 7).result(timeout=BOUND) == 49
+
+
 # ------------------------------------------------------------------ callbacks
 
 

@@ -49,7 +49,8 @@ from .workers import _Worker, _Workers
 
 _ONE_KEY = frozenset({int, str, bytes})  # the types of a value that is one key
 # New workers that may die in a row, per worker slot, before running any task (killed
-# by a signal in the initializer, say) before the executor counts itself broken.
+# by a signal in the initializer, say) before the executor counts itself broken (only
+# when it has an initializer: without one, deaths are never its own).
 _EARLY_DEATHS = 3
 
 
@@ -725,7 +726,10 @@ class _Core:
         """A worker ended: if it died before it ran anything, maybe workers cannot start
         at all. Then the manager stops at the top of its loop and run() fails every
         task with InitializerFailed (as a ProcessPoolExecutor breaks): replacing the
-        worker again would loop forever and no future would ever finish."""
+        worker again would loop forever and no future would ever finish. Without an
+        initializer a worker cannot fail to start by the user's code: however often new
+        workers are killed (an operator, the OOM killer, a torture test), the executor
+        replaces them and is never broken (DESIGN.md)."""
         if running_seq is not None or w.finished:
             self.early_deaths = 0
             return
@@ -736,7 +740,7 @@ class _Core:
         status = f"worker pid {w.process.pid} {_exit_status(code, w.oom)}"
         if code == _worker.EXIT_INIT_FAILED:
             why = f"the initializer {name}(...) raised ({status}; it logged the traceback)"
-        elif self.early_deaths >= _EARLY_DEATHS * self.max_workers:
+        elif self.initializer is not None and self.early_deaths >= _EARLY_DEATHS * self.max_workers:
             why = (
                 f"{self.early_deaths} new workers in a row died before running any task "
                 f"(initializer {name}), the last one: {status}"
