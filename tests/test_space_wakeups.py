@@ -259,12 +259,11 @@ def test_a_sender_killed_while_waiting_for_space_stops_counting_once_reaped(
 _REAPER = r"""
 import sys
 import shmchan
-from shmchan import channel
 from shmchan._lib import lib
-notify, wait, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+notify, wait, name, entry, token = sys.argv[1:]
 ch = shmchan.Channel.open(name)
-lib.shm_test_pause_at(lib.SHM_PAUSE_PRODUCER_REAP, notify, wait)
-channel.reap_dead_producers(ch._seg)
+lib.shm_test_pause_at(lib.SHM_PAUSE_PRODUCER_REAP, int(notify), int(wait))
+print("reap", lib.shm_producer_reap(ch._seg.ptr, int(entry), int(token)), flush=True)
 """
 
 
@@ -292,19 +291,24 @@ def test_a_reap_cut_short_by_the_reapers_death_is_finished_by_the_next_upkeep(
         dead_pid = p.pid
         p.kill()
         p.join(WAIT)
-    (entry,) = [i for i, t in enumerate(_registry_owners(ch)) if t >> 40 == dead_pid]
+    owners = _registry_owners(ch)
+    (entry,) = [i for i, t in enumerate(owners) if t >> 40 == dead_pid]
     r_notify, w_notify = os.pipe()
     r_wait, w_wait = os.pipe()
+    # the reaper of that entry (as reap_dead_producers would call it, found dead)
+    args = [str(w_notify), str(r_wait), ch.name, str(entry), str(owners[entry])]
     reaper = subprocess.Popen(
-        [sys.executable, "-c", _REAPER, str(w_notify), str(r_wait), ch.name],
+        [sys.executable, "-c", _REAPER, *args],
         pass_fds=(w_notify, r_wait),
         env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         ready, _, _ = select.select([r_notify], [], [], WAIT)
-        assert ready, "the reaper never reached its pause point"
         reaper.kill()  # killed between marking the entry and freeing it
-        reaper.wait(WAIT)
+        out, _ = reaper.communicate(timeout=WAIT)
+        assert ready, f"the reaper never reached its pause point: {out!r}"
     finally:
         if reaper.poll() is None:
             reaper.kill()
