@@ -329,7 +329,9 @@ int shm_producer_attach(shm_chan *c) {
         /* seq_cst: the registration, naming its owner; pairs with reap's CAS. */
         if (LOAD_RELAXED(&c->producers[i].owner) == 0 &&
             CAS_SEQCST(&c->producers[i].owner, &zero, c->token)) {
-            c->producers[i].waiting = 0;
+            /* Waits a thread began while its process detached from this entry: still
+             * counted, and nobody else will take them out (ring.c). Normally none. */
+            space_unwait_entry(c, &c->producers[i]);
             c->producer = i + 1;
             return SHM_OK;
         }
