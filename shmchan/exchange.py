@@ -677,6 +677,8 @@ class Exchange:
         seqs, wakes, failed, stall = s.seqs, s.wakes, s.failed, s.stall
         armed: _channel._Segment | None = None
         stalled_since: float | None = None
+        stall_began = 0.0
+        nap = _channel._STALL_NAP_SECONDS
         try:
             while True:
                 rc = int(
@@ -692,6 +694,7 @@ class Exchange:
                     return list(ffi.unpack(seqs, n))
                 left = _channel._remaining(deadline)
                 if rc == _FULL:
+                    stalled_since = None  # a stall after this one starts its own count
                     full = segs[failed[0]]
                     if armed is None or armed.name != full.name:
                         if armed is not None:
@@ -709,13 +712,18 @@ class Exchange:
                 elif rc == _STALLED:
                     now = time.monotonic()
                     if stalled_since is None:
-                        stalled_since = now
+                        stalled_since = stall_began = now
+                        nap = _channel._STALL_NAP_SECONDS
                     elif now - stalled_since > _channel._STALL_CHECK_SECONDS:
                         _channel._resolve_stall(segs[failed[0]], stall, consumer=False)
                         stalled_since = now
                     if left is not None and left <= 0:
                         raise errors.Full("publish: stuck behind a producer that does not finish")
-                    time.sleep(0.0002)
+                    # As Sender._wait_and_retry: retries every nap for the first
+                    # _STALL_CHECK_SECONDS, then sleeps doubling up to the maintenance period.
+                    time.sleep(nap if left is None else min(nap, left))
+                    if now - stall_began >= _channel._STALL_CHECK_SECONDS:
+                        nap = min(2 * nap, _channel._MAINTENANCE_SECONDS)
                 elif rc == _BUSY:  # every transaction slot is held
                     if not self._reap_txns(att):
                         if left is not None and left <= 0:

@@ -3,9 +3,11 @@ per-key order in each bound channel, and all-or-nothing publishes under SIGKILL.
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import signal
+import struct
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -607,3 +609,61 @@ def test_publish_from_a_forked_child(make_exchange: Any, make_channel: Any, chan
     ex.publish(b"parent2", keys=("k",), timeout=5)
     for c in chans:
         assert [p for p, _, _ in drain(c)] == [b"parent", b"child", b"child2", b"parent2"]
+
+
+def _publish_behind_a_claim(ex_name: str, ready: Any) -> None:
+    """A publisher whose copy meets a record claimed and never written (below)."""
+    ex = shmchan.Exchange.open(ex_name)
+    ready.set()
+    ex.publish(b"behind the claim", keys=("k",), timeout=WAIT)
+
+
+@pytest.mark.timeout(60)
+def test_a_publish_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinning(
+    make_exchange: Any, make_channel: Any
+) -> None:
+    # As a sender does (tests/test_liveness.py): a publisher held up by a producer stopped
+    # between its claim and its length used to retry every 0.2 ms, burning a fifth of a
+    # core; its sleeps now double up to the maintenance period.
+    import psutil
+
+    from shmchan import liveness
+    from shmchan._lib import ffi, lib
+
+    def fact(name: str) -> int:
+        out = ffi.new("uint64_t *")
+        assert lib.shm_layout_fact(name.encode(), out) == 0, name
+        return int(out[0])
+
+    ch = make_channel()  # nothing sent yet: the tail is at position 0
+    other = make_channel()  # two channels: a transaction (one channel is a plain send)
+    ex = make_exchange("fanout")
+    ex.bind(ch.name)
+    ex.bind(other.name)
+    rx = ch.receiver()
+    with open(shmchan.channel._name_file(ch.name, None), "r+b") as f:
+        seg = mmap.mmap(f.fileno(), 0)
+    try:
+        (ring_off,) = struct.unpack_from("<Q", seg, fact("header.ring_off"))
+        (empty,) = struct.unpack_from("<Q", seg, ring_off)
+        assert empty == 1  # EMPTY(0): the next record goes here
+        struct.pack_into("<Q", seg, ring_off, liveness.current_token() << 1)  # claimed by us
+        ready = CTX.Event()
+        p = CTX.Process(target=_publish_behind_a_claim, args=(ex.name, ready))
+        with running(p):
+            assert ready.wait(WAIT)
+            proc = psutil.Process(p.pid)
+            time.sleep(0.5)  # well past its first few retries
+            cpu0, wall0 = sum(proc.cpu_times()[:2]), time.monotonic()
+            time.sleep(1.0)
+            cpu1, wall1 = sum(proc.cpu_times()[:2]), time.monotonic()
+            assert rx.try_recv() is None  # still held up: it waited all along
+            struct.pack_into("<Q", seg, ring_off, empty)  # the claim is given back
+            with rx.recv(timeout=WAIT) as h:  # and the waiting publish goes in
+                assert h.payload == b"behind the claim"
+            p.join(WAIT)
+            assert p.exitcode == 0
+    finally:
+        seg.close()
+    share = (cpu1 - cpu0) / (wall1 - wall0)
+    assert share < 0.08, f"a publish behind a stuck claim used {share:.0%} of a core"
