@@ -210,8 +210,14 @@ static int wake_key(shm_chan *c, uint64_t hash, int *moved) {
         uint64_t pos = k->skip_head;
         shm_record *r = parked_at(c, pos, hash, &idx);
         if (r == NULL) return SHM_E_CORRUPT;
-        /* a placeholder still being written: its commit wakes its keys (window_writing) */
-        if (META_STATE(LOAD_ACQUIRE(&r->meta)) == REC_WRITING) return SHM_OK;
+        /* A placeholder still on the writing list is the writing pass's (window_writing),
+         * also once committed: its producer may commit it after this poll's writing pass
+         * and before this wake, and a record taken in here would stay on the list, be
+         * handed out and released, and the next writing pass would find a finished
+         * record there (ChannelCorrupted). The writing pass takes it in, or leaves it
+         * parked for its keys' next wake, once it has left the list. */
+        if (META_STATE(LOAD_ACQUIRE(&r->meta)) == REC_WRITING || window_is_writing(c, pos))
+            return SHM_OK;
         if (fifo) {
             /* It goes if it heads the chain of each of its keys, none of which has a line;
              * otherwise the key it still waits for will wake it. */
@@ -500,6 +506,7 @@ int window_has_work(shm_chan *c) {
 int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
     shm_header *h = c->hdr;
     int rc = window_writing(c, moved);
+    test_pause(SHM_PAUSE_INGEST_WAKE); /* a placeholder may commit here (wake_key) */
     if (rc == SHM_OK) rc = window_wake(c, moved);
     if (rc) return rc;
     for (uint32_t i = 0; i < INGEST_BATCH && h->ready_count < READY_AHEAD; i++) {

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import signal
 import struct
 import threading
@@ -703,3 +704,69 @@ def _writing_count(rx: shmchan.Receiver) -> int:
 
     base = lib.shm_base(rx._seg.ptr)
     return int(ffi.cast("uint32_t *", base + _fact("header.writing_n"))[0])
+
+
+@pytest.mark.timeout(120)
+def test_a_placeholder_that_commits_while_its_key_wakes_is_taken_in_once(make_channel):
+    # fifo: a record seen while still being written (a placeholder) is parked on its key
+    # and kept on the writing list. A release of the key's last holder puts the key on the
+    # wake list. If the producer commits between a poll's pass over the writing list and
+    # its pass over the wake list, the wake used to take the record in while it stayed on
+    # the writing list: it was handed out and released, and the next poll found a
+    # finished record on the list and reported the channel corrupt (seen under load in
+    # test_send_many_larger_than_the_free_space_waits_and_goes_on_in_order, 44 of 150
+    # runs). The commit is placed there with a pause point and a stopped producer.
+    from shmchan._lib import lib
+
+    ch = make_channel(capacity=128 << 20, order="fifo")
+    tx, rx = ch.sender(), ch.receiver()
+    size = 64 << 20
+    for _ in range(5):  # the producer must be stopped while it still writes
+        tx.send(b"first", keys="big", timeout=WAIT)
+        first = rx.recv(timeout=WAIT)
+        p = CTX.Process(target=_send_big, args=(ch.name, size))
+        with running(p):
+            deadline = time.monotonic() + WAIT
+            while p.is_alive() and _writing_count(rx) == 0 and time.monotonic() < deadline:
+                assert rx.try_recv() is None
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                assert rx.try_recv() is None  # a commit before the stop leaves the list
+                staged = _writing_count(rx) > 0
+                if staged:
+                    r_notify, w_notify = os.pipe()
+                    r_wait, w_wait = os.pipe()
+                    lib.shm_test_pause_at(lib.SHM_PAUSE_INGEST_WAKE, w_notify, r_wait)
+                    got: list[object] = []
+                    first.release()  # the key's line empties: it goes on the wake list
+                    poll = threading.Thread(target=lambda got=got: got.append(rx.try_recv()))
+                    poll.start()  # stops between the writing and the wake pass
+                    assert select.select([r_notify], [], [], WAIT)[0], "no pause"
+                    os.read(r_notify, 1)
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            if staged:
+                p.join(WAIT)  # the big record is committed now
+                assert p.exitcode == 0
+                os.write(w_wait, b"g")
+                poll.join(WAIT)
+                for fd in (r_notify, w_notify, r_wait, w_wait):
+                    os.close(fd)
+                break
+        first.release()
+        big = rx.recv(timeout=WAIT)
+        big.release()
+    else:
+        pytest.fail("the producer finished its record before it could be stopped, 5 times")
+    # The big record is handed out once, and the channel goes on.
+    handles = [h for h in got if h is not None]
+    if not handles:
+        handles.append(rx.recv(timeout=WAIT))
+    (big,) = handles
+    assert len(big.data) == size
+    big.release()
+    assert rx.try_recv() is None  # the old code: ChannelCorrupted here
+    tx.send(b"after", keys="big", timeout=WAIT)
+    after = rx.recv(timeout=WAIT)
+    assert after.payload == b"after"
+    after.release()
