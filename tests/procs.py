@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,3 +65,29 @@ def take_receiver_seat(ch: shmchan.Channel) -> shmchan.Receiver:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.005)
+
+
+def wait_forked(pid: int, limit: float = WAIT) -> int | None:
+    """The exit code of the forked child `pid`; None (after killing it) if it still runs
+    after `limit` seconds."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def cpu_share(pid: int, settle: float = 0.5, seconds: float = 1.0) -> float:
+    """The share of one core process `pid` uses over `seconds`, after `settle` seconds."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    time.sleep(settle)
+    cpu0, wall0 = sum(proc.cpu_times()[:2]), time.monotonic()
+    time.sleep(seconds)
+    cpu1, wall1 = sum(proc.cpu_times()[:2]), time.monotonic()
+    return (cpu1 - cpu0) / (wall1 - wall0)

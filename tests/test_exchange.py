@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from procs import CTX, WAIT, run_shmchan, running
+from procs import CTX, WAIT, cpu_share, run_shmchan, running, wait_forked
 
 import shmchan
 from shmchan.exchange import check_pattern, resolve_gate, topic_matches
@@ -572,19 +572,6 @@ def test_waiting_publish_leaves_the_other_channels_alone(
     tx.close()
 
 
-def _wait_child(pid: int, limit: float = 30.0) -> int:
-    """The exit code of forked child `pid`, killed (and reported as -9) after `limit` s."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return -9
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("channels", [1, 2])
 def test_publish_from_a_forked_child(make_exchange: Any, make_channel: Any, channels: int) -> None:
@@ -605,7 +592,7 @@ def test_publish_from_a_forked_child(make_exchange: Any, make_channel: Any, chan
             code = 0 if set(got) == set(got2) == {c.name for c in chans} else 2
         finally:
             os._exit(code)
-    assert _wait_child(pid) == 0
+    assert wait_forked(pid) == 0
     ex.publish(b"parent2", keys=("k",), timeout=5)
     for c in chans:
         assert [p for p, _, _ in drain(c)] == [b"parent", b"child", b"child2", b"parent2"]
@@ -625,8 +612,6 @@ def test_a_publish_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinnin
     # As a sender does (tests/test_liveness.py): a publisher held up by a producer stopped
     # between its claim and its length used to retry every 0.2 ms, burning a fifth of a
     # core; its sleeps now double up to the maintenance period.
-    import psutil
-
     from shmchan import liveness
     from shmchan._lib import ffi, lib
 
@@ -652,11 +637,7 @@ def test_a_publish_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinnin
         p = CTX.Process(target=_publish_behind_a_claim, args=(ex.name, ready))
         with running(p):
             assert ready.wait(WAIT)
-            proc = psutil.Process(p.pid)
-            time.sleep(0.5)  # well past its first few retries
-            cpu0, wall0 = sum(proc.cpu_times()[:2]), time.monotonic()
-            time.sleep(1.0)
-            cpu1, wall1 = sum(proc.cpu_times()[:2]), time.monotonic()
+            share = cpu_share(p.pid, settle=0.5)  # (settled: well past its first retries)
             assert rx.try_recv() is None  # still held up: it waited all along
             struct.pack_into("<Q", seg, ring_off, empty)  # the claim is given back
             with rx.recv(timeout=WAIT) as h:  # and the waiting publish goes in
@@ -665,5 +646,4 @@ def test_a_publish_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinnin
             assert p.exitcode == 0
     finally:
         seg.close()
-    share = (cpu1 - cpu0) / (wall1 - wall0)
     assert share < 0.08, f"a publish behind a stuck claim used {share:.0%} of a core"

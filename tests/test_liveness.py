@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from procs import CTX, WAIT, running
+from procs import CTX, WAIT, cpu_share, running
 
 import shmchan
 
@@ -491,19 +491,13 @@ def test_a_sender_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinning
     # a spin of 2000 pauses in between: a fifth to a quarter of a core for as long as the
     # claimant stayed stopped. Now its sleeps double up to the maintenance period. A bound
     # on CPU, far above what backing off costs and below what the old loop burnt.
-    import psutil
-
     ch, tx, rx = _one_message_through(make_channel)
     with _tail_claimed_by_us(ch) as (seg, owner_at, owner):
         ready = CTX.Event()
         p = CTX.Process(target=send_behind_a_claim, args=(ch.name, ready))
         with running(p):
             assert ready.wait(WAIT)
-            proc = psutil.Process(p.pid)
-            time.sleep(0.5)  # well past its first few retries
-            cpu0, wall0 = sum(proc.cpu_times()[:2]), time.monotonic()
-            time.sleep(1.0)
-            cpu1, wall1 = sum(proc.cpu_times()[:2]), time.monotonic()
+            share = cpu_share(p.pid, settle=0.5)  # (settled: well past its first retries)
             assert rx.try_recv() is None  # still held up: it waited all along
             struct.pack_into("<Q", seg, owner_at, owner)  # the claim is given back
             h = rx.recv(timeout=WAIT)  # and the waiting send goes in
@@ -511,7 +505,6 @@ def test_a_sender_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinning
             h.release()
             p.join(WAIT)
             assert p.exitcode == 0
-    share = (cpu1 - cpu0) / (wall1 - wall0)
     assert share < 0.08, f"a sender behind a stuck claim used {share:.0%} of a core"
 
 

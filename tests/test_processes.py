@@ -18,7 +18,7 @@ import struct
 import time
 
 import pytest
-from procs import CTX, WAIT, running
+from procs import CTX, WAIT, running, wait_forked
 
 import shmchan
 
@@ -566,19 +566,6 @@ def test_producers_killed_mid_send_never_tear_lose_or_duplicate(make_channel, tm
     )
 
 
-def _wait_or_kill(pid: int, limit: float) -> int | None:
-    """waitpid(pid) for at most `limit` seconds; None (after killing it) if still running."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
-
-
 @pytest.mark.timeout(60)
 def test_a_child_forked_while_another_thread_holds_the_attachment_lock_can_send(ch, rx):
     """Re-opening a channel by name (an unpickled Sender, an adopted handle) takes a
@@ -612,6 +599,6 @@ def test_a_child_forked_while_another_thread_holds_the_attachment_lock_can_send(
     finally:
         done.set()
         holder.join(WAIT)
-    assert _wait_or_kill(pid, 10) == 0, "the forked child hung on an inherited lock"
+    assert wait_forked(pid, 10) == 0, "the forked child hung on an inherited lock"
     with rx.recv(timeout=WAIT) as h:
         assert h.payload == "from the child"
