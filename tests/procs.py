@@ -4,13 +4,16 @@ every cross-process wait, and a context manager that never leaves a process behi
 from __future__ import annotations
 
 import contextlib
+import mmap
 import multiprocessing
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import shmchan
 
@@ -91,3 +94,57 @@ def cpu_share(pid: int, settle: float = 0.5, seconds: float = 1.0) -> float:
     time.sleep(seconds)
     cpu1, wall1 = sum(proc.cpu_times()[:2]), time.monotonic()
     return (cpu1 - cpu0) / (wall1 - wall0)
+
+
+@contextlib.contextmanager
+def held_by_another_thread(lock: Any) -> Iterator[None]:
+    """Hold `lock` in another thread of this process for the duration of the block (what
+    a fork at that moment copies into the child as held)."""
+    import threading
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            done.wait(WAIT)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(WAIT), "the other thread never took the lock"
+        yield
+    finally:
+        done.set()
+        holder.join(WAIT)
+
+
+def layout_fact(name: str) -> int:
+    """An offset or size in the segment's layout, from the C core (csrc/segment.c)."""
+    from shmchan._lib import ffi, lib
+
+    out = ffi.new("uint64_t *")
+    assert lib.shm_layout_fact(name.encode(), out) == 0, name
+    return int(out[0])
+
+
+@contextlib.contextmanager
+def tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, int]]:
+    """This process claims the ring's tail and stops there, as a live producer between
+    its claim and its length would (nobody repairs the claim). Yields the segment
+    mapped, the claimed owner word's offset and the EMPTY value to give the tail back
+    with. Nothing may be in the ring past the tail hint (no send under way)."""
+    from shmchan import liveness
+
+    with open(shmchan.channel._name_file(ch.name, None), "r+b") as f:
+        seg = mmap.mmap(f.fileno(), 0)
+    try:
+        (ring_off,) = struct.unpack_from("<Q", seg, layout_fact("header.ring_off"))
+        (tail,) = struct.unpack_from("<Q", seg, layout_fact("header.tail_hint"))
+        owner_at = ring_off + tail % ch.capacity
+        (owner,) = struct.unpack_from("<Q", seg, owner_at)
+        assert owner == tail | 1  # EMPTY(tail): the next record goes here
+        struct.pack_into("<Q", seg, owner_at, liveness.current_token() << 1)
+        yield seg, owner_at, owner
+    finally:
+        seg.close()

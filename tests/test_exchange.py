@@ -3,7 +3,6 @@ per-key order in each bound channel, and all-or-nothing publishes under SIGKILL.
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
 import signal
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from procs import CTX, WAIT, cpu_share, run_shmchan, running, wait_forked
+from procs import CTX, WAIT, cpu_share, run_shmchan, running, tail_claimed_by_us, wait_forked
 
 import shmchan
 from shmchan.exchange import check_pattern, resolve_gate, topic_matches
@@ -612,38 +611,22 @@ def test_a_publish_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinnin
     # As a sender does (tests/test_liveness.py): a publisher held up by a producer stopped
     # between its claim and its length used to retry every 0.2 ms, burning a fifth of a
     # core; its sleeps now double up to the maintenance period.
-    from shmchan import liveness
-    from shmchan._lib import ffi, lib
-
-    def fact(name: str) -> int:
-        out = ffi.new("uint64_t *")
-        assert lib.shm_layout_fact(name.encode(), out) == 0, name
-        return int(out[0])
-
     ch = make_channel()  # nothing sent yet: the tail is at position 0
     other = make_channel()  # two channels: a transaction (one channel is a plain send)
     ex = make_exchange("fanout")
     ex.bind(ch.name)
     ex.bind(other.name)
     rx = ch.receiver()
-    with open(shmchan.channel._name_file(ch.name, None), "r+b") as f:
-        seg = mmap.mmap(f.fileno(), 0)
-    try:
-        (ring_off,) = struct.unpack_from("<Q", seg, fact("header.ring_off"))
-        (empty,) = struct.unpack_from("<Q", seg, ring_off)
-        assert empty == 1  # EMPTY(0): the next record goes here
-        struct.pack_into("<Q", seg, ring_off, liveness.current_token() << 1)  # claimed by us
+    with tail_claimed_by_us(ch) as (seg, owner_at, empty):
         ready = CTX.Event()
         p = CTX.Process(target=_publish_behind_a_claim, args=(ex.name, ready))
         with running(p):
             assert ready.wait(WAIT)
             share = cpu_share(p.pid, settle=0.5)  # (settled: well past its first retries)
             assert rx.try_recv() is None  # still held up: it waited all along
-            struct.pack_into("<Q", seg, ring_off, empty)  # the claim is given back
+            struct.pack_into("<Q", seg, owner_at, empty)  # the claim is given back
             with rx.recv(timeout=WAIT) as h:  # and the waiting publish goes in
                 assert h.payload == b"behind the claim"
             p.join(WAIT)
             assert p.exitcode == 0
-    finally:
-        seg.close()
     assert share < 0.08, f"a publish behind a stuck claim used {share:.0%} of a core"

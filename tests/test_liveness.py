@@ -12,17 +12,15 @@ cost (a backlog of 100 000 took 13 s before; the eager window, forever).
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import select
 import signal
 import struct
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
-from procs import CTX, WAIT, cpu_share, running
+from procs import CTX, WAIT, cpu_share, layout_fact, running, tail_claimed_by_us
 
 import shmchan
 
@@ -395,35 +393,7 @@ def test_a_frozen_producers_keyless_message_holds_up_nothing(make_channel, order
         rx.close()
 
 
-def _fact(name: str) -> int:
-    """An offset in the segment's header, from the C core (csrc/segment.c)."""
-    from shmchan._lib import ffi, lib
-
-    out = ffi.new("uint64_t *")
-    assert lib.shm_layout_fact(name.encode(), out) == 0
-    return int(out[0])
-
-
-@contextlib.contextmanager
-def _tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, int]]:
-    """This process claims the ring's tail and stops there, as a live producer between
-    its claim and its length would (nobody repairs the claim). Yields the segment
-    mapped, the claimed owner word's offset and the EMPTY value to give the tail back
-    with. The channel must be 1 MiB (a whole number of pages) and its ring empty."""
-    from shmchan import liveness
-
-    with open(shmchan.channel._name_file(ch.name, None), "r+b") as f:
-        seg = mmap.mmap(f.fileno(), 0)
-    try:
-        (ring_off,) = struct.unpack_from("<Q", seg, _fact("header.ring_off"))
-        (tail,) = struct.unpack_from("<Q", seg, _fact("header.tail_hint"))
-        owner_at = ring_off + tail % ch.capacity
-        (owner,) = struct.unpack_from("<Q", seg, owner_at)
-        assert owner == tail | 1  # EMPTY(tail): the next record goes here
-        struct.pack_into("<Q", seg, owner_at, liveness.current_token() << 1)
-        yield seg, owner_at, owner
-    finally:
-        seg.close()
+_fact = layout_fact
 
 
 def _one_message_through(make_channel):
@@ -442,7 +412,7 @@ def test_a_receive_that_waits_on_a_stalled_record_announces_its_sleep(make_chann
     # whole stall wait (2 ms) unannounced, however soon the commit came: the first
     # free-key message after a backlog took 2 ms in some runs of the parked bench.
     ch, tx, rx = _one_message_through(make_channel)
-    with _tail_claimed_by_us(ch) as (seg, owner_at, owner):
+    with tail_claimed_by_us(ch) as (seg, owner_at, owner):
         got: list = []
         waiter = threading.Thread(target=lambda: got.append(rx.recv(timeout=WAIT)))
         waiter.start()
@@ -469,7 +439,7 @@ def test_the_receivers_spin_waits_through_a_claim(make_channel):
     from shmchan._lib import lib
 
     ch, tx, rx = _one_message_through(make_channel)
-    with _tail_claimed_by_us(ch) as (seg, owner_at, owner):
+    with tail_claimed_by_us(ch) as (seg, owner_at, owner):
         assert lib.shm_rx_spin(rx._seg.ptr, 20_000) == lib.SHM_EMPTY  # claimed: still nothing
         struct.pack_into("<Q", seg, owner_at, owner)
     tx.send(b"committed", keys="k", timeout=WAIT)
@@ -492,7 +462,7 @@ def test_a_sender_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinning
     # claimant stayed stopped. Now its sleeps double up to the maintenance period. A bound
     # on CPU, far above what backing off costs and below what the old loop burnt.
     ch, tx, rx = _one_message_through(make_channel)
-    with _tail_claimed_by_us(ch) as (seg, owner_at, owner):
+    with tail_claimed_by_us(ch) as (seg, owner_at, owner):
         ready = CTX.Event()
         p = CTX.Process(target=send_behind_a_claim, args=(ch.name, ready))
         with running(p):

@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 import pytest
-from procs import take_receiver_seat
+from procs import held_by_another_thread, take_receiver_seat
 
 import shmchan
 from shmchan import liveness
@@ -1009,22 +1009,9 @@ def test_a_child_forked_while_an_executors_lock_is_held_exits() -> None:
     import multiprocessing
 
     with shmchan.KeyedExecutor(1) as ex:
-        held, done = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with ex._core.lock:
-                held.set()
-                done.wait(WAIT)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        try:
-            assert held.wait(WAIT)
+        with held_by_another_thread(ex._core.lock):
             child = multiprocessing.get_context("fork").Process(target=_nothing)
             child.start()
-        finally:
-            done.set()
-            holder.join(WAIT)
         child.join(10)
         try:
             assert child.exitcode == 0, "the forked child hung at exit on an inherited lock"

@@ -18,7 +18,7 @@ import struct
 import time
 
 import pytest
-from procs import CTX, WAIT, running, wait_forked
+from procs import CTX, WAIT, held_by_another_thread, running, wait_forked
 
 import shmchan
 
@@ -572,22 +572,11 @@ def test_a_child_forked_while_another_thread_holds_the_attachment_lock_can_send(
     process-wide lock. A thread of the parent holds it at the moment another thread
     forks; the child has no such thread, so it must start with the lock free."""
     import pickle
-    import threading
 
     from shmchan import channel as channel_mod
 
     blob = pickle.dumps(ch.sender())
-    held, done = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with channel_mod._shared_lock:
-            held.set()
-            done.wait(WAIT)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(WAIT)
+    with held_by_another_thread(channel_mod._shared_lock):
         pid = os.fork()
         if pid == 0:  # the child: no pytest from here on, only os._exit
             code = 1
@@ -596,9 +585,6 @@ def test_a_child_forked_while_another_thread_holds_the_attachment_lock_can_send(
                 code = 0
             finally:
                 os._exit(code)
-    finally:
-        done.set()
-        holder.join(WAIT)
     assert wait_forked(pid, 10) == 0, "the forked child hung on an inherited lock"
     with rx.recv(timeout=WAIT) as h:
         assert h.payload == "from the child"
