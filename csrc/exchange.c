@@ -150,6 +150,7 @@ int exch_attach(int fd, int create, uint32_t kind, const char *name, uint32_t na
     uint64_t size = exch_segment_size();
     struct stat st;
     if (fstat(fd, &st) != 0) return SHM_E_SYS;
+    if (!create && st.st_size == 0) return SHM_EMPTY; /* its creator has yet to size it */
     if ((uint64_t)st.st_size < size) return create ? SHM_E_INVALID : SHM_E_LAYOUT;
     void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (m == MAP_FAILED) return SHM_E_SYS;

@@ -167,9 +167,14 @@ static void init_segment(shm_chan *c, const layout *L) {
 static int read_header(int fd, shm_header *hd) {
     ssize_t got = pread(fd, hd, sizeof *hd, 0);
     if (got < 0) return SHM_E_SYS;
+    /* An empty file is a channel being created: its creator makes the name first (O_EXCL,
+     * size 0), then sizes it (ftruncate: the whole size at once) and writes the header. */
+    if (got == 0) return SHM_EMPTY;
     if ((size_t)got < sizeof *hd) return SHM_E_LAYOUT;
-    /* The creator stores the magic last; an all-zero header is one being created. */
-    if (hd->magic == 0 && hd->layout_version == 0) return SHM_EMPTY;
+    /* The creator stores the magic last (init_segment): a header without it, whose
+     * version is not yet written or is ours, is one being created. */
+    if (hd->magic == 0 && (hd->layout_version == 0 || hd->layout_version == SHM_LAYOUT_VERSION))
+        return SHM_EMPTY;
     if (hd->magic != SHM_MAGIC || hd->layout_version != SHM_LAYOUT_VERSION ||
         hd->header_bytes != sizeof(shm_header))
         return SHM_E_LAYOUT;

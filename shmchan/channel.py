@@ -792,13 +792,25 @@ def _open_segment(name: str, path: str | os.PathLike[str] | None) -> _Segment:
             time.sleep(0.001)  # its creator is still initializing it
             continue
         if rc == lib.SHM_EMPTY:
-            raise errors.LayoutMismatch(f"channel {name!r} was never initialized by its creator")
+            raise errors.LayoutMismatch(
+                f"channel {name!r} was never initialized by its creator (it died creating "
+                "it?): remove it with shmchan.unlink() or `shmchan rm`"
+            )
         if rc:
             raise_for(rc, f"open {name!r}")
         # O_CREAT: a file-backed channel outlives /dev/shm (a reboot empties it), and a
         # semaphore only ever carries wake-ups, so a fresh one loses nothing.
         rx, tx = _open_sems(name, posix_ipc.O_CREAT, 0o600)
-        return _Segment(name, None if path is None else os.fspath(path), out[0], rx, tx)
+        try:
+            return _Segment(name, None if path is None else os.fspath(path), out[0], rx, tx)
+        except FileNotFoundError:
+            # The core opens the semaphores again by name; an unlink between the two
+            # removed them: the channel is gone. Look the name up again (the mapping is
+            # released with the half-built _Segment).
+            if time.monotonic() >= deadline:
+                raise errors.ChannelNotFound(
+                    f"channel {name!r} was removed while it was being opened"
+                ) from None
 
 
 _shared: dict[tuple[str, str | None], Channel] = {}

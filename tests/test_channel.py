@@ -9,8 +9,10 @@ import random
 import stat
 import threading
 import time
+from typing import Any
 
 import pytest
+from procs import CTX, WAIT, running
 
 import shmchan
 
@@ -709,3 +711,43 @@ def test_a_handled_signal_does_not_cut_a_blocking_recv_short(ch, rx):
         assert time.monotonic() - start >= 0.9  # it kept waiting after the signal
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+def _recreate_in_a_loop(name: str, ready: Any, stop: Any) -> None:
+    """A consumer restarting over and over: create the channel, remove it, again."""
+    made = 0
+    while not stop.is_set():
+        try:
+            ch = shmchan.Channel.create(name, capacity=1 << 16)
+        except shmchan.ChannelExists:
+            continue
+        made += 1
+        if made == 10:
+            ready.set()
+        ch.unlink()
+        ch.close()
+
+
+@pytest.mark.timeout(60)
+def test_opening_a_name_being_recreated_says_not_found_or_opens(chan_name):
+    """While another process creates and unlinks the name in a loop, open() either opens
+    the channel or says ChannelNotFound: it waits for a creation in progress instead of
+    calling a half-made channel a LayoutMismatch, and an unlink between mapping the
+    segment and opening its semaphores is ChannelNotFound, not a raw FileNotFoundError."""
+    ready, stop = CTX.Event(), CTX.Event()
+    p = CTX.Process(target=_recreate_in_a_loop, args=(chan_name, ready, stop))
+    seen: dict[str, int] = {}
+    with running(p):
+        assert ready.wait(WAIT)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            try:
+                shmchan.Channel.open(chan_name).close()
+                kind = "opened"
+            except Exception as e:  # noqa: BLE001 - counting every kind is the point
+                kind = type(e).__name__
+            seen[kind] = seen.get(kind, 0) + 1
+        stop.set()
+        p.join(WAIT)
+    assert seen.get("opened", 0) > 0 and seen.get("ChannelNotFound", 0) > 0, seen
+    assert set(seen) == {"opened", "ChannelNotFound"}, seen
