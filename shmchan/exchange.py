@@ -18,7 +18,16 @@ Routing, by kind:
   ``.`` (or empty: no words). In a pattern ``*`` matches exactly one word and ``#`` zero
   or more; a wildcard is a whole word, and ``#`` is never next to ``#`` or ``*``.
 
-A channel gets one copy per publish however many of its bindings match. Publishing to
+A channel gets one copy per publish however many of its bindings match.
+
+A bound channel that does not exist at the moment (its consumer removed it and has not
+created it again yet) gets no copy: like a queue deleted in AMQP, it is skipped, and the
+publish goes to the bound channels that exist. It is never skipped silently: the result's
+``missing`` names it, and ``publish(..., mandatory=True)`` refuses instead (Unroutable,
+published nowhere), as AMQP's mandatory flag returns a message no queue took. A channel
+created again under its name gets the next publish of every process.
+
+Publishing to
 two or more channels is one transaction (see csrc/exchange.c): each copy is written as a
 gated record, then one atomic store commits them all. A publisher killed at any
 instruction leaves a copy in every matched channel or in none; receivers settle the
@@ -51,6 +60,8 @@ __all__ = [
     "Binding",
     "ExchangeNotFound",
     "ExchangeExists",
+    "Unroutable",
+    "Published",
     "unlink_exchange",
     "list_exchanges",
     "check_pattern",
@@ -84,6 +95,25 @@ class ExchangeNotFound(errors.ChannelNotFound):
 
 class ExchangeExists(errors.ChannelExists):
     """An exchange of that name already exists."""
+
+
+class Unroutable(errors.Error):
+    """publish(mandatory=True) matched no existing channel, or a bound channel it matched
+    does not exist: published nowhere."""
+
+
+class Published(dict[str, int]):
+    """What publish() returns: {channel name: the seq its copy got}, and in `missing` the
+    channels a binding matched that did not exist (no copy was made for them)."""
+
+    __slots__ = ("missing",)
+
+    def __init__(self, seqs: Iterable[tuple[str, int]] = (), missing: Iterable[str] = ()) -> None:
+        super().__init__(seqs)
+        self.missing: tuple[str, ...] = tuple(missing)
+
+    def __repr__(self) -> str:
+        return f"Published({dict(self)!r}, missing={self.missing!r})"
 
 
 class Binding(NamedTuple):
@@ -381,10 +411,13 @@ class _Target:
     name, sorted: exch_publish writes them in this order) and the bindings that matched."""
 
     __slots__ = ("senders", "names", "segs", "chans", "idx", "nidx", "raw_only", "max_keys",
-                 "registered")  # fmt: skip
+                 "registered", "missing")  # fmt: skip
 
-    def __init__(self, senders: list[_channel.Sender], bindings: list[int]) -> None:
+    def __init__(
+        self, senders: list[_channel.Sender], bindings: list[int], missing: list[str]
+    ) -> None:
         self.senders = senders
+        self.missing = missing  # matched channels that did not exist: looked for on each use
         self.segs: list[_channel._Segment] = [tx._live() for tx in senders]
         self.names = [seg.name for seg in self.segs]
         self.chans = ffi.new("shm_chan *[]", [seg.ptr for seg in self.segs] or 1)
@@ -569,19 +602,37 @@ class Exchange:
         routing_key: str = "",
         keys: Any = (),
         timeout: float | None = None,
-    ) -> dict[str, int]:
+        *,
+        mandatory: bool = False,
+    ) -> Published:
         """Send `payload` with `keys` to every channel whose binding matches `routing_key`,
-        all or nothing. Returns {channel name: the seq its copy got}; {} if nothing
-        matched. Full (after `timeout`) if some matched channel stayed full: then no
-        channel got it."""
+        all or nothing. Returns a Published: {channel name: the seq its copy got}, empty
+        if nothing matched, and in `.missing` the matched channels that do not exist
+        (removed, not yet created again): they got no copy. With `mandatory=True` that is
+        refused instead: Unroutable if nothing matched or a matched channel is missing,
+        and no channel gets the message. Full (after `timeout`) if some matched channel
+        stayed full: then no channel got it."""
         att = self._live()
         deadline = _channel._deadline(timeout)
         retries = 0
         while True:
             router = self._route(att)
             target = router.targets.get(routing_key) if type(routing_key) is str else None
+            if target is not None and target.missing and _any_exists(target.missing):
+                router.targets.clear()  # a missing channel was created again: route anew
+                target = None
             if target is None:
                 target = self._target(att, router, routing_key)
+            if mandatory and (target.missing or not target.senders):
+                raise Unroutable(
+                    f"exchange {self.name!r}: "
+                    + (
+                        f"bound channel(s) {', '.join(map(repr, target.missing))} do not exist"
+                        if target.missing
+                        else f"routing key {routing_key!r} matches no binding"
+                    )
+                    + "; published nowhere"
+                )
             try:
                 seqs = self._copies(att, target, payload, keys, timeout, deadline)
                 break
@@ -593,7 +644,7 @@ class Exchange:
                 if retries == 3:
                     raise
         lib.exch_note(att.ptr, target.idx, target.nidx, len(seqs))
-        return dict(zip(target.names, seqs, strict=True))
+        return Published(zip(target.names, seqs, strict=True), target.missing)
 
     def _copies(
         self,
@@ -615,16 +666,17 @@ class Exchange:
         """Where `routing_key` goes under `router` (checked, matched, remembered)."""
         words = _check_routing_key(routing_key, att.kind)
         matched = router.match(words, routing_key)
-        senders = self._senders(sorted({router.bindings[b][1] for b in matched}))
-        target = _Target(senders, [router.bindings[b][0] for b in matched])
+        missing: list[str] = []
+        senders = self._senders(sorted({router.bindings[b][1] for b in matched}), missing)
+        target = _Target(senders, [router.bindings[b][0] for b in matched], missing)
         if len(router.targets) >= _TARGETS_CACHED:
             router.targets.clear()
         router.targets[routing_key] = target
         return target
 
-    def _senders(self, names: list[str]) -> list[_channel.Sender]:
-        """Senders of the channels called `names` that exist (a channel removed since it
-        was bound is skipped: as in AMQP, its bindings go with it)."""
+    def _senders(self, names: list[str], missing: list[str]) -> list[_channel.Sender]:
+        """Senders of the channels called `names` that exist; the others are appended to
+        `missing` (the publish reports them, and looks for them again next time)."""
         out = []
         cache = self._sender_cache
         for name in names:
@@ -633,15 +685,21 @@ class Exchange:
                 try:
                     tx = cache[name] = _channel.Sender.open(name)
                 except errors.ChannelNotFound:
+                    missing.append(name)
                     continue
             out.append(tx)
         return out
 
     def publish_many(
-        self, items: Iterable[tuple[Any, ...]], timeout: float | None = None
-    ) -> list[dict[str, int]]:
+        self,
+        items: Iterable[tuple[Any, ...]],
+        timeout: float | None = None,
+        *,
+        mandatory: bool = False,
+    ) -> list[Published]:
         """publish() for each (payload, routing_key) or (payload, routing_key, keys), in
-        order; each one is all or nothing on its own. `timeout` bounds each publish."""
+        order; each one is all or nothing on its own. `timeout` bounds each publish;
+        `mandatory` applies to each."""
         out = []
         for item in items:
             if not isinstance(item, tuple) or not 1 <= len(item) <= 3:
@@ -651,7 +709,7 @@ class Exchange:
             payload = item[0]
             routing_key = item[1] if len(item) > 1 else ""
             keys = item[2] if len(item) > 2 else ()
-            out.append(self.publish(payload, routing_key, keys, timeout))
+            out.append(self.publish(payload, routing_key, keys, timeout, mandatory=mandatory))
         return out
 
     def _publish_all(
@@ -775,6 +833,18 @@ class Exchange:
         )
 
 
+def _any_exists(names: list[str]) -> bool:
+    """Does a channel of one of these names exist now? (An attempt to open each: a bound
+    channel is missing only while its consumer re-creates it.)"""
+    for name in names:
+        try:
+            _channel.Sender.open(name)
+        except errors.ChannelNotFound:
+            continue
+        return True
+    return False
+
+
 def _disarm(seg: _channel._Segment) -> None:
     """Stop counting ourselves among `seg`'s senders waiting for space (as Sender does)."""
     pass_on = seg.scratch().pass_on
@@ -803,8 +873,12 @@ def ls_lines() -> list[str]:
         if s.bindings:
             wc = max(len(b.channel) for b in s.bindings)
             wp = max(len(b.pattern) for b in s.bindings)
+            existing = set(_channel.list_channels())
             for b in s.bindings:
-                lines.append(f"  -> {b.channel:<{wc}}  {b.pattern or '-':<{wp}}  {b.routed} routed")
+                gone = "" if b.channel in existing else "  (no such channel: gets no copies)"
+                lines.append(
+                    f"  -> {b.channel:<{wc}}  {b.pattern or '-':<{wp}}  {b.routed} routed{gone}"
+                )
     return lines
 
 

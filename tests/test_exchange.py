@@ -630,3 +630,50 @@ def test_a_publish_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinnin
             p.join(WAIT)
             assert p.exitcode == 0
     assert share < 0.08, f"a publish behind a stuck claim used {share:.0%} of a core"
+
+
+def test_a_channel_created_again_gets_the_next_publish(
+    make_exchange: Any, make_channel: Any, new_chan_name: Any
+) -> None:
+    """A bound channel removed and created again under its name (its consumer restarted)
+    was skipped forever by a process that had published while it was missing: the route
+    was remembered without it. A publish while it is missing names it in `missing`;
+    the first publish after it exists again reaches it."""
+    ex = make_exchange("fanout")
+    sa, sc = make_channel(), make_channel()
+    ex.bind(sa.name)
+    ex.bind(sc.name)
+    assert names_of(ex.publish(b"1")) == {sa.name, sc.name}
+    name = sc.name
+    sc.unlink()
+    sc.close()
+    got = ex.publish(b"2")
+    assert names_of(got) == {sa.name} and got.missing == (name,)
+    assert got.missing == ex.publish(b"3").missing  # looked for, still missing
+    shown = [line for line in shmchan.exchange.ls_lines() if f"-> {name}" in line]
+    assert len(shown) == 1 and "no such channel" in shown[0]  # `shmchan ls` says so
+    sc = make_channel(name)
+    got = ex.publish(b"4")
+    assert names_of(got) == {sa.name, name} and got.missing == ()
+    assert [p for p, _, _ in drain(sc)] == [b"4"]
+    assert [p for p, _, _ in drain(sa)] == [b"1", b"2", b"3", b"4"]
+    assert ex.bindings() == [(sa.name, ""), (name, "")]
+
+
+def test_mandatory_publish_refuses_a_missing_channel(make_exchange: Any, make_channel: Any) -> None:
+    """mandatory=True: a matched channel that does not exist, or no match at all, is
+    Unroutable, and no channel gets the message."""
+    ex = make_exchange("direct")
+    sa, sc = make_channel(), make_channel()
+    ex.bind(sa.name, "k")
+    ex.bind(sc.name, "k")
+    sc.unlink()
+    with pytest.raises(shmchan.Unroutable, match=sc.name):
+        ex.publish(b"x", routing_key="k", mandatory=True)
+    with pytest.raises(shmchan.Unroutable, match="matches no binding"):
+        ex.publish(b"x", routing_key="other", mandatory=True)
+    with pytest.raises(shmchan.Unroutable):
+        ex.publish_many([(b"x", "k")], mandatory=True)
+    assert drain(sa) == []
+    assert ex.publish(b"y", routing_key="k").missing == (sc.name,)  # not mandatory: goes on
+    assert [p for p, _, _ in drain(sa)] == [b"y"]
