@@ -526,6 +526,11 @@ class Channel:
         return self._live().capacity
 
     @property
+    def path(self) -> str | None:
+        """The file of a durable channel (created with path=); None for one in /dev/shm."""
+        return self._live().path
+
+    @property
     def handover(self) -> float:
         """Seconds a pickled handle has to be unpickled before it is taken back."""
         return self._live().handover_ns / 1e9
@@ -764,7 +769,10 @@ def _open_segment(name: str, path: str | os.PathLike[str] | None) -> _Segment:
                 try:
                     shm = posix_ipc.SharedMemory(_shm_name(name))
                 except posix_ipc.ExistentialError:
-                    raise errors.ChannelNotFound(f"no channel named {name!r}") from None
+                    raise errors.ChannelNotFound(
+                        f"no channel named {name!r} in {_SHM_DIR} (a channel created with "
+                        "path= is opened with the same path=)"
+                    ) from None
                 except posix_ipc.PermissionsError:
                     raise errors.ResourceError(
                         errno.EACCES,

@@ -58,7 +58,8 @@ def _open(name: str, path: str | None = None) -> shmchan.Channel:
     try:
         return shmchan.Channel.open(name, path=path)
     except shmchan.ChannelNotFound:
-        raise _UserError(f"no channel named {name!r}") from None
+        hint = " (for a channel created with path=, give --path FILE)" if path is None else ""
+        raise _UserError(f"no channel named {name!r}{hint}") from None
     except shmchan.LayoutMismatch as e:
         raise _UserError(f"{name!r} is not a channel this shmchan version can read: {e}") from None
     except shmchan.ChannelCorrupted as e:

@@ -539,13 +539,30 @@ class Exchange:
                 )
             time.sleep(0.0005)
 
-    def bind(self, channel_name: str, pattern: str = "") -> None:
-        """Route matching publishes to channel `channel_name` (which must exist:
-        ChannelNotFound otherwise). Binding twice is a no-op. Seen by every process's
-        next publish."""
+    def bind(self, channel_name: str | _channel.Channel, pattern: str = "") -> None:
+        """Route matching publishes to channel `channel_name` (a name, or a Channel),
+        which must exist: ChannelNotFound otherwise. Binding twice is a no-op. Seen by
+        every process's next publish.
+
+        An exchange finds its channels by name in /dev/shm: a durable channel (created
+        with path=) cannot be bound (InvalidArgument)."""
+        if isinstance(channel_name, _channel.Channel):
+            if channel_name.path is not None:
+                raise errors.InvalidArgument(
+                    f"channel {channel_name.name!r} is durable (its file is "
+                    f"{channel_name.path!r}): an exchange routes to channels by name in "
+                    "/dev/shm only; bind a channel created without path="
+                )
+            channel_name = channel_name.name
         _channel._check_name(channel_name)
         pattern = self._pattern(pattern)
-        _channel.Sender.open(channel_name)  # ChannelNotFound if it does not exist
+        try:
+            _channel.Sender.open(channel_name)
+        except errors.ChannelNotFound:
+            raise errors.ChannelNotFound(
+                f"no channel named {channel_name!r} in /dev/shm (an exchange routes to "
+                "channels by name; a durable channel, created with path=, cannot be bound)"
+            ) from None
         rc = self._change(lib.exch_bind, channel_name, pattern)
         if rc == lib.SHM_FULL:
             raise errors.Error(

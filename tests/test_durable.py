@@ -222,3 +222,88 @@ def test_unlink_with_path_removes_the_file_and_the_semaphores(chan_name, tmp_pat
         shmchan.Channel.open(chan_name, path=path)
     with pytest.raises(shmchan.ChannelNotFound):
         shmchan.unlink(chan_name, path=path)
+
+
+def log_handled(log_path: str, payload: object, keys: tuple[object, ...]) -> None:
+    """A KeyedPool handler: append the message to a log file."""
+    with open(log_path, "a") as f:
+        f.write(f"{keys[0]} {payload}\n")
+
+
+@pytest.mark.timeout(120)
+def test_keyed_pool_serves_a_durable_channel(chan_name, tmp_path):
+    """KeyedPool(name, ..., path=FILE) serves a channel created with path=; without the
+    path it says where to look."""
+    import functools
+
+    path = tmp_path / "orders.chan"
+    log = tmp_path / "log"
+    ch = shmchan.Channel.create(chan_name, path=path, capacity=256 << 10)
+    try:
+        with ch.sender() as tx:
+            for i in range(20):
+                tx.send(i, keys=(f"k{i % 3}",))
+        with pytest.raises(shmchan.ChannelNotFound, match="path="):
+            shmchan.KeyedPool(chan_name, print, processes=1)
+        handler = functools.partial(log_handled, str(log))
+        with shmchan.KeyedPool(chan_name, handler, processes=2, path=path) as pool:
+            ch.shutdown()  # the pool ends once everything was handed out and handled
+            assert pool.join(WAIT)
+            st = pool.stats()
+        assert st.handled == 20 and st.failed == 0
+        by_key: dict[str, list[int]] = {}
+        for line in log.read_text().splitlines():
+            key, n = line.split()
+            by_key.setdefault(key, []).append(int(n))
+        assert by_key == {f"k{k}": list(range(k, 20, 3)) for k in range(3)}
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name, path=path)
+
+
+@pytest.mark.timeout(120)
+def test_operators_view_of_a_durable_channel(chan_name, tmp_path):
+    """held(), waiting(), why_waiting(), stats() and `shmchan stat --path` read a durable
+    channel; `shmchan stat` without --path says to give it."""
+    import json
+
+    from procs import run_shmchan
+
+    path = tmp_path / "orders.chan"
+    ch = shmchan.Channel.create(chan_name, path=path, capacity=256 << 10)
+    try:
+        with ch.sender() as tx, ch.receiver() as rx:
+            tx.send(b"first", keys=("acct",))
+            behind = tx.send(b"second", keys=("acct",))
+            h = rx.recv(timeout=5)
+            assert [k.key for k in ch.held()] == ["acct"]
+            assert ch.held()[0].pid == os.getpid()
+            assert [line.key for line in ch.waiting()] == ["acct"]
+            assert [w.seq for w in ch.why_waiting(behind)] == [h.seq]
+            out = run_shmchan("stat", chan_name, "--path", str(path), "--json", timeout=60)
+            assert out.returncode == 0, out.stderr
+            doc = json.loads(out.stdout)
+            assert doc["name"] == chan_name and doc["stats"]["inflight"] == 1, doc
+            missing = run_shmchan("stat", chan_name, timeout=60)
+            assert missing.returncode != 0 and "--path" in missing.stderr, missing.stderr
+            h.release()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name, path=path)
+
+
+def test_an_exchange_refuses_a_durable_channel_and_says_why(chan_name, tmp_path):
+    path = tmp_path / "orders.chan"
+    ch = shmchan.Channel.create(chan_name, path=path, capacity=64 << 10)
+    ex = shmchan.Exchange.create(f"t{os.getpid()}_xdur", kind="fanout")
+    try:
+        with pytest.raises(shmchan.InvalidArgument, match="durable"):
+            ex.bind(ch)
+        with pytest.raises(shmchan.ChannelNotFound, match="path="):
+            ex.bind(chan_name)
+        assert ex.bindings() == []
+    finally:
+        ex.close()
+        shmchan.unlink_exchange(ex.name)
+        ch.close()
+        shmchan.unlink(chan_name, path=path)

@@ -35,7 +35,9 @@ class KeyedPool:
 
     A worker's initializer that raises fails the pool: it stops, and `join()` raises
     InitializerFailed. No worker is handed a message before its initializer returned,
-    so no message is charged an attempt for it."""
+    so no message is charged an attempt for it.
+
+    A durable channel (created with `path=`) is served by passing the same `path=`."""
 
     def __init__(
         self,
@@ -45,6 +47,8 @@ class KeyedPool:
         mp_context: Any = None,
         initializer: Callable[..., object] | None = None,
         initargs: tuple[Any, ...] = (),
+        *,
+        path: str | os.PathLike[str] | None = None,
     ) -> None:
         if not callable(handler):
             raise TypeError(f"handler must be callable, not {type(handler).__name__}")
@@ -62,7 +66,7 @@ class KeyedPool:
         self._failure: BaseException | None = None  # join() raises it
         # seqs of messages a worker died with after close(): taken again before the end
         self._owed: set[int] = set()
-        self._ch = Channel.open(name)
+        self._ch = Channel.open(name, path=path)
         try:
             self._rx = self._ch.receiver()
         except BaseException:
