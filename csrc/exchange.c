@@ -60,6 +60,24 @@
  *
  * A live publisher is never resolved against: a receiver acts only when the claimant's
  * token is dead. A slow one is waited for, like any unfinished record.
+ *
+ * Removal. A receiver finds the commit word by the exchange's name (and uid), so the
+ * word must stay reachable while a copy of a committed publish may still be gated, also
+ * after the exchange's name was removed or given to a new exchange. Removing an exchange
+ * (exch_retire, then the Python layer) therefore:
+ *   1. stores `removed` (seq_cst), then CASes every PENDING word to ABORTED. A publisher
+ *      CASes its word to PENDING (seq_cst) and then loads `removed` (seq_cst) before it
+ *      writes any record: either it sees the flag and gives the slot back, or the
+ *      remover sees PENDING and aborts it, and the publisher's commit CAS then fails.
+ *      So once exch_retire returned, no publish of this exchange commits any more.
+ *   2. the caller removes the name if no word is COMMITTED (every copy still gated
+ *      then resolves to "discard", found or not); otherwise it renames the segment to a
+ *      retired name made of the uid and the name, where receivers look when the name
+ *      no longer leads to the uid. The retired name is removed by whoever settles the
+ *      last committed copy (a receiver, or the publisher ending its step 4).
+ * A record whose exchange is found under neither name belongs to a publish that was not
+ * committed (a committed word with copies to settle keeps its slot held, so its segment
+ * was retired, not removed) and is discarded.
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -112,6 +130,7 @@ typedef struct {
     /* -- the bindings' change protocol -- */
     _Alignas(SHM_CACHELINE) uint64_t version; /* bumped after every binding change     */
     uint64_t writer;                           /* token of the process changing them, 0 = none */
+    uint64_t removed; /* 0, then 1 for good once exch_retire ran (see "Removal" above)   */
     /* -- counters (publishers add, relaxed) -- */
     _Alignas(SHM_CACHELINE) uint64_t published, routed, unroutable;
 } exch_header;
@@ -229,10 +248,15 @@ int exch_info(shm_exch *x, shm_exch_info *out) {
     out->writer = LOAD_RELAXED(&h->writer);
     out->max_bindings = EXCH_MAX_BINDINGS;
     out->max_txns = EXCH_MAX_TXNS;
-    uint32_t busy = 0;
-    for (uint32_t i = 0; i < EXCH_MAX_TXNS; i++)
+    uint32_t busy = 0, committed = 0;
+    for (uint32_t i = 0; i < EXCH_MAX_TXNS; i++) {
         if (LOAD_RELAXED(&x->txns[i].owner)) busy++;
+        /* acquire: pairs with the CASes on the word (a report, read once per slot) */
+        if (TXN_STATE(LOAD_ACQUIRE(&x->txns[i].word)) == TXN_COMMITTED) committed++;
+    }
     out->txns_busy = busy;
+    out->txns_committed = committed;
+    out->removed = LOAD_RELAXED(&h->removed) != 0; /* a report: no ordering needed */
     return SHM_OK;
 }
 
@@ -372,6 +396,14 @@ int exch_note(shm_exch *x, const uint32_t *idx, uint32_t nb, uint64_t copies) {
 
 /* ---- transactions -------------------------------------------------------------------- */
 
+/* A slot whose owner is free-of-records can be reused: drop our claim (abort before any
+ * record, or after settling them all). */
+static void txn_end_empty(exch_txn *t, uint32_t gen, uint32_t st) {
+    uint64_t w = TXN_WORD(gen, 0, st);
+    /* seq_cst: pairs with receivers' CASes on the word. */
+    if (CAS_SEQCST(&t->word, &w, TXN_WORD(gen, 0, TXN_FREE))) STORE_RELEASE(&t->owner, 0);
+}
+
 /* Take a free slot (step 1). SHM_BUSY if every slot is held. */
 static int txn_begin(shm_exch *x, uint32_t *slot, uint32_t *gen) {
     uint32_t start = (uint32_t)(x->token ^ (x->token >> 40)) % EXCH_MAX_TXNS;
@@ -393,6 +425,13 @@ static int txn_begin(shm_exch *x, uint32_t *slot, uint32_t *gen) {
         if (!CAS_SEQCST(&t->word, &w, TXN_WORD(g, 0, TXN_PENDING))) {
             STORE_RELEASE(&t->owner, 0);
             return SHM_E_CORRUPT;
+        }
+        /* seq_cst: pairs with exch_retire's store of `removed` before its scan of the
+         * words (see "Removal" at the top): one of us sees the other. */
+        if (LOAD_SEQCST(&x->hdr->removed)) {
+            txn_end_empty(t, g, TXN_PENDING);
+            txn_end_empty(t, g, TXN_ABORTED); /* exch_retire aborted it first */
+            return SHM_REMOVED;
         }
         *slot = i;
         *gen = g;
@@ -441,13 +480,6 @@ static void txn_count_down(exch_txn *t, uint32_t gen) {
     }
 }
 
-/* A slot whose owner is free-of-records can be reused: drop our claim (abort before any
- * record, or after settling them all). */
-static void txn_end_empty(exch_txn *t, uint32_t gen, uint32_t st) {
-    uint64_t w = TXN_WORD(gen, 0, st);
-    /* seq_cst: pairs with receivers' CASes on the word. */
-    if (CAS_SEQCST(&t->word, &w, TXN_WORD(gen, 0, TXN_FREE))) STORE_RELEASE(&t->owner, 0);
-}
 
 /* Step 0: does channel c look as if it has room for a record of n bytes? Optimistic:
  * tail_hint never runs ahead of the tail and head only grows, so "no" is certain when it
@@ -507,17 +539,22 @@ int exch_publish(shm_exch *x, shm_chan **chans, uint32_t n, uint32_t kind, const
         rc = ring_send_gated(chans[done], kind, (const uint8_t *)data, len, (const uint8_t *)keys,
                              keys_len, nkeys, &gate, &pos[done], &seqs_out[done], stall);
         if (rc) break;
-        if (txn_count_up(t, gen)) { /* a reaper took us for dead: cannot commit */
+        if (txn_count_up(t, gen)) { /* a reaper or exch_retire aborted us: cannot commit */
             ring_gate_settle(chans[done], pos[done], x->token, REC_CANCELLED, &wake_out[done]);
             rc = SHM_E_CORRUPT;
             break;
         }
+        if (done == 0 && n > 1) test_pause(SHM_PAUSE_EXCH_GATED);
     }
     /* 3. the commit */
     if (rc == SHM_OK && txn_move(t, gen, TXN_PENDING, TXN_COMMITTED) != SHM_OK) rc = SHM_E_CORRUPT;
+    /* Aborted by exch_retire, not by a reaper: the exchange was removed (*failed = n).
+     * acquire: pairs with exch_retire's store, made before its abort CAS. */
+    int retired = rc == SHM_E_CORRUPT && LOAD_ACQUIRE(&x->hdr->removed) != 0;
+    if (retired) rc = SHM_REMOVED;
     uint32_t final = rc == SHM_OK ? REC_COMMITTED : REC_CANCELLED;
     if (rc != SHM_OK) {
-        *failed = done;
+        *failed = retired ? n : done;
         txn_move(t, gen, TXN_PENDING, TXN_ABORTED);
         if (done == 0) txn_end_empty(t, gen, TXN_ABORTED);
     }
@@ -525,6 +562,7 @@ int exch_publish(shm_exch *x, shm_chan **chans, uint32_t n, uint32_t kind, const
     for (uint32_t i = 0; i < done; i++) {
         ring_gate_settle(chans[i], pos[i], x->token, final, &wake_out[i]);
         txn_count_down(t, gen);
+        if (i == 0 && done > 1 && final == REC_COMMITTED) test_pause(SHM_PAUSE_EXCH_SETTLED);
     }
     return rc;
 }
@@ -607,4 +645,28 @@ int exch_txn_reap(shm_exch *x, uint32_t i, uint64_t dead) {
     w = LOAD_ACQUIRE(&t->word);
     if (TXN_STATE(w) == TXN_FREE) CAS_SEQCST(&t->owner, &expect, 0);
     return SHM_OK;
+}
+
+/* Refuse every publish that has not committed yet, and every later one, for good
+ * ("Removal" at the top). Afterwards no word becomes COMMITTED: exch_info's
+ * txns_committed can only go down. */
+int exch_retire(shm_exch *x) {
+    /* seq_cst: pairs with txn_begin's load of `removed` after its PENDING CAS. */
+    STORE_SEQCST(&x->hdr->removed, 1);
+    for (uint32_t i = 0; i < EXCH_MAX_TXNS; i++) {
+        exch_txn *t = &x->txns[i];
+        uint64_t w = LOAD_SEQCST(&t->word); /* pairs with txn_begin's PENDING CAS */
+        while (TXN_STATE(w) == TXN_PENDING) {
+            /* seq_cst: pairs with the publisher's commit CAS: exactly one of them wins. */
+            if (CAS_SEQCST(&t->word, &w, TXN_WORD(TXN_GEN(w), TXN_COUNT(w), TXN_ABORTED))) break;
+        }
+    }
+    return SHM_OK;
+}
+
+/* 1 once exch_retire ran on this exchange (publishes are refused), else 0. */
+int exch_removed(shm_exch *x) {
+    /* acquire: pairs with exch_retire's store; a publisher that sees 1 after its publish
+     * returned may find the retired name to remove ("Removal" at the top). */
+    return LOAD_ACQUIRE(&x->hdr->removed) != 0;
 }

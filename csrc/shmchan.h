@@ -198,7 +198,7 @@ int  shm_handle_adopt_many(shm_chan *c, const uint32_t *slots, const uint32_t *g
                            uint32_t n, uint64_t token, shm_msg *out, int32_t *status);
 int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadline_ns);
 
-/* --- test pause points (tests only: test_handover_race, test_space_wakeups) -
+/* --- test pause points (tests only) ------------------------------------------
  * Arm one point in this process: the next thread to reach it writes one byte to
  * notify_fd and blocks until it reads one byte from wait_fd; then the point is
  * disarmed. Unarmed (always, outside tests) a point costs one load. */
@@ -207,6 +207,8 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_EXTEND          3   /* extend, after its first state check            */
 #define SHM_PAUSE_PRODUCER_REAP   4   /* a producer's reap, after marking its entry       */
 #define SHM_PAUSE_INGEST_WAKE     5   /* a poll, between its writing and wake passes      */
+#define SHM_PAUSE_EXCH_GATED      6   /* a publish to 2+ channels, its first copy gated   */
+#define SHM_PAUSE_EXCH_SETTLED    7   /* a committed publish, its first copy settled      */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */
@@ -268,7 +270,7 @@ int  shm_layout_fact(const char *name, uint64_t *out);
 #define EXCH_KIND_FANOUT    0
 #define EXCH_KIND_DIRECT    1
 #define EXCH_KIND_TOPIC     2
-#define EXCH_LAYOUT_VERSION 1
+#define EXCH_LAYOUT_VERSION 2
 #define EXCH_MAX_BINDINGS   1024
 #define EXCH_MAX_TXNS       256
 #define EXCH_PATTERN_MAX    256
@@ -286,6 +288,9 @@ typedef struct {
     uint32_t max_bindings;
     uint32_t max_txns;
     uint32_t txns_busy;     /* transaction slots held right now          */
+    uint32_t removed;       /* 1 once exch_retire ran: publishes refused */
+    uint32_t txns_committed; /* held slots of committed publishes whose copies are not
+                                all settled: a removed exchange is kept for them */
 } shm_exch_info;
 
 typedef struct {
@@ -320,3 +325,5 @@ int  exch_txn_settled(shm_exch *x, uint32_t slot, uint32_t gen);
 int  exch_txn_owner(shm_exch *x, uint32_t i, uint64_t *owner);
 int  exch_txn_word(shm_exch *x, uint32_t i, uint64_t *word);
 int  exch_txn_reap(shm_exch *x, uint32_t i, uint64_t dead);
+int  exch_retire(shm_exch *x);
+int  exch_removed(shm_exch *x);

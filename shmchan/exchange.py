@@ -33,6 +33,12 @@ gated record, then one atomic store commits them all. A publisher killed at any
 instruction leaves a copy in every matched channel or in none; receivers settle the
 records of a dead publisher from the commit word (``resolve_gate``, called by the
 channel's receiver when it stalls on such a record).
+
+Removing an exchange (``unlink_exchange``) refuses its publishes from then on, in every
+process (ExchangeRemoved, a ChannelRemoved: open it again by name). While a committed
+publish still has a copy to settle, its segment is kept under a retired name (made of its
+uid and name, never listed) where receivers find the outcome; the last settlement removes
+it. So a publish stays all or nothing across the removal and re-creation of its exchange.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ __all__ = [
     "Binding",
     "ExchangeNotFound",
     "ExchangeExists",
+    "ExchangeRemoved",
     "Unroutable",
     "Published",
     "unlink_exchange",
@@ -69,17 +76,20 @@ __all__ = [
 ]
 
 _PREFIX = "shmchan-x."  # /dev/shm/shmchan-x.NAME (channels are shmchan.NAME)
+_RETIRED = "shmchan-x~"  # /dev/shm/shmchan-x~UID.NAME: a removed exchange kept for receivers
+_SHM_DIR = "/dev/shm"  # where POSIX shared memory names live (Linux)
 _FANOUT, _DIRECT, _TOPIC = (
     int(lib.EXCH_KIND_FANOUT),
     int(lib.EXCH_KIND_DIRECT),
     int(lib.EXCH_KIND_TOPIC),
 )
 _KINDS = {"fanout": _FANOUT, "direct": _DIRECT, "topic": _TOPIC}
-_OK, _FULL, _STALLED, _BUSY = (
+_OK, _FULL, _STALLED, _BUSY, _REMOVED = (
     int(lib.SHM_OK),
     int(lib.SHM_FULL),
     int(lib.SHM_STALLED),
     int(lib.SHM_BUSY),
+    int(lib.SHM_REMOVED),
 )
 _MAX_COPIES = int(lib.EXCH_MAX_BINDINGS)
 _TARGETS_CACHED = 4096  # routing keys whose targets a process remembers (per bindings version)
@@ -95,6 +105,11 @@ class ExchangeNotFound(errors.ChannelNotFound):
 
 class ExchangeExists(errors.ChannelExists):
     """An exchange of that name already exists."""
+
+
+class ExchangeRemoved(errors.ChannelRemoved):
+    """The exchange was removed (unlinked): it publishes no more. Open the exchange of
+    that name again (Exchange.open) to publish through whatever has the name now."""
 
 
 class Unroutable(errors.Error):
@@ -307,6 +322,10 @@ def _shm_name(name: str) -> str:
     return "/" + _PREFIX + name
 
 
+def _retired_name(name: str, uid: int) -> str:
+    return f"/{_RETIRED}{uid:016x}.{name}"
+
+
 class _Attachment:
     """One process's mapping of an exchange segment."""
 
@@ -346,17 +365,25 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _attach(name: str, create: bool, kind: int = 0, mode: int = 0o600) -> _Attachment:
+def _attach(
+    name: str,
+    create: bool,
+    kind: int = 0,
+    mode: int = 0o600,
+    shm_name: str | None = None,
+    wait: float = 5.0,
+) -> _Attachment:
+    """Map exchange `name` (found under `shm_name`, if given); waits up to `wait`
+    seconds for a creation in progress."""
     size = int(lib.exch_segment_size())
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + wait
+    shm_name = shm_name or _shm_name(name)
     while True:
         try:
             if create:
-                shm = posix_ipc.SharedMemory(
-                    _shm_name(name), posix_ipc.O_CREX, mode=mode, size=size
-                )
+                shm = posix_ipc.SharedMemory(shm_name, posix_ipc.O_CREX, mode=mode, size=size)
             else:
-                shm = posix_ipc.SharedMemory(_shm_name(name))
+                shm = posix_ipc.SharedMemory(shm_name)
         except posix_ipc.ExistentialError:
             if create:
                 raise ExchangeExists(f"exchange {name!r} already exists") from None
@@ -371,7 +398,7 @@ def _attach(name: str, create: bool, kind: int = 0, mode: int = 0o600) -> _Attac
         finally:
             shm.close_fd()
         if rc and create:
-            posix_ipc.unlink_shared_memory(_shm_name(name))
+            posix_ipc.unlink_shared_memory(shm_name)
         if rc == lib.SHM_EMPTY and time.monotonic() < deadline:
             time.sleep(0.001)  # its creator is still initializing it
             continue
@@ -383,19 +410,83 @@ def _attach(name: str, create: bool, kind: int = 0, mode: int = 0o600) -> _Attac
 
 
 def unlink_exchange(name: str) -> None:
-    """Remove an exchange's name. ExchangeNotFound (a ChannelNotFound) if there is none.
-    Processes that have it open keep working; the channels are not touched."""
+    """Remove an exchange. ExchangeNotFound (a ChannelNotFound) if there is none.
+
+    From then on its publishes are refused in every process (ExchangeRemoved); the name
+    is free for a new exchange at once, and the channels are not touched. A publish that
+    committed before keeps its outcome: while one of its copies is still to be settled
+    by a receiver, the segment is kept under a retired name (never listed), removed by
+    the last settlement."""
     _check_name(name)
+    file = os.path.join(_SHM_DIR, _PREFIX + name)
+    try:
+        ino = os.stat(file).st_ino
+        att = _attach(name, False, wait=0.0)
+    except (FileNotFoundError, ExchangeNotFound):
+        raise ExchangeNotFound(f"no exchange named {name!r}") from None
+    except (errors.Error, OSError):
+        _remove_name(name)  # not an exchange of this layout (or not finished): just the name
+        return
+    lib.exch_retire(att.ptr)  # no publish commits from here on
+    try:
+        if os.stat(file).st_ino != ino:
+            return  # removed (and the name taken again) by someone else meanwhile
+    except FileNotFoundError:
+        return
+    if _committed(att) == 0:
+        _remove_name(name)
+        return
+    # A committed publish has copies to settle: receivers will look for the outcome.
+    retired = _retired_name(name, att.uid)
+    try:
+        os.rename(file, os.path.join(_SHM_DIR, retired[1:]))
+    except FileNotFoundError:
+        return
+    _drop_retired(att)  # in case the last settlement happened just before the rename
+
+
+def _remove_name(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory(_shm_name(name))
     except posix_ipc.ExistentialError:
         raise ExchangeNotFound(f"no exchange named {name!r}") from None
 
 
+def _committed(att: _Attachment) -> int:
+    """Committed publishes with copies left to settle: receivers need their outcome."""
+    info = ffi.new("shm_exch_info *")
+    lib.exch_info(att.ptr, info)
+    return int(info.txns_committed)
+
+
+def _reap(att: _Attachment) -> int:
+    """Free transaction slots held by dead publishers; returns how many were found."""
+    owner = ffi.new("uint64_t *")
+    found = 0
+    for i in range(int(lib.EXCH_MAX_TXNS)):
+        lib.exch_txn_owner(att.ptr, i, owner)
+        token = int(owner[0])
+        if token and not liveness.is_alive(token):
+            if lib.exch_txn_reap(att.ptr, i, token) == lib.SHM_OK:
+                found += 1
+    return found
+
+
+def _drop_retired(att: _Attachment) -> None:
+    """A removed exchange's retired name, once no committed publish has a copy left to
+    settle: nobody needs it now."""
+    if _committed(att):
+        return
+    try:
+        posix_ipc.unlink_shared_memory(_retired_name(att.name, att.uid))
+    except posix_ipc.ExistentialError:
+        pass  # removed without retiring, or by another settler
+
+
 def list_exchanges() -> list[str]:
     """Names of the exchanges in /dev/shm."""
     try:
-        entries = os.listdir(_channel._SHM_DIR)
+        entries = os.listdir(_SHM_DIR)
     except FileNotFoundError:
         return []
     return sorted(e[len(_PREFIX) :] for e in entries if e.startswith(_PREFIX))
@@ -630,6 +721,10 @@ class Exchange:
         and no channel gets the message. Full (after `timeout`) if some matched channel
         stayed full: then no channel got it."""
         att = self._live()
+        if lib.exch_removed(att.ptr):
+            raise ExchangeRemoved(
+                f"exchange {self.name!r} was removed: open it again by name to publish"
+            )
         deadline = _channel._deadline(timeout)
         retries = 0
         while True:
@@ -653,6 +748,8 @@ class Exchange:
             try:
                 seqs = self._copies(att, target, payload, keys, timeout, deadline)
                 break
+            except ExchangeRemoved:
+                raise
             except errors.ChannelRemoved:
                 # A bound channel was removed (published nowhere): look the names up again
                 router.targets.clear()
@@ -766,6 +863,8 @@ class Exchange:
                     if wakes[i]:
                         segs[i].post(_channel._RX, 1)
                 if rc == _OK:
+                    if lib.exch_removed(att.ptr):  # removed while we settled our copies
+                        _drop_retired(att)
                     return list(ffi.unpack(seqs, n))
                 left = _channel._remaining(deadline)
                 if rc == _FULL:
@@ -807,6 +906,12 @@ class Exchange:
                                 "is held by a live publisher"
                             )
                         time.sleep(0.001)
+                elif rc == _REMOVED and failed[0] >= n:
+                    _drop_retired(att)  # we may have held the last committed slot
+                    raise ExchangeRemoved(
+                        f"exchange {self.name!r} was removed: published nowhere; open it "
+                        "again by name to publish"
+                    )
                 else:
                     what = "publish" if failed[0] >= n else f"publish to {segs[failed[0]].name!r}"
                     raise_for(rc, what)
@@ -822,15 +927,7 @@ class Exchange:
 
     def _reap_txns(self, att: _Attachment) -> int:
         """Free transaction slots held by dead publishers; returns how many were found."""
-        owner = ffi.new("uint64_t *")
-        found = 0
-        for i in range(int(lib.EXCH_MAX_TXNS)):
-            lib.exch_txn_owner(att.ptr, i, owner)
-            token = int(owner[0])
-            if token and not liveness.is_alive(token):
-                if lib.exch_txn_reap(att.ptr, i, token) == lib.SHM_OK:
-                    found += 1
-        return found
+        return _reap(att)
 
     # -- inspection ---------------------------------------------------------------------
 
@@ -871,7 +968,8 @@ def _disarm(seg: _channel._Segment) -> None:
 
 
 def ls_lines() -> list[str]:
-    """`python -m shmchan ls`'s section on exchanges: each with its counters and bindings."""
+    """`python -m shmchan ls`'s section on exchanges: each with its counters and bindings,
+    then the removed ones kept for their receivers (see unlink_exchange)."""
     lines: list[str] = []
     for name in list_exchanges():
         try:
@@ -896,6 +994,16 @@ def ls_lines() -> list[str]:
                 lines.append(
                     f"  -> {b.channel:<{wc}}  {b.pattern or '-':<{wp}}  {b.routed} routed{gone}"
                 )
+    try:
+        retired = sorted(e for e in os.listdir(_SHM_DIR) if e.startswith(_RETIRED))
+    except FileNotFoundError:
+        retired = []
+    for entry in retired:
+        uid, _, name = entry[len(_RETIRED) :].partition(".")
+        lines.append(
+            f"removed exchange {name} (uid {uid}): kept until its receivers settle the "
+            f"copies of committed publishes ({_SHM_DIR}/{entry})"
+        )
     return lines
 
 
@@ -903,19 +1011,30 @@ def ls_lines() -> list[str]:
 # the receiver's side: settling a dead publisher's gated record
 # ---------------------------------------------------------------------------------------
 
-_resolvers: dict[str, _Attachment] = {}
+_resolvers: dict[tuple[str, int], _Attachment] = {}
 
 
 def _resolver(name: str, uid: int) -> _Attachment | None:
-    att = _resolvers.get(name)
-    if att is None or att.uid != uid or att.pid != os.getpid():
+    """The exchange `name` of identity `uid`: under its name, or, once removed while a
+    committed publish had copies to settle, under its retired name (see unlink_exchange).
+    None if it is under neither: then no publish of it can commit any more."""
+    key = (name, uid)
+    att = _resolvers.get(key)
+    if att is not None and att.pid == os.getpid():
+        return att
+    try:
+        _check_name(name)
+    except ValueError:
+        return None
+    for shm_name in (_shm_name(name), _retired_name(name, uid)):
         try:
-            _check_name(name)
-            att = _attach(name, False)
+            found = _attach(name, False, shm_name=shm_name)
         except (errors.Error, ValueError):
-            return None
-        _resolvers[name] = att
-    return att if att.uid == uid else None
+            continue
+        if found.uid == uid:
+            _resolvers[key] = found
+            return found
+    return None
 
 
 def resolve_gate(seg: Any, pos: int, dead_owner: int) -> bool:
@@ -936,4 +1055,6 @@ def resolve_gate(seg: Any, pos: int, dead_owner: int) -> bool:
         return False
     if att is not None:
         lib.exch_txn_settled(att.ptr, gate.slot, gate.gen)
+        if lib.exch_removed(att.ptr):
+            _drop_retired(att)
     return True
