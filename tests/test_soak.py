@@ -274,7 +274,7 @@ def _check_runs(
             intervals[key_of[ident]].append((t, ends[(ident, pid)], ident))
         if len(ss) > 1:
             extra += len(ss) - 1
-            for (t, pid), _later in zip(ss, ss[1:], strict=False):
+            for (_t, pid), _later in zip(ss, ss[1:], strict=False):
                 if (ident, pid) in ends:
                     assert pid in killed, (
                         f"{what} {ident} ran again after finishing in process {pid}, "
@@ -282,7 +282,7 @@ def _check_runs(
                     )
     for key, spans in intervals.items():
         spans.sort()
-        for (s1, e1, i1), (s2, _e2, i2) in zip(spans, spans[1:], strict=False):
+        for (_s1, e1, i1), (s2, _e2, i2) in zip(spans, spans[1:], strict=False):
             assert s2 >= e1, f"{what}: {i1} and {i2} ran at the same time on key {key}"
     return len({ident for ident, _ in ends}), extra
 
