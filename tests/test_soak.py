@@ -287,6 +287,123 @@ def _check_runs(
     return len({ident for ident, _ in ends}), extra
 
 
+def _check_executor(
+    logdir: str, futures: dict[int, tuple[str, Future[int]]], killed: set[int]
+) -> tuple[int, int]:
+    """Tasks: exclusive and in submit order on each key; a result means the task ran."""
+    exec_runs = [(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), 0) for r in _logs(logdir, "exec.")]
+    exec_finished, exec_extra = _check_runs(exec_runs, killed, "task")
+    first_start: dict[int, int] = {}
+    for kind, ident, _key, _pid, t, _ in exec_runs:
+        if kind == "start":
+            first_start[ident] = min(first_start.get(ident, t), t)
+    for key in EXEC_KEYS:
+        ids = sorted(i for i, (k, _) in futures.items() if k == key and i in first_start)
+        times = [first_start[i] for i in ids]
+        assert times == sorted(times), f"tasks on key {key} started out of submit order"
+    for i, (_key, fut) in futures.items():
+        if fut.exception() is None:
+            assert i in first_start, f"task {i} has a result but never ran"
+    return exec_finished, exec_extra
+
+
+def _check_pool(logdir: str, killed: set[int]) -> tuple[int, int, int, int]:
+    """KeyedPool: every message whose send returned was handled, exclusive on each key and
+    in each producer's order; sends returned within their timeout."""
+    pool_runs = []
+    for r in _logs(logdir, "pool."):
+        ident = (int(r[1][4:]) << 32) | int(r[2])  # producer number, message number
+        pool_runs.append((r[0], ident, r[3], int(r[4]), int(r[5]), 0))
+    pool_finished, pool_extra = _check_runs(pool_runs, killed, "message")
+    handled = {ident for kind, ident, *_ in pool_runs if kind == "end"}
+    first_pool: dict[int, int] = {}
+    for kind, ident, _key, _pid, t, _ in pool_runs:
+        if kind == "start":
+            first_pool[ident] = min(first_pool.get(ident, t), t)
+    sent_total = fulls = 0
+    for name in os.listdir(logdir):
+        if not name.startswith("sent."):
+            continue
+        producer = int(name.split(".")[1][4:])
+        by_key: dict[str, list[int]] = collections.defaultdict(list)
+        for r in _read(os.path.join(logdir, name)):
+            if r[0] == "full":
+                fulls += 1
+                continue
+            ident = (producer << 32) | int(r[1])
+            sent_total += 1
+            assert ident in handled, f"message {r[1]} of producer {producer} was never handled"
+            by_key[r[2]].append(ident)
+            assert float(r[3]) <= 1.0 + SLACK, f"a send took {r[3]} s with a 1 s timeout"
+        for key, ids in by_key.items():
+            times = [first_pool[i] for i in ids]
+            assert times == sorted(times), f"producer {producer}'s messages on {key} out of order"
+    return sent_total, fulls, pool_finished, pool_extra
+
+
+def _check_exchange(logdir: str, fan: list[str]) -> tuple[int, int]:
+    """Exchange: each channel receives a message at most once; a publish that returned
+    reached every channel it reported, and all of them unless a channel was being
+    re-created meanwhile; a killed publisher's publish reached all or none likewise."""
+    received: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+    for name in fan:
+        seen: set[tuple[str, int]] = set()
+        for r in _read(os.path.join(logdir, f"cons.{name}")):
+            if r[0] == "got":
+                ident = (r[1], int(r[2]))
+                assert ident not in seen, f"{ident} received twice on {name}"
+                seen.add(ident)
+                received[ident].add(name)
+            elif r[0] == "timing":
+                assert float(r[2]) <= SLACK, f"recv(timeout=0.2) overran by {r[2]} s"
+    windows = []
+    for name in fan:
+        began = None
+        for r in _read(os.path.join(logdir, f"cons.{name}")):
+            if r[0] == "recreate-begin":
+                began = int(r[2])
+            elif r[0] == "recreate-end" and began is not None:
+                windows.append((began, int(r[2])))
+                began = None
+        if began is not None:
+            windows.append((began, 1 << 62))
+    published = partial = 0
+    for fname in os.listdir(logdir):
+        if not fname.startswith("pub."):
+            continue
+        publisher = fname.split(".")[1]
+        began_at: dict[int, int] = {}
+        ended_at: dict[int, int] = {}
+        done: set[int] = set()
+        for r in _read(os.path.join(logdir, fname)):
+            n = int(r[1])
+            if r[0] == "begin":
+                began_at[n] = int(r[2])
+            elif r[0] == "done":
+                done.add(n)
+                ended_at[n] = int(r[4])
+                published += 1
+                routed = set() if r[2] == "-" else set(r[2].split(","))
+                got = received.get((publisher, n), set())
+                assert routed <= got, f"publish {publisher}/{n} reported {routed}, got {got}"
+                assert float(r[3]) <= 1.0 + SLACK, f"a publish took {r[3]} s with a 1 s timeout"
+            elif r[0] == "failed":
+                assert not received.get((publisher, n)), f"failed publish {n} was received"
+        for n, t in began_at.items():
+            got = received.get((publisher, n), set())
+            # a publish whose publisher was killed is settled by the next one within ~3 s
+            end = ended_at.get(n, t + 3_000_000_000)
+            in_window = any(t <= e + MARGIN and b - MARGIN <= end for b, e in windows)
+            if n not in done and got and len(got) != NCHANNELS:
+                partial += 1
+                assert in_window, (
+                    f"publish {publisher}/{n} (publisher killed) reached only {sorted(got)}"
+                )
+            if n in done and not in_window:
+                assert len(got) == NCHANNELS, f"publish {publisher}/{n} reached only {got}"
+    return published, partial
+
+
 def test_soak_executor_pool_exchange_under_kills(
     tmp_path: Any, new_chan_name: Any, capsys: Any
 ) -> None:
@@ -332,7 +449,6 @@ def test_soak_executor_pool_exchange_under_kills(
             publishers.append(p)
         p.start()
 
-    all_procs: list[Any] = consumers
     with contextlib.ExitStack() as stack:
         stack.enter_context(_cleanup([pool_chan, *fan], exchange, consumers))
         stack.enter_context(_cleanup([], exchange, producers))
@@ -473,111 +589,13 @@ def test_soak_executor_pool_exchange_under_kills(
         stop_view.set()
         viewer.join(30)
         executor.shutdown(wait=True)
-        all_procs = all_procs + producers + publishers
 
     # -- the checks, from the logs
     assert not view_errors, view_errors[:5]
 
-    exec_runs = [(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), 0) for r in _logs(logdir, "exec.")]
-    exec_finished, exec_extra = _check_runs(exec_runs, chaos.killed, "task")
-    first_start: dict[int, int] = {}
-    for kind, ident, _key, _pid, t, _ in exec_runs:
-        if kind == "start":
-            first_start[ident] = min(first_start.get(ident, t), t)
-    for key in EXEC_KEYS:
-        ids = sorted(i for i, (k, _) in futures.items() if k == key and i in first_start)
-        times = [first_start[i] for i in ids]
-        assert times == sorted(times), f"tasks on key {key} started out of submit order"
-    for i, (_key, fut) in futures.items():
-        if fut.exception() is None:
-            assert i in first_start, f"task {i} has a result but never ran"
-
-    pool_runs = []
-    for r in _logs(logdir, "pool."):
-        ident = (int(r[1][4:]) << 32) | int(r[2])  # producer number, message number
-        pool_runs.append((r[0], ident, r[3], int(r[4]), int(r[5]), 0))
-    pool_finished, pool_extra = _check_runs(pool_runs, chaos.killed, "message")
-    handled = {ident for kind, ident, *_ in pool_runs if kind == "end"}
-    first_pool: dict[int, int] = {}
-    for kind, ident, _key, _pid, t, _ in pool_runs:
-        if kind == "start":
-            first_pool[ident] = min(first_pool.get(ident, t), t)
-    sent_total = fulls = 0
-    for name in os.listdir(logdir):
-        if not name.startswith("sent."):
-            continue
-        producer = int(name.split(".")[1][4:])
-        by_key: dict[str, list[int]] = collections.defaultdict(list)
-        for r in _read(os.path.join(logdir, name)):
-            if r[0] == "full":
-                fulls += 1
-                continue
-            ident = (producer << 32) | int(r[1])
-            sent_total += 1
-            assert ident in handled, f"message {r[1]} of producer {producer} was never handled"
-            by_key[r[2]].append(ident)
-            assert float(r[3]) <= 1.0 + SLACK, f"a send took {r[3]} s with a 1 s timeout"
-        for key, ids in by_key.items():
-            times = [first_pool[i] for i in ids]
-            assert times == sorted(times), f"producer {producer}'s messages on {key} out of order"
-
-    received: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
-    for name in fan:
-        seen: set[tuple[str, int]] = set()
-        for r in _read(os.path.join(logdir, f"cons.{name}")):
-            if r[0] == "got":
-                ident = (r[1], int(r[2]))
-                assert ident not in seen, f"{ident} received twice on {name}"
-                seen.add(ident)
-                received[ident].add(name)
-            elif r[0] == "timing":
-                assert float(r[2]) <= SLACK, f"recv(timeout=0.2) overran by {r[2]} s"
-    windows = []
-    for name in fan:
-        began = None
-        for r in _read(os.path.join(logdir, f"cons.{name}")):
-            if r[0] == "recreate-begin":
-                began = int(r[2])
-            elif r[0] == "recreate-end" and began is not None:
-                windows.append((began, int(r[2])))
-                began = None
-        if began is not None:
-            windows.append((began, 1 << 62))
-    published = partial = 0
-    for fname in os.listdir(logdir):
-        if not fname.startswith("pub."):
-            continue
-        publisher = fname.split(".")[1]
-        began_at: dict[int, int] = {}
-        ended_at: dict[int, int] = {}
-        done: set[int] = set()
-        for r in _read(os.path.join(logdir, fname)):
-            n = int(r[1])
-            if r[0] == "begin":
-                began_at[n] = int(r[2])
-            elif r[0] == "done":
-                done.add(n)
-                ended_at[n] = int(r[4])
-                published += 1
-                routed = set() if r[2] == "-" else set(r[2].split(","))
-                got = received.get((publisher, n), set())
-                assert routed <= got, f"publish {publisher}/{n} reported {routed}, got {got}"
-                assert float(r[3]) <= 1.0 + SLACK, f"a publish took {r[3]} s with a 1 s timeout"
-            elif r[0] == "failed":
-                assert not received.get((publisher, n)), f"failed publish {n} was received"
-        for n, t in began_at.items():
-            got = received.get((publisher, n), set())
-            # a publish whose publisher was killed is settled by the next one within ~3 s
-            end = ended_at.get(n, t + 3_000_000_000)
-            in_window = any(t <= e + MARGIN and b - MARGIN <= end for b, e in windows)
-            if n not in done and got and len(got) != NCHANNELS:
-                partial += 1
-                assert in_window, (
-                    f"publish {publisher}/{n} (publisher killed) reached only {sorted(got)}"
-                )
-            if n in done and not in_window:
-                assert len(got) == NCHANNELS, f"publish {publisher}/{n} reached only {got}"
-
+    exec_finished, exec_extra = _check_executor(logdir, futures, chaos.killed)
+    sent_total, fulls, pool_finished, pool_extra = _check_pool(logdir, chaos.killed)
+    published, partial = _check_exchange(logdir, fan)
     assert not overruns, overruns[:5]
     with capsys.disabled():
         print(
