@@ -630,3 +630,17 @@ def test_a_publish_behind_a_claim_that_does_not_finish_sleeps_instead_of_spinnin
             p.join(WAIT)
             assert p.exitcode == 0
     assert share < 0.08, f"a publish behind a stuck claim used {share:.0%} of a core"
+
+
+def test_an_unpicklable_payload_is_refused_before_any_channel_gets_it(
+    make_exchange: Any, make_channel: Any
+) -> None:
+    import threading
+
+    ex = make_exchange("fanout")
+    chans = [make_channel() for _ in range(2)]
+    for c in chans:
+        ex.bind(c.name)
+    with pytest.raises(shmchan.PayloadNotPicklable, match="lock"):
+        ex.publish(threading.Lock(), routing_key="x", keys=("k",))
+    assert [c.stats().sent for c in chans] == [0, 0]

@@ -18,7 +18,7 @@ from typing import Any
 
 from _shmchan_chunks import one_key_chunks, pick, scatter
 
-from .. import _worker, errors, liveness
+from .. import _worker, errors, liveness, remote
 from .._worker import (
     CALL,
     CHUNK,
@@ -44,7 +44,7 @@ from .common import (
     _names,
     _reap_dead_executors,
 )
-from .stats import ExecutorStats, RemoteTraceback
+from .stats import ExecutorStats
 from .workers import _Worker, _Workers
 
 _ONE_KEY = frozenset({int, str, bytes})  # the types of a value that is one key
@@ -209,10 +209,8 @@ class _Task:
             values, failed = value
             raised = None
             if failed:
-                for i, tb in failed.items():
-                    exc = values[i]
-                    exc.__cause__ = RemoteTraceback(tb)
-                    values[i] = _Raised(exc)
+                for i in failed:
+                    values[i] = _Raised(remote.unpack(values[i]))
                 raised = self.batch.owners[self.index][min(failed)]
             self.batch.resolve_chunk(self.index, values, raised)
         else:
@@ -573,14 +571,14 @@ class _Core:
             self.dispatch(0)
         for task, status, start, end in arrived:
             try:
-                value = pickle.loads(data[start:end])
+                if status == RAISED:
+                    value = remote.unpack(data[start:end])
+                else:
+                    value = pickle.loads(data[start:end])
             except Exception as e:
-                status, value = RAISED, (e, "")
+                status, value = RAISED, e
             if status == RAISED:
-                exc, tb = value
-                if tb:
-                    exc.__cause__ = RemoteTraceback(tb)
-                task.set_exception(exc)
+                task.set_exception(value)
                 self.failed += 1
             else:
                 batch = task.batch
