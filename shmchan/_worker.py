@@ -51,7 +51,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import errors, liveness, remote
+from . import delivery, errors, liveness, remote
 from .channel import Handle, Sender, adopt
 
 __all__ = [
@@ -247,6 +247,7 @@ def executor_worker(
         tid, fid, n, kind = TASK_HEADER.unpack_from(view)
         words[base + STARTED] = clock()
         words[base + RUNNING] = seq + 1
+        delivery.enter(h)
         fn: Any = None
         try:
             start = TASK_HEADER.size
@@ -289,6 +290,7 @@ def executor_worker(
             too_large = errors.MessageTooLarge(f"the task's result is too large to send back: {e}")
             header = RESULT_HEADER.pack(tid, seq, pid, finished, RAISED)
             _send(tx, header + remote.pack(too_large, ""), parent_token)
+        delivery.leave()
         words[base + RUNNING] = 0
         h.release()
         words[base + FINISHED] = finished
@@ -302,25 +304,36 @@ def pool_worker(
     parent_token: int,
     initializer: Callable[..., object] | None,
     initargs: tuple[Any, ...],
+    lease: float | None = None,
 ) -> None:
     """A KeyedPool worker: handler(payload, keys) per message; return releases, an
-    exception is logged and nacks (the channel's max_attempts / dead letters apply)."""
+    exception is logged and nacks (the channel's max_attempts / dead letters apply).
+    With a channel `lease` (seconds), the lease is renewed as the handler starts: the
+    handler has all of it, however long the message waited to be handed over."""
     _start(initializer, initargs, parent_token, words, index)
     words = memoryview(words).cast("B").cast("q")  # (a ctypes item store costs 3x this)
     base = SLOT * index
     finished = failed = 0
     clock = time.monotonic_ns
+    deadline = None
     for h in _Inbox(conn):
         finished += 1
         try:
             payload, keys = h.payload, h.keys
+            if lease is not None:
+                deadline = time.monotonic() + lease  # (read before extend: never late)
+                h.extend(lease)
         except errors.Closed:  # redelivered before we adopted it: not ours to run
             words[base + FINISHED] = finished
             continue
         words[base + STARTED] = clock()
         words[base + RUNNING] = h.seq + 1
+        delivery.enter(h, keys, deadline)
         try:
-            handler(payload, keys)
+            try:
+                handler(payload, keys)
+            finally:
+                delivery.leave()
         except BaseException:
             log.exception(
                 "shmchan.KeyedPool: handler raised on seq %d (attempt %d, keys %r); "
