@@ -43,7 +43,10 @@ from .common import (
     _name_of,
     _names,
     _reap_dead_executors,
+    check_map_keys,
+    check_submit_keys,
 )
+from .progress import ProgressBar
 from .stats import ExecutorStats
 from .workers import _Worker, _Workers
 
@@ -916,9 +919,16 @@ class KeyedExecutor(Executor):
         self, fn: Callable[..., Any], /, *args: Any, keys: Any = (), **kwargs: Any
     ) -> Future[Any]:
         """Run fn(*args, **kwargs) in a worker once no earlier task with one of `keys`
-        is unfinished; a Future of its result."""
+        is unfinished; a Future of its result.
+
+        `keys` are the task's keys themselves: one str, bytes or int, or a tuple or list
+        of them (none by default). It is the executor's argument and never reaches fn:
+        to give fn a keyword argument named `keys`, bind it with functools.partial,
+        e.g. ``submit(functools.partial(fn, keys=fn_keys), x, keys=("acct:1",))``.
+        Inside fn, `shmchan.pool.current()` gives the task's seq, attempt and keys."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        check_submit_keys(keys)
         return self._core.submit(fn, args, kwargs, keys)
 
     def map(
@@ -932,12 +942,15 @@ class KeyedExecutor(Executor):
     ) -> Iterator[Any]:
         """Like Executor.map: fn over the items, results lazily in input order.
 
-        `keys(item)` gives an item's keys (with several iterables it gets the tuple of
-        items). With chunksize > 1 a task runs that many items in order and holds all
-        their keys. `timeout` counts from this call. progress=True shows a tqdm bar.
+        `keys` is a function of one item that returns its keys (one str, bytes or int,
+        or a tuple or list of them); with several iterables it gets the tuple of items.
+        For the same keys on every item, `keys=lambda item: "k"`. With chunksize > 1 a
+        task runs that many items in order and holds all their keys. `timeout` counts
+        from this call. progress=True draws a progress bar on stderr.
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        check_map_keys(keys)
         if not isinstance(chunksize, int) or chunksize < 1:
             raise ValueError(f"chunksize must be a positive int, got {chunksize!r}")
         end = None if timeout is None else time.monotonic() + timeout
@@ -976,11 +989,7 @@ class KeyedExecutor(Executor):
     def _results(
         self, batch: _MapBatch, tasks: list[_Task], end: float | None, total: int | None
     ) -> Iterator[Any]:
-        bar = None
-        if total is not None:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, unit="task")
+        bar = None if total is None else ProgressBar(total)
         results = batch.results
         n = len(results)
         index = 0
@@ -1002,8 +1011,7 @@ class KeyedExecutor(Executor):
                 if type(value) is _Raised:
                     raise value.exc
                 if bar is not None:
-                    bar.set_postfix(retries=self._core.retried, refresh=False)
-                    bar.update(1)
+                    bar.advance(self._core.retried)
                 yield value
         finally:
             batch.closed = True  # what has not started will not run
