@@ -30,7 +30,9 @@ class Delivery:
     identifies the message (e.g. to make the handler's effects idempotent)."""
     attempt: int
     """1 on the first delivery; one more each time it was delivered again (its handler
-    raised, or the worker running it died)."""
+    raised, or the worker holding it died). More than 1: an earlier attempt may have
+    done part of the work. (A KeyedExecutor task handed to a worker that died before
+    starting it counts such an attempt too.)"""
     keys: tuple[Key, ...]
     """The message's keys (a KeyedExecutor task's `keys=`), held while it runs."""
     deadline: float | None

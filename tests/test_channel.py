@@ -709,3 +709,14 @@ def test_a_handled_signal_does_not_cut_a_blocking_recv_short(ch, rx):
         assert time.monotonic() - start >= 0.9  # it kept waiting after the signal
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_lease_reads_back_from_every_attachment(make_channel, new_chan_name):
+    leased = make_channel(lease=2.5)
+    assert leased.lease == 2.5
+    other = shmchan.Channel.open(leased.name)
+    try:
+        assert other.lease == 2.5
+    finally:
+        other.close()
+    assert make_channel().lease is None

@@ -31,18 +31,23 @@ def current_delivery() -> Delivery:
     return current()
 
 
+def _serve(ch: shmchan.Channel, directory: Path, processes: int) -> list[list[Any]]:
+    """Run a KeyedPool of record_then_fail_first over everything in `ch`; its log rows."""
+    with shmchan.KeyedPool(
+        ch.name, _Handler(record_then_fail_first, str(directory)), processes=processes
+    ) as pool:
+        ch.shutdown()
+        assert pool.join(WAIT)
+    return [json.loads(line) for line in (directory / "log").read_text().splitlines()]
+
+
 def test_a_pool_handler_knows_the_seq_attempt_keys_and_lease_of_its_message(
     make_channel: Callable[..., shmchan.Channel], tmp_path: Path
 ) -> None:
     ch = make_channel(max_attempts=5, lease=600)
     tx = ch.sender()
     seqs = {name: tx.send(name, keys=(name, 7)) for name in ("a", "b", "c")}
-    with shmchan.KeyedPool(
-        ch.name, _Handler(record_then_fail_first, str(tmp_path)), processes=2
-    ) as pool:
-        ch.shutdown()
-        assert pool.join(WAIT)
-    rows = [json.loads(line) for line in (tmp_path / "log").read_text().splitlines()]
+    rows = _serve(ch, tmp_path, processes=2)
     assert sorted((r[0], r[2]) for r in rows) == [(n, a) for n in "abc" for a in (1, 2)]
     for payload, seq, _attempt, keys, has_deadline, left in rows:
         assert seq == seqs[payload] and keys == [payload, 7]
@@ -54,12 +59,7 @@ def test_without_a_lease_the_deadline_is_none(
 ) -> None:
     ch = make_channel(max_attempts=5)
     ch.sender().send("x", keys="k")
-    with shmchan.KeyedPool(
-        ch.name, _Handler(record_then_fail_first, str(tmp_path)), processes=1
-    ) as pool:
-        ch.shutdown()
-        assert pool.join(WAIT)
-    rows = [json.loads(line) for line in (tmp_path / "log").read_text().splitlines()]
+    rows = _serve(ch, tmp_path, processes=1)
     assert [(r[2], r[4], r[5]) for r in rows] == [(1, False, None), (2, False, None)]
 
 
