@@ -35,7 +35,7 @@ from typing import Any
 
 from . import errors
 
-__all__ = ["RemoteTraceback", "pack", "unpack"]
+__all__ = ["RemoteTraceback", "pack", "unpack", "unreadable_result"]
 
 
 class RemoteTraceback(Exception):
@@ -138,3 +138,16 @@ def unpack(data: bytes | memoryview) -> BaseException:
     if tb:
         exc.__cause__ = RemoteTraceback(tb)
     return exc
+
+
+def unreadable_result(fn: object, e: Exception) -> errors.TaskNotPicklable:
+    """Caller side: the error for a task's result (or exception) that the worker pickled
+    but this process cannot unpickle, `e` being why."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    err = errors.TaskNotPicklable(
+        f"the result of the task {name}(...) cannot be unpickled in this process "
+        f"({type(e).__name__}: {e}); return objects whose classes this process can "
+        "import (defined at module level, in a module the caller has)"
+    )
+    err.__cause__ = e
+    return err

@@ -3,6 +3,7 @@ attributes, the worker's traceback as __cause__; a RemoteError naming the type o
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 
@@ -154,3 +155,23 @@ def test_an_exception_whose_class_the_caller_lacks_is_a_remote_error_naming_it()
         assert "module_only_the_worker_has.Ghost: boo" in str(err)
         assert "in raise_ghost" in str(err.__cause__)
         assert ex.submit(int, "5").result(timeout=WAIT) == 5  # the executor goes on
+
+
+def return_a_worker_only_object() -> object:
+    """An object whose class lives in a module only the worker process has."""
+    module = types.ModuleType("module_only_the_worker_has")
+    sys.modules[module.__name__] = module
+    cls = types.new_class("Thing", (object,))
+    cls.__module__ = module.__name__
+    module.Thing = cls  # type: ignore[attr-defined]
+    return cls()
+
+
+def test_a_result_the_caller_cannot_unpickle_is_a_shmchan_error_saying_why() -> None:
+    with shmchan.KeyedExecutor(1) as ex:
+        fut = ex.submit(return_a_worker_only_object)
+        with pytest.raises(shmchan.TaskNotPicklable) as info:
+            fut.result(timeout=WAIT)
+        assert "return_a_worker_only_object" in str(info.value)
+        assert "module_only_the_worker_has" in str(info.value)
+        assert isinstance(info.value.__cause__, ModuleNotFoundError)

@@ -579,7 +579,7 @@ class _Core:
                 else:
                     value = pickle.loads(data[start:end])
             except Exception as e:
-                status, value = RAISED, e
+                status, value = RAISED, remote.unreadable_result(task.fn, e)
             if status == RAISED:
                 task.set_exception(value)
                 self.failed += 1
