@@ -51,7 +51,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import errors, liveness
+from . import delivery, errors, liveness, remote
 from .channel import Handle, Sender, adopt
 
 __all__ = [
@@ -90,9 +90,10 @@ TASK_HEADER = struct.Struct("<QQIB")
 CALL, ONE, STAR, CHUNK, CHUNK_STAR = 0, 1, 2, 3, 4
 _FUNCTIONS = 64  # unpickled functions a worker keeps
 # A result message: RESULT_HEADER (task id, seq of the task's message, worker pid,
-# FINISHED including this one, OK | RAISED) + pickle(value) or pickle((exception, text)).
-# A chunk's value is (values, failed): values[i] is item i's result, or its exception
-# where failed (None, or {i: the traceback's text}) says so.
+# FINISHED including this one, OK | RAISED) + pickle(value), or the exception as
+# remote.pack makes it. A chunk's value is (values, failed): values[i] is item i's
+# result, or its exception packed by remote.pack where failed (None, or a set of
+# indices) says so.
 RESULT_HEADER = struct.Struct("<QQIQB")
 OK, RAISED = 0, 1
 
@@ -190,26 +191,15 @@ def _start(
         words[SLOT * index + READY] = 1
 
 
-def _picklable_exception(exc: BaseException, text: str) -> bytes:
-    """pickle((exc, text)), or of a stand-in Error that keeps its type's name and message."""
-    try:
-        blob = pickle.dumps((exc, text), protocol=5)
-        pickle.loads(blob)  # an exception whose __init__ takes other args fails only here
-        return blob
-    except Exception:
-        stand_in = errors.Error(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
-        return pickle.dumps((stand_in, text), protocol=5)
-
-
 def _run_chunk(
     fn: Callable[..., Any], items: tuple[Any, ...], star: bool
-) -> tuple[list[Any], dict[int, str] | None]:
+) -> tuple[list[Any], set[int] | None]:
     """A map chunk: (values, failed), values[i] the result of item i or, where failed
-    says so, its exception (failed maps i to the traceback's text; None if none
-    raised). Each item runs once, in order, whatever the others did."""
+    says so, its exception as remote.pack makes it (failed: the indices of those; None
+    if none raised). Each item runs once, in order, whatever the others did."""
     values: list[Any] = []
     append = values.append
-    failed: dict[int, str] | None = None
+    failed: set[int] | None = None
     at = 0
     while at < len(items):
         try:
@@ -221,14 +211,10 @@ def _run_chunk(
                     append(fn(item))
         except Exception as e:
             if failed is None:
-                failed = {}
-            failed[len(values)] = traceback.format_exc()
-            append(e)
+                failed = set()
+            failed.add(len(values))
+            append(remote.pack(e, traceback.format_exc()))
         at = len(values)
-    if failed is not None:  # an exception that cannot be pickled travels as a stand-in
-        for i, text in failed.items():
-            exc, _ = pickle.loads(_picklable_exception(values[i], text))
-            values[i] = exc
     return values, failed
 
 
@@ -261,6 +247,7 @@ def executor_worker(
         tid, fid, n, kind = TASK_HEADER.unpack_from(view)
         words[base + STARTED] = clock()
         words[base + RUNNING] = seq + 1
+        delivery.enter(h)
         fn: Any = None
         try:
             start = TASK_HEADER.size
@@ -291,18 +278,19 @@ def executor_worker(
                     f"the result of {getattr(fn, '__qualname__', fn)!r} cannot be pickled "
                     f"to travel back to the caller: {type(e).__name__}: {e}"
                 )
-                body = _picklable_exception(unpicklable, traceback.format_exc())
+                body = remote.pack(unpicklable, traceback.format_exc())
             del value
         except BaseException as e:
             status = RAISED
-            body = _picklable_exception(e, traceback.format_exc())
+            body = remote.pack(e, traceback.format_exc())
         header = RESULT_HEADER.pack(tid, seq, pid, finished, status)
         try:
             _send(tx, header + body, parent_token)
         except errors.MessageTooLarge as e:
             too_large = errors.MessageTooLarge(f"the task's result is too large to send back: {e}")
             header = RESULT_HEADER.pack(tid, seq, pid, finished, RAISED)
-            _send(tx, header + _picklable_exception(too_large, ""), parent_token)
+            _send(tx, header + remote.pack(too_large, ""), parent_token)
+        delivery.leave()
         words[base + RUNNING] = 0
         h.release()
         words[base + FINISHED] = finished
@@ -316,25 +304,36 @@ def pool_worker(
     parent_token: int,
     initializer: Callable[..., object] | None,
     initargs: tuple[Any, ...],
+    lease: float | None = None,
 ) -> None:
     """A KeyedPool worker: handler(payload, keys) per message; return releases, an
-    exception is logged and nacks (the channel's max_attempts / dead letters apply)."""
+    exception is logged and nacks (the channel's max_attempts / dead letters apply).
+    With a channel `lease` (seconds), the lease is renewed as the handler starts: the
+    handler has all of it, however long the message waited to be handed over."""
     _start(initializer, initargs, parent_token, words, index)
     words = memoryview(words).cast("B").cast("q")  # (a ctypes item store costs 3x this)
     base = SLOT * index
     finished = failed = 0
     clock = time.monotonic_ns
+    deadline = None
     for h in _Inbox(conn):
         finished += 1
         try:
             payload, keys = h.payload, h.keys
+            if lease is not None:
+                deadline = time.monotonic() + lease  # (read before extend: never late)
+                h.extend(lease)
         except errors.Closed:  # redelivered before we adopted it: not ours to run
             words[base + FINISHED] = finished
             continue
         words[base + STARTED] = clock()
         words[base + RUNNING] = h.seq + 1
+        delivery.enter(h, keys, deadline)
         try:
-            handler(payload, keys)
+            try:
+                handler(payload, keys)
+            finally:
+                delivery.leave()
         except BaseException:
             log.exception(
                 "shmchan.KeyedPool: handler raised on seq %d (attempt %d, keys %r); "

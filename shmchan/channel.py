@@ -535,6 +535,13 @@ class Channel:
         """Seconds a pickled handle has to be unpickled before it is taken back."""
         return self._live().handover_ns / 1e9
 
+    @property
+    def lease(self) -> float | None:
+        """Seconds a handle is held before its message is taken back (unless extended),
+        or None: no lease."""
+        ns = self._live().lease_ns
+        return ns / 1e9 if ns else None
+
     def stats(self) -> Stats:
         seg = self._live()
         st = ffi.new("shm_stats *")

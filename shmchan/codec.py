@@ -25,6 +25,7 @@ from .errors import (
     ChannelCorrupted,
     InvalidArgument,
     PayloadNotContiguous,
+    PayloadNotPicklable,
     TooManyKeys,
     UnsupportedType,
 )
@@ -142,7 +143,22 @@ def encode_payload(obj: object, raw_only: bool) -> tuple[int, Any]:
             f'this channel has serializer="raw" and accepts only bytes-like payloads, '
             f"not {type(obj).__name__}"
         )
-    return PICKLE, pickle.dumps(obj, protocol=5)
+    try:
+        return PICKLE, pickle.dumps(obj, protocol=5)
+    except Exception as e:
+        raise PayloadNotPicklable(
+            f"the payload, a {_type_name(obj)}, cannot be pickled ({type(e).__name__}: {e}); "
+            "payloads that are not bytes-like travel pickled: send a picklable object "
+            "(no locks, sockets, open files or locally defined functions or classes), "
+            "or bytes you encode yourself"
+        ) from e
+
+
+def _type_name(obj: object) -> str:
+    cls = type(obj)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def decode_payload(kind: int, view: memoryview) -> Any:

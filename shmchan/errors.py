@@ -31,6 +31,9 @@ __all__ = [
     "WorkerDied",
     "TaskTimeout",
     "TaskNotPicklable",
+    "PayloadNotPicklable",
+    "RemoteError",
+    "NotInWorker",
     "HandoverExpired",
 ]
 
@@ -139,6 +142,32 @@ class TaskTimeout(WorkerDied):
 class TaskNotPicklable(Error, pickle.PicklingError, TypeError):
     """A task's function, arguments or result cannot be pickled, so it cannot travel
     between processes (define functions at module level; pass picklable arguments)."""
+
+
+class PayloadNotPicklable(Error, pickle.PicklingError, TypeError):
+    """A payload that is not bytes-like travels pickled, and this one cannot be pickled
+    (a lock, a socket, an open file, a function defined inside another function...).
+    Nothing was sent. Send picklable objects, or bytes you encode yourself."""
+
+
+class RemoteError(Error):
+    """An exception raised in a worker process that could not be rebuilt as its own type
+    in this process: its class cannot be imported here, or its arguments or attributes
+    cannot be pickled. `type_name` is the original type ("module.QualName"), the
+    message is its text, and the worker's traceback is the `__cause__`."""
+
+    def __init__(self, message: str, type_name: str = "") -> None:
+        super().__init__(message)
+        self.type_name = type_name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.type_name), self.__dict__ or None)
+
+
+class NotInWorker(Error, RuntimeError):
+    """`shmchan.pool.current()` was called outside a KeyedPool handler or a
+    KeyedExecutor task: only the code a worker process is running has a current
+    message."""
 
 
 class HandoverExpired(Error):

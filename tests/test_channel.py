@@ -751,3 +751,14 @@ def test_opening_a_name_being_recreated_says_not_found_or_opens(chan_name):
         p.join(WAIT)
     assert seen.get("opened", 0) > 0 and seen.get("ChannelNotFound", 0) > 0, seen
     assert set(seen) == {"opened", "ChannelNotFound"}, seen
+
+
+def test_lease_reads_back_from_every_attachment(make_channel, new_chan_name):
+    leased = make_channel(lease=2.5)
+    assert leased.lease == 2.5
+    other = shmchan.Channel.open(leased.name)
+    try:
+        assert other.lease == 2.5
+    finally:
+        other.close()
+    assert make_channel().lease is None

@@ -792,3 +792,17 @@ def test_removing_an_exchange_aborts_a_publish_not_yet_committed(
     assert out.split() == ["refused", "ExchangeRemoved"], out
     assert [drain(c) for c in chans] == [[], []]
     assert not [e for e in os.listdir("/dev/shm") if e.endswith("." + ex.name)]
+
+
+def test_an_unpicklable_payload_is_refused_before_any_channel_gets_it(
+    make_exchange: Any, make_channel: Any
+) -> None:
+    import threading
+
+    ex = make_exchange("fanout")
+    chans = [make_channel() for _ in range(2)]
+    for c in chans:
+        ex.bind(c.name)
+    with pytest.raises(shmchan.PayloadNotPicklable, match="lock"):
+        ex.publish(threading.Lock(), routing_key="x", keys=("k",))
+    assert [c.stats().sent for c in chans] == [0, 0]

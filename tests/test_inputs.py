@@ -320,3 +320,24 @@ def test_try_recv_right_after_shutdown_of_an_empty_channel_raises_closed(ch, rx)
     ch.shutdown()
     with pytest.raises(shmchan.Closed):
         rx.try_recv()
+
+
+# --------------------------------------------------------------------------- pickling
+
+
+class _Unpicklable:
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError("no pickling here")
+
+
+@pytest.mark.parametrize("payload", [_Unpicklable(), {"lock": __import__("threading").Lock()}])
+def test_an_unpicklable_payload_is_a_shmchan_error_naming_its_type(ch, sender, payload):
+    sent_before = ch.stats().sent
+    with pytest.raises(shmchan.PayloadNotPicklable) as info:
+        sender.send(payload, keys=("k",))
+    err = info.value
+    assert isinstance(err, shmchan.Error) and isinstance(err, TypeError)
+    assert type(payload).__qualname__ in str(err) and "bytes you encode" in str(err)
+    with pytest.raises(shmchan.PayloadNotPicklable, match=type(payload).__qualname__):
+        sender.send_many([(b"first", ("k",)), (payload, ("k",))])
+    assert ch.stats().sent == sent_before  # nothing of either went in

@@ -36,6 +36,8 @@ released. Nothing else is lost and the executor keeps working.
 KeyedPool serves an existing named channel instead: the pool's process is its receiver,
 the same workers run handler(payload, keys) for every message, a return releases the
 handle and an exception nacks it (the channel's own max_attempts / dead letters apply).
+In a worker, `current()` describes the message (or task) being run: seq, attempt, keys,
+lease deadline (see shmchan/delivery.py).
 
 The channels an executor creates are named `kx-<creator token>-<n>-tasks|results`;
 they are unlinked at shutdown, and a new executor unlinks those of dead creators.
@@ -43,12 +45,15 @@ they are unlinked at shutdown, and a new executor unlinks those of dead creators
 
 from __future__ import annotations
 
+from ..delivery import Delivery, current
 from .common import InitializerFailed
 from .executor import KeyedExecutor
 from .keyedpool import KeyedPool
 from .stats import ExecutorStats, PoolStats, RemoteTraceback, WorkerStats
 
 __all__ = [
+    "current",
+    "Delivery",
     "KeyedExecutor",
     "KeyedPool",
     "ExecutorStats",

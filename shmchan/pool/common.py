@@ -44,9 +44,35 @@ def _as_keys(keys: object) -> tuple[Any, ...]:
         return keys
     if isinstance(keys, Iterable):
         return tuple(keys)
-    raise TypeError(
-        f"keys must be a str, bytes, int or an iterable of them, not {type(keys).__name__}"
+    raise errors.UnsupportedType(
+        f"keys must be a str, bytes or int, or a tuple or list of them, not "
+        f"{type(keys).__name__} ({keys!r:.60}): submit(fn, *args, keys=...) takes these, "
+        "and so must what map's keys function returns for an item"
     )
+
+
+def check_submit_keys(keys: object) -> None:
+    """UnsupportedType, saying which form submit takes, for a function given as keys."""
+    if callable(keys) and not isinstance(keys, (str, bytes, int, tuple, list)):
+        raise errors.UnsupportedType(
+            "submit(fn, *args, keys=...) takes the task's keys themselves: a str, bytes or "
+            f"int, or a tuple or list of them; not a function ({_name_of(keys)}). A function "
+            "of one item is what map(fn, items, keys=...) takes. (If fn itself has a "
+            "parameter named keys, bind it first: submit(functools.partial(fn, keys=...), "
+            "*args, keys=task_keys).)"
+        )
+
+
+def check_map_keys(keys: object) -> None:
+    """UnsupportedType, saying which form map takes, for keys that are not a function."""
+    if keys is not None and not callable(keys):
+        raise errors.UnsupportedType(
+            "map(fn, items, keys=...) takes a function of one item that returns that item's "
+            f"keys, e.g. keys=lambda order: order.account; not a {type(keys).__name__} "
+            f"({keys!r:.60}). For the same keys on every item, pass "
+            f"keys=lambda item: {keys!r:.60} (those items then run one at a time, in order). "
+            "submit(fn, *args, keys=...) is the one that takes the keys themselves."
+        )
 
 
 def _name_of(fn: object) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 from _shmchan_chunks import one_key_chunks, pick, scatter
 
-from .. import _worker, errors, liveness
+from .. import _worker, errors, liveness, remote
 from .._worker import (
     CALL,
     CHUNK,
@@ -43,8 +43,11 @@ from .common import (
     _name_of,
     _names,
     _reap_dead_executors,
+    check_map_keys,
+    check_submit_keys,
 )
-from .stats import ExecutorStats, RemoteTraceback
+from .progress import ProgressBar
+from .stats import ExecutorStats
 from .workers import _Worker, _Workers
 
 _ONE_KEY = frozenset({int, str, bytes})  # the types of a value that is one key
@@ -209,10 +212,8 @@ class _Task:
             values, failed = value
             raised = None
             if failed:
-                for i, tb in failed.items():
-                    exc = values[i]
-                    exc.__cause__ = RemoteTraceback(tb)
-                    values[i] = _Raised(exc)
+                for i in failed:
+                    values[i] = _Raised(remote.unpack(values[i]))
                 raised = self.batch.owners[self.index][min(failed)]
             self.batch.resolve_chunk(self.index, values, raised)
         else:
@@ -573,14 +574,14 @@ class _Core:
             self.dispatch(0)
         for task, status, start, end in arrived:
             try:
-                value = pickle.loads(data[start:end])
+                if status == RAISED:
+                    value = remote.unpack(data[start:end])
+                else:
+                    value = pickle.loads(data[start:end])
             except Exception as e:
-                status, value = RAISED, (e, "")
+                status, value = RAISED, remote.unreadable_result(task.fn, e)
             if status == RAISED:
-                exc, tb = value
-                if tb:
-                    exc.__cause__ = RemoteTraceback(tb)
-                task.set_exception(exc)
+                task.set_exception(value)
                 self.failed += 1
             else:
                 batch = task.batch
@@ -918,9 +919,16 @@ class KeyedExecutor(Executor):
         self, fn: Callable[..., Any], /, *args: Any, keys: Any = (), **kwargs: Any
     ) -> Future[Any]:
         """Run fn(*args, **kwargs) in a worker once no earlier task with one of `keys`
-        is unfinished; a Future of its result."""
+        is unfinished; a Future of its result.
+
+        `keys` are the task's keys themselves: one str, bytes or int, or a tuple or list
+        of them (none by default). It is the executor's argument and never reaches fn:
+        to give fn a keyword argument named `keys`, bind it with functools.partial,
+        e.g. ``submit(functools.partial(fn, keys=fn_keys), x, keys=("acct:1",))``.
+        Inside fn, `shmchan.pool.current()` gives the task's seq, attempt and keys."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        check_submit_keys(keys)
         return self._core.submit(fn, args, kwargs, keys)
 
     def map(
@@ -934,12 +942,15 @@ class KeyedExecutor(Executor):
     ) -> Iterator[Any]:
         """Like Executor.map: fn over the items, results lazily in input order.
 
-        `keys(item)` gives an item's keys (with several iterables it gets the tuple of
-        items). With chunksize > 1 a task runs that many items in order and holds all
-        their keys. `timeout` counts from this call. progress=True shows a tqdm bar.
+        `keys` is a function of one item that returns its keys (one str, bytes or int,
+        or a tuple or list of them); with several iterables it gets the tuple of items.
+        For the same keys on every item, `keys=lambda item: "k"`. With chunksize > 1 a
+        task runs that many items in order and holds all their keys. `timeout` counts
+        from this call. progress=True draws a progress bar on stderr.
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        check_map_keys(keys)
         if not isinstance(chunksize, int) or chunksize < 1:
             raise ValueError(f"chunksize must be a positive int, got {chunksize!r}")
         end = None if timeout is None else time.monotonic() + timeout
@@ -978,11 +989,7 @@ class KeyedExecutor(Executor):
     def _results(
         self, batch: _MapBatch, tasks: list[_Task], end: float | None, total: int | None
     ) -> Iterator[Any]:
-        bar = None
-        if total is not None:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, unit="task")
+        bar = None if total is None else ProgressBar(total)
         results = batch.results
         n = len(results)
         index = 0
@@ -1004,8 +1011,7 @@ class KeyedExecutor(Executor):
                 if type(value) is _Raised:
                     raise value.exc
                 if bar is not None:
-                    bar.set_postfix(retries=self._core.retried, refresh=False)
-                    bar.update(1)
+                    bar.advance(self._core.retried)
                 yield value
         finally:
             batch.closed = True  # what has not started will not run

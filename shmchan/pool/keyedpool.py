@@ -33,6 +33,11 @@ class KeyedPool:
     is shut down and drained. This process is the channel's receiver meanwhile
     (ReceiverBusy if another live one exists).
 
+    The handler learns what it holds from `shmchan.pool.current()`: the message's seq
+    (the same on every attempt: an idempotency key), attempt, keys and lease deadline.
+    With a channel lease, the lease is renewed as the handler starts. `stats()` counts
+    every message since the pool started, also those of workers since replaced.
+
     A worker's initializer that raises fails the pool: it stops, and `join()` raises
     InitializerFailed. No worker is handed a message before its initializer returned,
     so no message is charged an attempt for it.
@@ -61,6 +66,8 @@ class KeyedPool:
         self._closing = False
         self._terminating = False
         self._held: collections.deque[Handle] = collections.deque()
+        # the FINISHED and FAILED counts of workers that ended: stats() are cumulative
+        self._finished_before = 0
         self._failed_before = 0
         self._redelivered = 0
         self._failure: BaseException | None = None  # join() raises it
@@ -76,7 +83,7 @@ class KeyedPool:
             ctx,
             processes,
             _worker.pool_worker,
-            (handler, liveness.current_token(), initializer, tuple(initargs)),
+            (handler, liveness.current_token(), initializer, tuple(initargs), self._ch.lease),
             None,
             # One message per worker at a time: a worker that dies gives back what it
             # holds by the channel's redelivery, which counts an attempt (the channel's
@@ -129,7 +136,7 @@ class KeyedPool:
         """Messages queued in the channel, held by the pool, handled, failed; workers."""
         st = self._ch.stats() if self._ch._seg is not None else None
         workers = self._workers.stats()
-        finished = sum(w.finished for w in workers)
+        finished = self._finished_before + sum(w.finished for w in workers)
         failed = self._failed_before + sum(
             int(self._workers.words[SLOT * w.index + _worker.FAILED]) for w in self._workers.live()
         )
@@ -201,7 +208,7 @@ class KeyedPool:
 
     def _housekeeping(self) -> None:
         for w, code, _seq in self._workers.ended():
-            self._count_failed(w)
+            self._count_ended(w)
             for h, _ in w.given:
                 if self._closing:
                     self._owed.add(h.seq)  # still the pool's to finish: taken again
@@ -230,8 +237,11 @@ class KeyedPool:
         if st.queued == 0 and st.inflight <= ours:
             self._owed.clear()
 
-    def _count_failed(self, w: _Worker) -> None:
-        self._failed_before += int(self._workers.words[SLOT * w.index + _worker.FAILED])
+    def _count_ended(self, w: _Worker) -> None:
+        """Keep the counts of a worker that ended (its replacement starts from 0)."""
+        base = SLOT * w.index
+        self._finished_before += int(self._workers.words[base + FINISHED])
+        self._failed_before += int(self._workers.words[base + _worker.FAILED])
 
     def _stop(self) -> None:
         workers = self._workers

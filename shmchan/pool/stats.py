@@ -1,20 +1,12 @@
-"""The snapshots stats() returns, and the traceback of an exception raised in a worker."""
+"""The snapshots stats() returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..remote import RemoteTraceback
 
-class RemoteTraceback(Exception):
-    """The traceback, as text, of an exception raised in a worker process; set as the
-    `__cause__` of the exception a future raises, so that it is printed with it."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
+__all__ = ["RemoteTraceback", "WorkerStats", "ExecutorStats", "PoolStats"]
 
 
 @dataclass(frozen=True)
