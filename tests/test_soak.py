@@ -514,9 +514,12 @@ def test_soak_executor_pool_exchange_under_kills(
 
         # -- chaos until the end of the soak
         recreations = 0
+        last_recreation = time.monotonic()
         while time.monotonic() < stop_at - 1:
             time.sleep(rng.uniform(0.1, 0.4))
             choice = rng.random()
+            if time.monotonic() - last_recreation > 5:
+                choice = 1.0  # at least one re-creation every 5 s
             if choice < 0.2:
                 pids = _recent_pids(logdir, "exec.")
                 if pids:
@@ -554,6 +557,7 @@ def test_soak_executor_pool_exchange_under_kills(
             else:
                 recreate[rng.choice(fan)].set()
                 recreations += 1
+                last_recreation = time.monotonic()
         chaos.resume_all()
         stop_submitting.set()
         sub.join(30)
@@ -607,4 +611,4 @@ def test_soak_executor_pool_exchange_under_kills(
             f"partial during a re-creation {partial}; calls timed {sum(timings.values())}"
         )
     assert outcomes["done"] > 0 and sent_total > 0 and published > 0
-    assert sum(chaos.counts.values()) > 0
+    assert sum(chaos.counts.values()) > 0 and recreations > 0
