@@ -411,6 +411,8 @@ class Channel:
 
     def __init__(self, seg: _Segment) -> None:
         self._seg: _Segment | None = seg
+        self._name = seg.name  # kept after close(), for error messages
+        self._path = seg.path
         self._receivers: weakref.WeakSet[Receiver] = weakref.WeakSet()  # closed with it
 
     # -- construction ------------------------------------------------------------------
@@ -526,6 +528,11 @@ class Channel:
         return self._live().capacity
 
     @property
+    def created(self) -> float:
+        """When the channel was created, as Unix time (seconds since the epoch)."""
+        return self._live().created_ns / 1e9
+
+    @property
     def handover(self) -> float:
         """Seconds a pickled handle has to be unpickled before it is taken back."""
         return self._live().handover_ns / 1e9
@@ -625,7 +632,7 @@ class Channel:
 
     def flush(self) -> None:
         """Write the segment back to its file and wait for the disk (msync). Meaningful
-        for channels created with path=; see README "Durability"."""
+        for channels created with path=; see the durability guide."""
         rc = lib.shm_sync(self._live().ptr)
         if rc:
             raise_for(rc, "flush")
@@ -645,6 +652,12 @@ class Channel:
         on (ChannelRemoved), and its receiver may drain what was accepted. If the name
         was meanwhile given to another channel, that one is left alone and this raises
         ChannelNotFound (as it does when the channel was already removed)."""
+        if self._seg is None:
+            where = "" if self._path is None else f", path={self._path!r}"
+            raise errors.Closed(
+                f"this Channel object is closed; to remove the channel after close(), "
+                f"call shmchan.unlink({self._name!r}{where}), or unlink() before close()"
+            )
         seg = self._live()
         lib.shm_mark_removed(seg.ptr)  # whatever the name means now, this one is gone
         seg.post(_RX, 1)
@@ -698,6 +711,28 @@ def _open_sems(name: str, flags: int, mode: int) -> tuple[Any, Any]:
     return rx, tx
 
 
+def _exists_text(name: str) -> str:
+    """ChannelExists's message: whether the channel is in use, and what to do either way."""
+    from . import inspect as _inspect_mod  # inspect imports this module
+
+    file = os.path.join(_SHM_DIR, _PREFIX + name)
+    try:
+        users = _inspect_mod.mapping_pids([file])[os.path.realpath(file)] - {os.getpid()}
+    except OSError:
+        users = {0}  # cannot tell: do not call it a leftover
+    if not users:
+        return (
+            f"channel {name!r} already exists and no live process maps it: it is a leftover "
+            f"of a process that ended without unlinking it; remove it with "
+            f"`shmchan rm {name}` (or shmchan.unlink({name!r})), or attach to it with "
+            f"Channel.open({name!r})"
+        )
+    return (
+        f"channel {name!r} already exists and is in use; attach to it with "
+        f"Channel.open({name!r}), or pick another name"
+    )
+
+
 def _create_segment(
     name: str, path: str | os.PathLike[str] | None, cfg: Any, total: int, mode: int
 ) -> _Segment:
@@ -711,7 +746,7 @@ def _create_segment(
             try:
                 shm = posix_ipc.SharedMemory(_shm_name(name), posix_ipc.O_CREX, mode=mode, size=0)
             except posix_ipc.ExistentialError:
-                raise errors.ChannelExists(f"channel {name!r} already exists") from None
+                raise errors.ChannelExists(_exists_text(name)) from None
             fd = shm.fd
         else:
             try:
@@ -1511,7 +1546,7 @@ class Handle(_hot.HandleBase):
     def __reduce__(self) -> tuple[Any, ...]:
         if self._done:
             # Released or given back here already: it travels as a no-op handle, as
-            # hand_over() sends one (a second release is a no-op: DESIGN.md, Handles).
+            # hand_over() sends one (a second release is a no-op).
             seg: _Segment = self._seg
             return (_released_handle, (seg.name, seg.path, self._slot, self._gen, seg.chan_id))
         seg = self._check()

@@ -362,6 +362,12 @@ def unlink_exchange(name: str) -> None:
         raise ExchangeNotFound(f"no exchange named {name!r}") from None
 
 
+def segment_path(name: str) -> str:
+    """The file an exchange lives in (its /dev/shm segment)."""
+    _check_name(name)
+    return os.path.realpath(os.path.join(_channel._SHM_DIR, _PREFIX + name))
+
+
 def list_exchanges() -> list[str]:
     """Names of the exchanges in /dev/shm."""
     try:
