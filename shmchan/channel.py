@@ -521,10 +521,12 @@ class Channel:
     # -- inspection and control --------------------------------------------------------
     @property
     def name(self) -> str:
+        """The channel's name (as given to create() or open())."""
         return self._live().name
 
     @property
     def capacity(self) -> int:
+        """Bytes of message storage: at most this much is queued, in flight or dead."""
         return self._live().capacity
 
     @property
@@ -538,6 +540,8 @@ class Channel:
         return self._live().handover_ns / 1e9
 
     def stats(self) -> Stats:
+        """A snapshot of the channel's counters and sizes, from any process, without
+        stopping anyone (see Stats)."""
         seg = self._live()
         st = ffi.new("shm_stats *")
         lib.shm_stats_read(seg.ptr, st)
@@ -717,7 +721,7 @@ def _exists_text(name: str) -> str:
 
     file = os.path.join(_SHM_DIR, _PREFIX + name)
     try:
-        users = _inspect_mod.mapping_pids([file])[os.path.realpath(file)] - {os.getpid()}
+        users = _inspect_mod.mapping_pids([file])[os.path.realpath(file)]
     except OSError:
         users = {0}  # cannot tell: do not call it a leftover
     if not users:
@@ -1134,6 +1138,7 @@ class Sender(_hot.SenderBase):
         return rc
 
     def close(self) -> None:
+        """Stop using this Sender (idempotent); later sends raise Closed."""
         self._seg = None  # type: ignore[assignment]
 
     def __enter__(self) -> Sender:

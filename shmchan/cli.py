@@ -173,8 +173,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             )
         )
     if rows:
-        header = ("NAME", "CAPACITY", "COMMITTED", "USED", "QUEUED", "INFLIGHT", "PRODUCERS")
-        header = (*header, "RECEIVER")
+        header: tuple[str, ...] = ("NAME", "CAPACITY", "COMMITTED", "USED", "QUEUED")
+        header = (*header, "INFLIGHT", "PRODUCERS", "RECEIVER")
         for line in _table((*header, "AGE", "IN USE"), rows):
             print(line)
     for line in exchange.ls_lines():  # then the exchanges, with their bindings
@@ -459,8 +459,6 @@ def _cmd_rm(args: argparse.Namespace) -> int:
                 f"removes the channel, `shmchan rm --exchange {name}` the exchange"
             )
     path = inspect.segment_path(name, args.path)
-    if args.path is None and not args.channel and name not in shmchan.list_channels():
-        raise _UserError(f"no channel or exchange named {name!r} (see `shmchan ls`)")
     ch = _open(name, args.path)
     try:
         users = inspect.users(ch, path)
@@ -486,6 +484,7 @@ def _exchange_users(name: str) -> set[int]:
 
 
 def _rm_exchange(name: str, force: bool) -> int:
+    exchange.segment_path(name)  # refuses a bad name (InvalidArgument: bad usage)
     if name not in exchange.list_exchanges():
         raise _UserError(f"no exchange named {name!r}")
     users = _exchange_users(name)
@@ -547,9 +546,14 @@ def _rm_stale() -> int:
         try:
             if _exchange_users(name):
                 continue
-            young = time.time() - os.stat(exchange.segment_path(name)).st_ctime < _YOUNG_SECONDS
-            if young:
-                continue  # being created this very moment, perhaps
+            try:
+                shmchan.Exchange.open(name).close()
+            except (shmchan.Error, OSError, ValueError):
+                # Not readable: nobody has it open, so nobody uses it -- unless it is
+                # being created this very moment.
+                made = os.stat(exchange.segment_path(name)).st_ctime
+                if time.time() - made < _YOUNG_SECONDS:
+                    continue
             shmchan.unlink_exchange(name)
         except (FileNotFoundError, shmchan.ExchangeNotFound):
             continue

@@ -766,6 +766,7 @@ class Exchange:
     # -- inspection ---------------------------------------------------------------------
 
     def stats(self) -> ExchangeStats:
+        """The exchange's counters: published, routed copies, unroutable, per binding."""
         att = self._live()
         info = ffi.new("shm_exch_info *")
         lib.exch_info(att.ptr, info)

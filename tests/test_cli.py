@@ -153,10 +153,7 @@ def test_rm_of_a_name_that_is_both_asks_which(channel: shmchan.Channel) -> None:
 
 
 def test_creating_over_a_leftover_names_the_command_that_removes_it(chan_name: str) -> None:
-    code = (
-        "import shmchan, os; shmchan.Channel.create(%r, capacity=1 << 16); os._exit(0)"
-        % chan_name
-    )
+    code = f"import shmchan, os; shmchan.Channel.create({chan_name!r}); os._exit(0)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=TIMEOUT, env=child_env())
     with pytest.raises(shmchan.ChannelExists, match=f"leftover.*shmchan rm {chan_name}"):
         shmchan.Channel.create(chan_name)

@@ -7,13 +7,13 @@ import json
 import os
 import re
 import subprocess
-import time
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from procs import CTX, WAIT, run_shmchan, running
+from procs import CTX, WAIT, child_env, run_shmchan, running
 
 import shmchan
 
@@ -241,11 +241,10 @@ def test_rm_stale_removes_a_leftover_exchange_and_keeps_one_in_use(
     scene: Scene, new_chan_name: Callable[[], str]
 ) -> None:
     leftover, kept = new_chan_name(), new_chan_name()
-    shmchan.Exchange.create(leftover).close()
+    make = f"import shmchan; shmchan.Exchange.create({leftover!r})"  # then its maker exits
+    subprocess.run([sys.executable, "-c", make], check=True, timeout=TIMEOUT, env=child_env())
     ex = shmchan.Exchange.create(kept)
     try:
-        old = time.time() - 3600  # older than the grace period for one being created
-        os.utime(shmchan.exchange.segment_path(leftover), (old, old))
         result = run_cli("rm", "--stale")
         assert result.returncode == 0, result
         assert f"removed exchange {leftover}" in result.stdout

@@ -177,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench: --runs must be >= 1", file=sys.stderr)
         return 2
     if (args.plot or args.report) and importlib.util.find_spec("matplotlib") is None:
-        print("bench: --plot and --report need matplotlib (pip install 'shmchan[bench]')", file=sys.stderr)
+        print(
+            "bench: --plot and --report need matplotlib (pip install 'shmchan[bench]')",
+            file=sys.stderr,
+        )
         return 2
     workloads = [g.name for g in groups() if g.name in args.only] if args.only else WORKLOADS
     show = not args.no_progress and sys.stderr.isatty()

@@ -38,8 +38,7 @@ def _machine_lines(report: dict[str, Any], command: str) -> list[str]:
         "| --- | --- |",
         f"| date | {report['started']} |",
         f"| command | `{command}` |",
-        f"| run | {kind}, {report['repetitions']} repetitions per figure, "
-        f"{report['seconds']} s |",
+        f"| run | {kind}, {report['repetitions']} repetitions per figure, {report['seconds']} s |",
         f"| CPU | {_cell(m['cpu_model'])}, {m['usable_cpus']} usable of "
         f"{m['logical_cpus']} logical CPUs |",
         f"| load average at start | {load} |",
