@@ -433,7 +433,25 @@ class Channel:
         path: str | os.PathLike[str] | None = None,
         max_producers: int = 1024,
     ) -> Channel:
-        """Make a new channel. Raises ChannelExists if the name is taken."""
+        """Make a new channel. Raises ChannelExists if the name is taken.
+
+        * name: 1-200 characters from A-Z a-z 0-9 _ . -; the channel is /dev/shm/shmchan.NAME.
+        * capacity: bytes of message storage; send blocks (or raises Full) when it is full.
+        * order: "fifo" (per-key order: a message waits for every earlier message on its
+          keys to be released) or "eager" (any message whose keys are free).
+        * max_keys: keys a message may carry (TooManyKeys beyond).
+        * max_messages: messages ready, in flight or dead at once (default capacity / 256,
+          at least 8192); the segment's tables are sized for it.
+        * max_attempts: deliveries before a message that comes back becomes a dead letter
+          (None: no limit).
+        * lease: seconds a handle may be held before it is taken back as if its holder died
+          (None: no lease; Handle.extend renews it).
+        * handover: seconds a pickled handle has to be unpickled before it is taken back.
+        * serializer: "pickle" (any object) or "raw" (bytes-like payloads only).
+        * mode: permissions of the segment and semaphores (default 0o600: your user only).
+        * path: keep the channel in this regular file instead of /dev/shm (durable).
+        * max_producers: processes registered as senders at once.
+        """
         _check_name(name)
         cfg = ffi.new("shm_config *")
         cfg.capacity = _positive_int("capacity", capacity, minimum=64)
