@@ -329,7 +329,11 @@ def _attach(name: str, create: bool, kind: int = 0, mode: int = 0o600) -> _Attac
                 shm = posix_ipc.SharedMemory(_shm_name(name))
         except posix_ipc.ExistentialError:
             if create:
-                raise ExchangeExists(f"exchange {name!r} already exists") from None
+                raise ExchangeExists(
+                    f"exchange {name!r} already exists: attach to it with "
+                    f"Exchange.open({name!r}), or remove it first with "
+                    f"`shmchan rm --exchange {name}` (or shmchan.unlink_exchange({name!r}))"
+                ) from None
             raise ExchangeNotFound(f"no exchange named {name!r}") from None
         out = ffi.new("shm_exch **")
         enc = name.encode()

@@ -359,3 +359,13 @@ def test_console_script_points_at_cli_main() -> None:
         pytest.skip("shmchan is not installed (running in place); `pip install .` adds the script")
     scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
     assert scripts.get("shmchan") == "shmchan.cli:main"
+
+
+def test_creating_an_existing_exchange_names_the_command_that_removes_it(chan_name: str) -> None:
+    ex = shmchan.Exchange.create(chan_name)
+    try:
+        with pytest.raises(shmchan.ExchangeExists, match=f"shmchan rm --exchange {chan_name}"):
+            shmchan.Exchange.create(chan_name)
+    finally:
+        ex.close()
+        ex.unlink()
