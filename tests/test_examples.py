@@ -59,6 +59,7 @@ def test_examples_leave_no_channels_behind() -> None:
     assert not ours, ours
 
 
+@pytest.mark.timeout(SPARK_TIMEOUT + 30)
 def test_spark_batch_example_matches_the_serial_replay() -> None:
     pytest.importorskip("pyspark")
     result = run_example("spark_batch.py", SPARK_TIMEOUT)

@@ -6,7 +6,8 @@ DIR gets three files, all rewritten by every run:
                table and the targets table (a Markdown fragment the performance page
                includes), and the plot below them;
 * bench.png    the plot (the same as `--plot`);
-* report.json  the whole report (the same as `--json`), for anyone who wants the samples.
+* report.json  the whole report (the same as `--json`, less the git revision), for anyone
+               who wants the samples.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def write_report(report: dict[str, Any], directory: str, argv: Sequence[str]) ->
     with open(paths[0], "w", encoding="utf-8") as f:
         f.write(results_markdown(report, command))
     plot(report, paths[1])
+    # The docs describe a version, not a checkout: the git revision stays out of them.
+    saved = report | {"machine": {k: v for k, v in report["machine"].items() if k != "revision"}}
     with open(paths[2], "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+        json.dump(saved, f, indent=2)
         f.write("\n")
     return paths
