@@ -407,9 +407,13 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     uint64_t taken = LOAD_RELAXED(&h->ingested);
     /* Releases made in other processes reach the counters when the receiver next polls;
      * count the ones still on their way so the snapshot does not lag behind. */
-    uint64_t released_pending = 0, nacked_pending = 0, keys_pending = 0;
+    uint64_t released_pending = 0, nacked_pending = 0, keys_pending = 0, discard_pending = 0;
     for (uint32_t s = 1, used = slots_touched(c, h); s < used; s++) {
         uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&c->slots[s].state)); /* pairs with holders' CAS */
+        /* A dead letter dropped by shm_dead_discard leaves dead_letters when the receiver
+         * reclaims it; it is no longer listed (shm_dead_list) from the moment of the CAS,
+         * so count it out here too, or `stat` shows one figure above its own list. */
+        if (st == SLOT_DISCARD) discard_pending++;
         if (st != SLOT_RELEASED && st != SLOT_NACKED) continue;
         if (st == SLOT_RELEASED) released_pending++;
         else nacked_pending++;
@@ -420,7 +424,8 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     o->inflight = inflight > pending ? inflight - pending : 0;
     o->held_keys = held > keys_pending ? held - keys_pending : 0;
     o->queued = in_window + (sent > taken ? sent - taken : 0) + nacked_pending;
-    o->dead_letters = LOAD_RELAXED(&h->dead_letters);
+    uint64_t dead = LOAD_RELAXED(&h->dead_letters);
+    o->dead_letters = dead > discard_pending ? dead - discard_pending : 0;
     o->sent = sent;
     o->delivered = LOAD_RELAXED(&h->delivered);
     o->released = LOAD_RELAXED(&h->released) + released_pending;

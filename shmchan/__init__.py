@@ -6,7 +6,8 @@ whose messages carry keys, and whose receiver hands out key-locked handles.
     with ch.receiver().recv(timeout=1) as h:
         print(h.seq, h.keys, h.payload)
 
-See README.md for the semantics and the failure model.
+The documentation (docs/, or README.md for a start) gives the semantics and the
+failure model.
 """
 
 import importlib

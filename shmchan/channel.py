@@ -411,6 +411,8 @@ class Channel:
 
     def __init__(self, seg: _Segment) -> None:
         self._seg: _Segment | None = seg
+        self._name = seg.name  # kept after close(), for error messages
+        self._path = seg.path
         self._receivers: weakref.WeakSet[Receiver] = weakref.WeakSet()  # closed with it
 
     # -- construction ------------------------------------------------------------------
@@ -431,7 +433,25 @@ class Channel:
         path: str | os.PathLike[str] | None = None,
         max_producers: int = 1024,
     ) -> Channel:
-        """Make a new channel. Raises ChannelExists if the name is taken."""
+        """Make a new channel. Raises ChannelExists if the name is taken.
+
+        * name: 1-200 characters from A-Z a-z 0-9 _ . -; the channel is /dev/shm/shmchan.NAME.
+        * capacity: bytes of message storage; send blocks (or raises Full) when it is full.
+        * order: "fifo" (per-key order: a message waits for every earlier message on its
+          keys to be released) or "eager" (any message whose keys are free).
+        * max_keys: keys a message may carry (TooManyKeys beyond).
+        * max_messages: messages ready, in flight or dead at once (default capacity / 256,
+          at least 8192); the segment's tables are sized for it.
+        * max_attempts: deliveries before a message that comes back becomes a dead letter
+          (None: no limit).
+        * lease: seconds a handle may be held before it is taken back as if its holder died
+          (None: no lease; Handle.extend renews it).
+        * handover: seconds a pickled handle has to be unpickled before it is taken back.
+        * serializer: "pickle" (any object) or "raw" (bytes-like payloads only).
+        * mode: permissions of the segment and semaphores (default 0o600: your user only).
+        * path: keep the channel in this regular file instead of /dev/shm (durable).
+        * max_producers: processes registered as senders at once.
+        """
         _check_name(name)
         cfg = ffi.new("shm_config *")
         cfg.capacity = _positive_int("capacity", capacity, minimum=64)
@@ -519,16 +539,23 @@ class Channel:
     # -- inspection and control --------------------------------------------------------
     @property
     def name(self) -> str:
+        """The channel's name (as given to create() or open())."""
         return self._live().name
 
     @property
     def capacity(self) -> int:
+        """Bytes of message storage: at most this much is queued, in flight or dead."""
         return self._live().capacity
 
     @property
     def path(self) -> str | None:
         """The file of a durable channel (created with path=); None for one in /dev/shm."""
         return self._live().path
+
+    @property
+    def created(self) -> float:
+        """When the channel was created, as Unix time (seconds since the epoch)."""
+        return self._live().created_ns / 1e9
 
     @property
     def handover(self) -> float:
@@ -543,6 +570,8 @@ class Channel:
         return ns / 1e9 if ns else None
 
     def stats(self) -> Stats:
+        """A snapshot of the channel's counters and sizes, from any process, without
+        stopping anyone (see Stats)."""
         seg = self._live()
         st = ffi.new("shm_stats *")
         lib.shm_stats_read(seg.ptr, st)
@@ -637,7 +666,7 @@ class Channel:
 
     def flush(self) -> None:
         """Write the segment back to its file and wait for the disk (msync). Meaningful
-        for channels created with path=; see README "Durability"."""
+        for channels created with path=; see the durability guide."""
         rc = lib.shm_sync(self._live().ptr)
         if rc:
             raise_for(rc, "flush")
@@ -657,6 +686,12 @@ class Channel:
         on (ChannelRemoved), and its receiver may drain what was accepted. If the name
         was meanwhile given to another channel, that one is left alone and this raises
         ChannelNotFound (as it does when the channel was already removed)."""
+        if self._seg is None:
+            where = "" if self._path is None else f", path={self._path!r}"
+            raise errors.Closed(
+                f"this Channel object is closed; to remove the channel after close(), "
+                f"call shmchan.unlink({self._name!r}{where}), or unlink() before close()"
+            )
         seg = self._live()
         lib.shm_mark_removed(seg.ptr)  # whatever the name means now, this one is gone
         seg.post(_RX, 1)
@@ -710,6 +745,28 @@ def _open_sems(name: str, flags: int, mode: int) -> tuple[Any, Any]:
     return rx, tx
 
 
+def _exists_text(name: str) -> str:
+    """ChannelExists's message: whether the channel is in use, and what to do either way."""
+    from . import inspect as _inspect_mod  # inspect imports this module
+
+    file = os.path.join(_SHM_DIR, _PREFIX + name)
+    try:
+        users = _inspect_mod.mapping_pids([file])[os.path.realpath(file)]
+    except OSError:
+        users = {0}  # cannot tell: do not call it a leftover
+    if not users:
+        return (
+            f"channel {name!r} already exists and no live process maps it: it is a leftover "
+            f"of a process that ended without unlinking it; remove it with "
+            f"`shmchan rm {name}` (or shmchan.unlink({name!r})), or attach to it with "
+            f"Channel.open({name!r})"
+        )
+    return (
+        f"channel {name!r} already exists and is in use; attach to it with "
+        f"Channel.open({name!r}), or pick another name"
+    )
+
+
 def _create_segment(
     name: str, path: str | os.PathLike[str] | None, cfg: Any, total: int, mode: int
 ) -> _Segment:
@@ -723,7 +780,7 @@ def _create_segment(
             try:
                 shm = posix_ipc.SharedMemory(_shm_name(name), posix_ipc.O_CREX, mode=mode, size=0)
             except posix_ipc.ExistentialError:
-                raise errors.ChannelExists(f"channel {name!r} already exists") from None
+                raise errors.ChannelExists(_exists_text(name)) from None
             fd = shm.fd
         else:
             try:
@@ -1126,6 +1183,7 @@ class Sender(_hot.SenderBase):
         return rc
 
     def close(self) -> None:
+        """Stop using this Sender (idempotent); later sends raise Closed."""
         self._seg = None  # type: ignore[assignment]
 
     def __enter__(self) -> Sender:
@@ -1538,7 +1596,7 @@ class Handle(_hot.HandleBase):
     def __reduce__(self) -> tuple[Any, ...]:
         if self._done:
             # Released or given back here already: it travels as a no-op handle, as
-            # hand_over() sends one (a second release is a no-op: DESIGN.md, Handles).
+            # hand_over() sends one (a second release is a no-op).
             seg: _Segment = self._seg
             return (_released_handle, (seg.name, seg.path, self._slot, self._gen, seg.chan_id))
         seg = self._check()

@@ -1,7 +1,8 @@
-"""The command line: `python -m shmchan {ls,stat,rm,demo,bench}` (also installed as `shmchan`).
+"""The command line: `python -m shmchan {ls,stat,rm,dead,demo,bench}` (also installed as
+`shmchan`).
 
 Exit codes: 0 success, 1 the command failed (missing channel, failed demo, ...),
-2 bad usage (or `bench` not available), 130 interrupted. User errors print one line
+2 bad usage, 130 interrupted. User errors print one line
 on stderr, never a traceback.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import pickle
@@ -119,6 +119,11 @@ def _in_use(pids: int) -> str:
     return f"yes: {pids} pid" + ("s" if pids > 1 else "")
 
 
+def _committed_bytes(path: str) -> int:
+    """Memory a segment file really takes: its allocated blocks, not its size."""
+    return os.stat(path).st_blocks * 512
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     names = sorted(shmchan.list_channels())
     paths = {n: inspect.segment_path(n) for n in names}
@@ -129,7 +134,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     now = time.time()
     for name in names:
         try:
-            age = _age_text(max(now - os.stat(paths[name]).st_ctime, 0.0))
+            committed = _human_bytes(_committed_bytes(paths[name]))
         except FileNotFoundError:
             continue  # removed since we listed it
         mappers = maps.get(paths[name], set()) - {me}
@@ -141,11 +146,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             # Still list it (it exists), but say why there are no numbers.
             print(f"shmchan ls: {name}: {e}", file=sys.stderr)
             used = _in_use(len(mappers))
-            rows.append((name, "?", "?", "?", "?", "?", "?", age, used))
+            rows.append((name, "?", committed, "?", "?", "?", "?", "?", "?", used))
             failed = True
             continue
         try:
             s = ch.stats()
+            age = _age_text(max(now - ch.created, 0.0))
             users = inspect.users(ch, paths[name])
             receiver = (
                 str(s.receiver_pid) if s.receiver_pid and inspect.receiver_alive(ch) else "none"
@@ -157,6 +163,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             (
                 name,
                 _human_bytes(s.capacity),
+                committed,
                 _human_bytes(s.used_bytes),
                 str(s.queued),
                 str(s.inflight),
@@ -167,7 +174,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             )
         )
     if rows:
-        header = ("NAME", "CAPACITY", "USED", "QUEUED", "INFLIGHT", "PRODUCERS", "RECEIVER")
+        header: tuple[str, ...] = ("NAME", "CAPACITY", "COMMITTED", "USED", "QUEUED")
+        header = (*header, "INFLIGHT", "PRODUCERS", "RECEIVER")
         for line in _table((*header, "AGE", "IN USE"), rows):
             print(line)
     for line in exchange.ls_lines():  # then the exchanges, with their bindings
@@ -180,7 +188,7 @@ _COUNTERS = ("sent", "delivered", "released", "redelivered", "discarded")
 
 
 def _sample(ch: shmchan.Channel, name: str, top: int) -> dict[str, Any]:
-    """One sample of everything `stat` shows, as the documented JSON object (README)."""
+    """One sample of everything `stat` shows, as the documented `stat --json` object."""
     s = ch.stats()
     return {
         "time": time.time(),
@@ -434,12 +442,23 @@ def _watch(ch: shmchan.Channel, name: str, args: argparse.Namespace) -> int:
 
 def _cmd_rm(args: argparse.Namespace) -> int:
     if args.stale:
-        if args.name is not None or args.force:
-            raise _UsageError("rm --stale takes no NAME and no --force")
+        if args.name is not None or args.force or args.exchange or args.channel:
+            raise _UsageError("rm --stale takes no NAME, --force, --exchange or --channel")
         return _rm_stale()
     if args.name is None:
         raise _UsageError("rm needs a NAME (or --stale)")
+    if args.exchange and (args.channel or args.path):
+        raise _UsageError("rm --exchange takes no --channel or --path (exchanges have no file)")
     name = args.name
+    if not args.channel and args.path is None:
+        is_exchange = name in exchange.list_exchanges()
+        if args.exchange or (is_exchange and name not in shmchan.list_channels()):
+            return _rm_exchange(name, args.force)
+        if is_exchange:
+            raise _UserError(
+                f"{name!r} names both a channel and an exchange: `shmchan rm --channel {name}` "
+                f"removes the channel, `shmchan rm --exchange {name}` the exchange"
+            )
     path = inspect.segment_path(name, args.path)
     ch = _open(name, args.path)
     try:
@@ -457,6 +476,31 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     except shmchan.ChannelNotFound:
         raise _UserError(f"no channel named {name!r}") from None
     print(f"removed {name}")
+    return EXIT_OK
+
+
+def _exchange_users(name: str) -> set[int]:
+    path = exchange.segment_path(name)
+    return inspect.mapping_pids([path])[path] - {os.getpid()}
+
+
+def _rm_exchange(name: str, force: bool) -> int:
+    exchange.segment_path(name)  # refuses a bad name (InvalidArgument: bad usage)
+    if name not in exchange.list_exchanges():
+        raise _UserError(f"no exchange named {name!r}")
+    users = _exchange_users(name)
+    if users and not force:
+        who = ", ".join(str(pid) for pid in sorted(users))
+        raise _UserError(
+            f"exchange {name!r} is still open in live processes: pid {who}; "
+            f"`rm --force --exchange {name}` removes it anyway (they keep publishing "
+            f"through the removed exchange)"
+        )
+    try:
+        shmchan.unlink_exchange(name)
+    except shmchan.ExchangeNotFound:
+        raise _UserError(f"no exchange named {name!r}") from None
+    print(f"removed exchange {name}")
     return EXIT_OK
 
 
@@ -499,8 +543,25 @@ def _rm_stale() -> int:
             continue
         print(f"removed {name} (no live process used it)")
         removed += 1
+    for name in exchange.list_exchanges():
+        try:
+            if _exchange_users(name):
+                continue
+            try:
+                shmchan.Exchange.open(name).close()
+            except (shmchan.Error, OSError, ValueError):
+                # Not readable: nobody has it open, so nobody uses it -- unless it is
+                # being created this very moment.
+                made = os.stat(exchange.segment_path(name)).st_ctime
+                if time.time() - made < _YOUNG_SECONDS:
+                    continue
+            shmchan.unlink_exchange(name)
+        except (FileNotFoundError, shmchan.ExchangeNotFound):
+            continue
+        print(f"removed exchange {name} (no live process used it)")
+        removed += 1
     if not removed:
-        print("no stale channels")
+        print("no stale channels or exchanges")
     return EXIT_OK
 
 
@@ -553,12 +614,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: Sequence[str]) -> int:
-    """`bench ARGS...`: hand every argument to `shmchan.bench.main`, if it exists."""
-    if importlib.util.find_spec("shmchan.bench") is None:
-        print("bench: not implemented yet", file=sys.stderr)
-        return EXIT_USAGE
-    # The benchmark module is optional and written separately; mypy may not see it.
-    from shmchan import bench  # type: ignore[attr-defined,unused-ignore]
+    """`bench ARGS...`: hand every argument to `shmchan.bench.main`."""
+    from shmchan import bench
 
     rc = bench.main(list(argv))
     return rc if isinstance(rc, int) else EXIT_OK
@@ -654,16 +711,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stat)
 
     p = sub.add_parser(
-        "rm", help="remove a channel (refused while a live process uses it, unless --force)"
+        "rm",
+        help="remove a channel or an exchange (refused while a live process uses it, "
+        "unless --force)",
     )
-    p.add_argument("name", metavar="NAME", nargs="?", help="channel name")
+    p.add_argument("name", metavar="NAME", nargs="?", help="channel or exchange name")
     p.add_argument(
         "--force", action="store_true", help="remove it even if live processes still use it"
     )
     p.add_argument(
         "--stale",
         action="store_true",
-        help="remove every channel that no live process uses, and say which",
+        help="remove every channel and exchange that no live process uses, and say which",
+    )
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--exchange",
+        action="store_true",
+        help="NAME is an exchange (needed when a channel has the same name)",
+    )
+    kind.add_argument(
+        "--channel",
+        action="store_true",
+        help="NAME is a channel (needed when an exchange has the same name)",
     )
     p.add_argument(
         "--path", metavar="FILE", help="the channel's file, for channels created with path="

@@ -386,7 +386,11 @@ def _attach(
                 shm = posix_ipc.SharedMemory(shm_name)
         except posix_ipc.ExistentialError:
             if create:
-                raise ExchangeExists(f"exchange {name!r} already exists") from None
+                raise ExchangeExists(
+                    f"exchange {name!r} already exists: attach to it with "
+                    f"Exchange.open({name!r}), or remove it first with "
+                    f"`shmchan rm --exchange {name}` (or shmchan.unlink_exchange({name!r}))"
+                ) from None
             raise ExchangeNotFound(f"no exchange named {name!r}") from None
         out = ffi.new("shm_exch **")
         enc = name.encode()
@@ -481,6 +485,12 @@ def _drop_retired(att: _Attachment) -> None:
         posix_ipc.unlink_shared_memory(_retired_name(att.name, att.uid))
     except posix_ipc.ExistentialError:
         pass  # removed without retiring, or by another settler
+
+
+def segment_path(name: str) -> str:
+    """The file an exchange lives in (its /dev/shm segment)."""
+    _check_name(name)
+    return os.path.realpath(os.path.join(_channel._SHM_DIR, _PREFIX + name))
 
 
 def list_exchanges() -> list[str]:
@@ -932,6 +942,7 @@ class Exchange:
     # -- inspection ---------------------------------------------------------------------
 
     def stats(self) -> ExchangeStats:
+        """The exchange's counters: published, routed copies, unroutable, per binding."""
         att = self._live()
         info = ffi.new("shm_exch_info *")
         lib.exch_info(att.ptr, info)

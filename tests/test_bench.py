@@ -51,6 +51,7 @@ class QuickRun:
         self.pid = pid
         self.plot = plot
         self.stderr = stderr
+        self.docs = plot.parent / "docs"  # --report DIR
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
     plot = tmp_path_factory.mktemp("bench") / "bench.png"
     args = [sys.executable, "-m", "shmchan", "bench", "--quick", "--json"]
     if HAS_MATPLOTLIB:
-        args += ["--plot", str(plot)]
+        args += ["--plot", str(plot), "--report", str(plot.parent / "docs")]
     report, pid, err = _run_json(args)
     return QuickRun(report, pid, plot, err)
 
@@ -205,6 +206,23 @@ def test_the_run_leaves_no_channels_or_semaphores_behind(quick_run: QuickRun) ->
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--plot needs matplotlib")
 def test_plot_is_a_png(quick_run: QuickRun) -> None:
     assert quick_run.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--report draws its chart with matplotlib")
+def test_report_dir_holds_the_tables_the_chart_and_the_json(quick_run: QuickRun) -> None:
+    page = (quick_run.docs / "results.md").read_text()
+    r = quick_run.report
+    assert f"| date | {r['started']} |" in page
+    assert "| command | `python -m shmchan bench --quick --json --plot " in page
+    for row in r["results"]:
+        assert f"| {row['system']}" in page
+    for t in r["targets"]:
+        assert f"| {t['name']} |" in page
+    assert "![Benchmark chart of this run](bench.png)" in page
+    assert (quick_run.docs / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((quick_run.docs / "report.json").read_text())
+    assert saved["results"] == r["results"]
+    assert "revision" not in saved["machine"]
 
 
 def test_table_shows_every_row_and_target_verdict(quick_run: QuickRun) -> None:

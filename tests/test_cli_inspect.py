@@ -7,12 +7,13 @@ import json
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from procs import CTX, WAIT, run_shmchan, running
+from procs import CTX, WAIT, child_env, run_shmchan, running
 
 import shmchan
 
@@ -156,8 +157,8 @@ def test_ls_shows_the_receiver_and_who_uses_it(scene: Scene) -> None:
     assert "Traceback" not in result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split() == [
-        "NAME", "CAPACITY", "USED", "QUEUED", "INFLIGHT", "PRODUCERS", "RECEIVER", "AGE", "IN",
-        "USE",
+        "NAME", "CAPACITY", "COMMITTED", "USED", "QUEUED", "INFLIGHT", "PRODUCERS", "RECEIVER",
+        "AGE", "IN", "USE",
     ]  # fmt: skip
     row = next(line for line in lines if line.split()[0] == scene.ch.name)
     at = lines[0].index("QUEUED")
@@ -215,6 +216,15 @@ def test_dead_lists_and_resends_a_dead_letter(scene: Scene) -> None:
     match = re.fullmatch(rf"resent dead letter seq {dead} as seq (\d+)\n", result.stdout)
     assert match, result.stdout
     assert scene.ch.dead_letters() == []
+    # The receiver (the holder) is not polling: the discard is not reclaimed yet, and
+    # still every view of the channel counts no dead letter.
+    assert scene.ch.stats().dead_letters == 0
+    sample = json.loads(run_cli("stat", name, "--json").stdout)
+    assert sample["stats"]["dead_letters"] == 0
+    assert sample["dead_letters"] == []
+    text = run_cli("stat", name).stdout
+    assert re.search(r"^dead_letters +0$", text, re.M), text
+    assert "dead letters: 0" in text
     new = int(match.group(1))
     assert scene.ch.why_waiting(new).state == "ready"  # acct:9 is free: it goes next
     assert run_cli("dead", name).stdout == f"no dead letters in {name}\n"
@@ -225,3 +235,21 @@ def test_dead_drop_discards_it(scene: Scene) -> None:
     assert result.returncode == 0, result
     assert result.stdout == f"dropped dead letter seq {scene.seqs['dead']}\n"
     assert scene.ch.dead_letters() == []
+
+
+def test_rm_stale_removes_a_leftover_exchange_and_keeps_one_in_use(
+    scene: Scene, new_chan_name: Callable[[], str]
+) -> None:
+    leftover, kept = new_chan_name(), new_chan_name()
+    make = f"import shmchan; shmchan.Exchange.create({leftover!r})"  # then its maker exits
+    subprocess.run([sys.executable, "-c", make], check=True, timeout=TIMEOUT, env=child_env())
+    ex = shmchan.Exchange.create(kept)
+    try:
+        result = run_cli("rm", "--stale")
+        assert result.returncode == 0, result
+        assert f"removed exchange {leftover}" in result.stdout
+        assert leftover not in shmchan.list_exchanges()
+        assert kept in shmchan.list_exchanges()  # this process has it open
+    finally:
+        ex.close()
+        ex.unlink()

@@ -5,8 +5,8 @@ peers on the same machine: `multiprocessing.Queue`, `faster-fifo` (optional, ski
 with a note when it is not installed) and a naive keyed dispatcher -- the obvious design
 that scans its whole backlog for the first message whose keys are free, which is what
 shmchan's per-key wait lines exist to beat. The run ends with a table of absolute
-figures, each row's ratio to the best peer, and the performance targets of
-DESIGN.md / issue #4 with the measured ratio and whether it is met.
+figures, each row's ratio to the best peer, and shmchan's performance targets with the
+measured ratio and whether it is met.
 
 How the numbers are taken (so they can be trusted and reproduced):
 
@@ -41,6 +41,7 @@ The package, one concern per module:
 * throughput.py, dispatch.py, latency.py, ...  workload groups, one family per module
 * registry.py  how a module registers a group that `--only NAME` selects (read it first)
 * report.py    result rows, ranking, targets, the table; plot.py the chart
+* markdown.py  --report DIR: the run as Markdown tables, plot and JSON for the docs
 * spread.py    --runs N: the spread of every figure and target over N runs
 * runner.py    one run: machine description, the selected groups, the report
 
@@ -70,6 +71,7 @@ from shmchan.bench.common import (
     BenchError,
     Sizes,
 )
+from shmchan.bench.markdown import write_report
 from shmchan.bench.peers import NaiveKeyedDispatcher
 from shmchan.bench.plot import plot
 from shmchan.bench.registry import default_workloads, groups, register
@@ -79,6 +81,7 @@ from shmchan.bench.spread import format_spread, spread
 
 __all__ = [
     "main",
+    "build_parser",
     "run",
     "register",
     "NaiveKeyedDispatcher",
@@ -108,7 +111,8 @@ for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
 WORKLOADS: tuple[str, ...] = default_workloads()  # what a run without --only runs
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m shmchan bench` (also rendered in the docs)."""
     p = argparse.ArgumentParser(
         prog="python -m shmchan bench",
         description=(
@@ -126,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the report as JSON instead of a table"
     )
     p.add_argument("--plot", metavar="FILE.png", help="also write a chart (needs matplotlib)")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="also write the run into DIR for the documentation: results.md (the machine, "
+        "the date, the command, the tables), bench.png and report.json (needs matplotlib)",
+    )
     p.add_argument(
         "--only",
         metavar="WORKLOAD",
@@ -155,8 +165,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m shmchan bench`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else 2
     if args.reps is not None and args.reps < 1:
@@ -165,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1:
         print("bench: --runs must be >= 1", file=sys.stderr)
         return 2
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("bench: --plot needs matplotlib (pip install 'shmchan[bench]')", file=sys.stderr)
+    if (args.plot or args.report) and importlib.util.find_spec("matplotlib") is None:
+        print(
+            "bench: --plot and --report need matplotlib (pip install 'shmchan[bench]')",
+            file=sys.stderr,
+        )
         return 2
     workloads = [g.name for g in groups() if g.name in args.only] if args.only else WORKLOADS
     show = not args.no_progress and sys.stderr.isatty()
@@ -195,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         plot(report, args.plot)
         if not args.json:
             print(f"\nplot written to {args.plot}")
+    if args.report:
+        written = write_report(report, args.report, argv)
+        if not args.json:
+            print(f"\nreport written to {', '.join(written)}")
     return 0
 
 

@@ -44,7 +44,6 @@ def _targets(results: list[Result]) -> list[Target]:
             5e6,
             ">=",
             "prebuilt send_batch batches, recv_batch, cross-process",
-            source="issue #10",
         ),
         Target(
             "64 B batch API / unbatched",
@@ -52,7 +51,6 @@ def _targets(results: list[Result]) -> list[Target]:
             2.0,
             ">=",
             "the batch API vs send/recv/release of the same messages, same run",
-            source="issue #10",
         ),
         Target(
             "64 B send_many/recv_many: msg/s",
@@ -60,7 +58,6 @@ def _targets(results: list[Result]) -> list[Target]:
             3e6,
             ">=",
             "the Handle-per-message batch calls",
-            source="issue #10",
         ),
     ]
 

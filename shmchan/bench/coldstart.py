@@ -1,5 +1,5 @@
 """What users hit outside the warm steady state: a fresh process's first message, and the
-first message after a burst (issue #10 item 4; a backlog parked while the receiver sleeps
+first message after a burst (a backlog parked while the receiver sleeps
 is parked_latency.py).
 
 Every row is shmchan next to `multiprocessing.Queue` and faster-fifo (when installed). All

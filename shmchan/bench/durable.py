@@ -1,4 +1,4 @@
-"""Durable channels: what the records' checksum costs (issue #9 item 7).
+"""Durable channels: what the records' checksum costs.
 
 A file-backed channel (`Channel.create(name, path=FILE)`) computes a CRC-32C of every
 record when it is committed (csrc/crc32c.c); its receiver checks the records it recovers.

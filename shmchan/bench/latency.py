@@ -116,7 +116,6 @@ def _targets(results: list[Result]) -> list[Target]:
             2.0,
             "<=",
             "send->recv of an idle consumer vs a bare posix_ipc semaphore ping-pong, p99",
-            source="issue #10",
         )
     ]
 

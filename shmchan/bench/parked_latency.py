@@ -1,4 +1,4 @@
-"""Latency of the first free-key message sent right after a parked backlog (issue #8).
+"""Latency of the first free-key message sent right after a parked backlog.
 
 One handle is held on key "hot". A spawned producer sends N messages on "hot" with
 `send_many` while the receiver sleeps in `recv`, then at once one message on a free key,
@@ -118,7 +118,6 @@ def _targets(results: list[Result]) -> list[Target]:
                     1000.0,
                     "<=",
                     "first free-key message after a backlog sent while the receiver sleeps",
-                    source="issue #8",
                 )
             )
     return out

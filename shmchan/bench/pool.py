@@ -1,4 +1,4 @@
-"""Worker pools: KeyedExecutor against ProcessPoolExecutor and loky (issue #11).
+"""Worker pools: KeyedExecutor against ProcessPoolExecutor and loky.
 
 Every system runs the same trivial function over the same items with as many workers
 as there are usable CPUs; the executors are started (and warmed up) before any clock
@@ -180,7 +180,6 @@ def _targets(results: list[Result]) -> list[Target]:
             10.0,
             ">=",
             "trivial fn, both at chunksize 1",
-            source="issue #11",
         ),
         Target(
             "pool map, best chunksize: KeyedExecutor / ProcessPoolExecutor",
@@ -188,7 +187,6 @@ def _targets(results: list[Result]) -> list[Target]:
             1.0,
             ">=",
             "trivial fn, each at its best chunksize",
-            source="issue #11",
         ),
     ]
 

@@ -1,4 +1,4 @@
-"""Workloads under pressure (issue #10): producers 1/2/4/8 on a ring that fills, a channel
+"""Workloads under pressure: producers 1/2/4/8 on a ring that fills, a channel
 with millions of slots against a small one, and the CPU an idle receiver burns.
 
 * fill: 64 B unbatched into a `fill_capacity` ring (8 MiB) with several times that much
@@ -95,7 +95,6 @@ def _targets_fill(results: list[Result]) -> list[Target]:
             0.8,
             ">=",
             "aggregate rate with more producers on a ring that fills, vs one producer",
-            source="issue #10",
         )
     ]
 
@@ -122,7 +121,7 @@ def _run_big(run: Run) -> None:
     # that a machine that slows down for a while slows both alike: the target is their
     # ratio. Each repetition starts its channel and producer afresh, after a warm-up.
     # (A repetition's rate is bimodal here, about 1.6 or 2.0 M msg/s on either channel,
-    # whichever way the scheduler places the two processes: see README Performance.)
+    # whichever way the scheduler places the two processes.)
     # A repetition is short (50 000 messages: a few tens of ms), so a scheduler hiccup
     # moves it far: each of the run's repetitions is the median of BIG_PAIRS of them.
     one = dataclasses.replace(run, sizes=dataclasses.replace(sz, reps=1), results=[])
@@ -174,7 +173,6 @@ def _targets_big(results: list[Result]) -> list[Target]:
             0.95,
             ">=",
             "1-producer rate of a channel with millions of slots vs a small one",
-            source="issue #10",
         )
     ]
 
@@ -230,7 +228,6 @@ def _targets_idle(results: list[Result]) -> list[Target]:
             0.5,
             "<=",
             "percent of one core a receiver blocked on an empty channel uses",
-            source="issue #10",
         )
     ]
 

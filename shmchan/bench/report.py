@@ -83,7 +83,6 @@ class Target:
     target: float
     comparison: str  # ">=" or "<="
     detail: str
-    source: str = "issue #4"
 
     @property
     def met(self) -> bool | None:
@@ -101,7 +100,6 @@ class Target:
             "comparison": self.comparison,
             "met": self.met,
             "detail": self.detail,
-            "source": self.source,
         }
 
 
@@ -161,7 +159,6 @@ def core_targets(results: list[Result]) -> list[Target]:
             2e6,
             ">=",
             "absolute rate with send_many/recv_many",
-            source="DESIGN.md",
         )
     )
     out.append(
@@ -316,6 +313,6 @@ def format_table(report: dict[str, Any]) -> str:
         verdict = "" if t["measured"] is None else "met" if t["met"] else "NOT met"
         lines.append(
             f"  {t['name']:<{tw}}  {value:>13}  target {t['comparison']} {goal:<12} {verdict:<8}"
-            f"  ({t['source']}: {t['detail']})"
+            f"  ({t['detail']})"
         )
     return "\n".join(lines)

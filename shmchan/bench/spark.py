@@ -55,8 +55,8 @@ class Position:
     The counts live in one shared file of 8-byte counters mapped by every process, one
     counter per key ("k<j>" uses counter j), read and written without a lock: the fifo
     promise (rows sharing a key never run at once, and in order) is what keeps them
-    right. A counter costs a memory access, so the function is the 2 ms wait the issue
-    asks for, not file-system work; one file per key read and written per row cost
+    right. A counter costs a memory access, so the function is the 2 ms wait the
+    benchmark specifies, not file-system work; one file per key read and written per row cost
     ~0.3 ms of CPU per row here and made 16 workers on 2 CPUs CPU-bound.
     """
 
@@ -247,7 +247,6 @@ def _targets(results: list[Result]) -> list[Target]:
             5.0,
             ">=",
             f"2 ms I/O-bound fn, workers_per_task={WORKERS}, same data and session",
-            source="issue #12",
         )
     ]
 

@@ -730,7 +730,7 @@ class _Core:
         worker again would loop forever and no future would ever finish. Without an
         initializer a worker cannot fail to start by the user's code: however often new
         workers are killed (an operator, the OOM killer, a torture test), the executor
-        replaces them and is never broken (DESIGN.md)."""
+        replaces them and is never broken."""
         if running_seq is not None or w.finished:
             self.early_deaths = 0
             return
@@ -868,7 +868,7 @@ def _chunks(key_lists: list[tuple[Any, ...]], size: int) -> list[list[int]]:
 class KeyedExecutor(Executor):
     """A concurrent.futures.Executor whose tasks carry keys: tasks sharing a key never
     run at the same time and run in submission order; a worker that dies is replaced and
-    its task runs again (see the module docstring and README "Worker pools")."""
+    its task runs again (see the module docstring and the worker pools guide)."""
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ Rows that share a key never run at the same time, and run in order, past one mac
 `partition_by_keys` computes the connected components of the key graph (shmchan/spark/
 keygraph.py); `process_keyed` runs each partition through a KeyedExecutor (keyed.py);
 `send_partitions` makes Spark tasks producers into a node-local channel (producers.py).
-Processing is at-least-once across Spark task retries: see `process_keyed` and README.md.
+Processing is at-least-once across Spark task retries: see `process_keyed`.
 """
 
 try:
