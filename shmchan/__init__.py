@@ -22,6 +22,7 @@ from .channel import (
     Stats,
     adopt,
     hand_over,
+    split_hand_over,
     list_channels,
     unlink,
 )
@@ -126,6 +127,7 @@ __all__ = [
     "list_channels",
     "hand_over",
     "adopt",
+    "split_hand_over",
     "Error",
     "Full",
     "Empty",

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import errors, liveness
-from .channel import Handle, Sender, adopt
+from .channel import Handle, Sender, adopt, split_hand_over
 
 __all__ = [
     "SLOT",
@@ -104,11 +104,14 @@ log = logging.getLogger("shmchan.pool")
 
 
 class _Inbox:
-    """Handles received from the manager, adopted on arrival by a reader thread."""
+    """Handles received from the manager, adopted on arrival by a reader thread; or,
+    `lazy`, kept in transit (each one's own hand-over bytes, see split_hand_over) for
+    the main thread to adopt right before it runs it."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, lazy: bool = False) -> None:
         self._conn = conn
-        self._queue: collections.deque[Handle] = collections.deque()
+        self._lazy = lazy
+        self._queue: collections.deque[Any] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
         threading.Thread(target=self._read, name="shmchan-worker-reader", daemon=True).start()
@@ -119,7 +122,8 @@ class _Inbox:
                 data = self._conn.recv_bytes()
                 if not data:  # the manager's stop mark: finish what is here, then exit
                     break
-                handles = adopt(data)  # we hold them from here on
+                # lazy: still in transit; the manager may take them back until we adopt
+                handles = split_hand_over(data) if self._lazy else adopt(data)
                 with self._cond:
                     self._queue.extend(handles)
                     self._cond.notify()
@@ -132,7 +136,7 @@ class _Inbox:
                 self._closed = True
                 self._cond.notify()
 
-    def __iter__(self) -> Iterator[Handle]:
+    def __iter__(self) -> Iterator[Any]:
         queue = self._queue
         while True:
             if queue:
@@ -241,8 +245,12 @@ def executor_worker(
     initializer: Callable[..., object] | None,
     initargs: tuple[Any, ...],
 ) -> None:
-    """A KeyedExecutor worker: run tasks, send each result, then release its handle."""
-    _start(initializer, initargs, parent_token)
+    """A KeyedExecutor worker: run tasks, send each result, then release its handle.
+
+    A task is adopted only when it is about to run: until then its manager can take it
+    back (a cancelled task, or one that waits here while another worker is idle), and
+    adopting it is what starts it."""
+    _start(initializer, initargs, parent_token, words, index)
     words = memoryview(words).cast("B").cast("q")  # (a ctypes item store costs 3x this)
     tx = Sender.open(result_channel)
     base = SLOT * index
@@ -250,11 +258,13 @@ def executor_worker(
     finished = 0
     clock = time.monotonic_ns
     functions: dict[int, Callable[..., Any]] = {}
-    for h in _Inbox(conn):
+    for transit in _Inbox(conn, lazy=True):
         finished += 1
         try:
+            h = adopt(transit)[0]
             view = h.data
-        except errors.Closed:  # redelivered before we adopted it: not ours to run
+        except (errors.HandoverExpired, errors.Closed):
+            # taken back by the manager, or redelivered before we adopted it: not ours
             words[base + FINISHED] = finished
             continue
         seq = h.seq

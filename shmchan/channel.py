@@ -1594,6 +1594,24 @@ def hand_over(handles: Iterable[Handle]) -> bytes:
     return seg.handover_prefix + pairs
 
 
+def split_hand_over(data: bytes | bytearray | memoryview) -> list[bytes]:
+    """The bytes of one `hand_over` of n handles as n hand-overs of one handle each, in
+    order: each can be passed to `adopt` on its own, when its handle is wanted. A handle
+    stays in transit until it is adopted, so the process that handed it over can still
+    take it back by adopting it itself; whichever adoption comes first wins, the other
+    gets HandoverExpired (the core decides, with one atomic step)."""
+    view = memoryview(data).cast("B")
+    size = _HANDOVER.size
+    if len(view) < size or bytes(view[:4]) != _HANDOVER_MAGIC:
+        raise errors.InvalidArgument("split_hand_over: not the bytes of a hand_over()")
+    _, _, nlen, plen = _HANDOVER.unpack_from(view)
+    end = size + nlen + (0 if plen == _NO_PATH else plen)
+    if len(view) < end or (len(view) - end) % 8:
+        raise errors.InvalidArgument("split_hand_over: a truncated or malformed hand_over()")
+    prefix = bytes(view[:end])
+    return [prefix + bytes(view[i : i + 8]) for i in range(end, len(view), 8)]
+
+
 def adopt(data: bytes | bytearray | memoryview) -> list[Handle]:
     """Take over, in this process, the handles `hand_over` handed over, with one core
     call: this process holds them from now on (its death sends them back with attempt
