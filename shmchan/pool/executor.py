@@ -183,12 +183,14 @@ class _Task:
 
     def resolve_cancelled(self) -> None:
         """After the core cancelled it (outside the core's lock: callbacks run here)."""
+        self.fn = None  # (the caller may keep the future: it must not keep fn alive)
         if self.future is not None:
             Future.cancel(self.future)
         else:
             self._resolve_all(_Raised(CancelledError()))
 
     def set_result(self, value: Any) -> None:
+        self.fn = None
         if self.future is not None:
             self.future.set_result(value)
         elif self.batch is None:
@@ -207,6 +209,7 @@ class _Task:
             self.batch.resolve(self.index, value)
 
     def set_exception(self, exc: BaseException) -> None:
+        self.fn = None
         if self.future is not None:
             if not self.future.done():
                 self.future.set_exception(exc)
@@ -282,6 +285,7 @@ class _Core:
         self.spare: list[list[Any]] = []  # [handle, task id] taken, no worker had room yet
         self.reclaimed: list[Handle] = []  # taken back from workers by cancel(): release
         self.terminating = False  # Ctrl-C: stop now (see request_shutdown)
+        self.cancel_requested = False  # shutdown(cancel_futures=True): see housekeeping
         self.terminate_at = 0.0
         self.seen_running: dict[int, int] = {}  # worker slot -> its RUNNING word, last seen
         self.timeout_kills: dict[int, int] = {}  # worker pid -> seq of the task it overran
@@ -553,7 +557,8 @@ class _Core:
             if terminate and not self.terminating:
                 self.terminate_at = time.monotonic() + (self.task_timeout or 0.0)
                 self.terminating = True
-        if cancel_futures or terminate:
+            self.cancel_requested |= cancel_futures
+        if terminate:
             self.cancel(list(self.tasks.values()))
         # Wake a manager waiting for tasks, so that it closes down now rather than at its
         # next tick: a message for task id 0, which no task has, so dispatch drops it. A
@@ -832,10 +837,26 @@ class _Core:
                 self.failed += 1
             return True
         self.reap()
+        if self.cancel_requested:
+            self.cancel_requested = False
+            self.cancel_unstarted()
         if self.shutdown_requested:
             if not self.tasks and not self.spare and not workers.outstanding():
                 return True
         return False
+
+    def cancel_unstarted(self) -> None:
+        """shutdown(cancel_futures=True): cancel every task not started, except the one
+        an idle worker is picking up (first in its hands: it is starting, as the call a
+        ProcessPoolExecutor's worker has taken from its queue is)."""
+        starting = set()
+        words = self.workers.words
+        for w in self.workers.live():
+            if not words[SLOT * w.index + RUNNING]:
+                first = next((e for e in w.given if e[0] is not None), None)
+                if first is not None:
+                    starting.add(first[1])
+        self.cancel([t for t in list(self.tasks.values()) if t.tid not in starting])
 
     def bury(self, w: _Worker, code: int | None, running_seq: int | None) -> None:
         """A worker ended: give back what it held; the task it ran counts an attempt.
@@ -1094,7 +1115,7 @@ class KeyedExecutor(Executor):
             max_workers = len(os.sched_getaffinity(0)) or 1
         for what, value in (("max_workers", max_workers), ("max_attempts", max_attempts)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{what} must be a positive int, got {value!r}")
+                raise ValueError(f"{what} must be greater than 0 (an int), got {value!r}")
         if max_tasks_per_child is not None and (
             not isinstance(max_tasks_per_child, int) or max_tasks_per_child < 1
         ):
@@ -1199,11 +1220,13 @@ class KeyedExecutor(Executor):
             while index < n:
                 stop = min(batch.ready, batch.raised_at)
                 if stop > index + 1 and bar is None:  # a block, all there: no check per item
-                    block = results[index:stop]
+                    # Handed out as taken from the deque: the iterator keeps no result
+                    # the caller has had (it may drop it and expect it collected).
+                    block = collections.deque(results[index:stop])
+                    block.append(_PENDING)
                     results[index:stop] = itertools.repeat(None, stop - index)
                     index = stop
-                    yield from block
-                    del block
+                    yield from iter(block.popleft, _PENDING)
                     continue
                 value = results[index]
                 if value is _PENDING:
@@ -1215,7 +1238,9 @@ class KeyedExecutor(Executor):
                 if bar is not None:
                     bar.set_postfix(retries=self._core.retried, refresh=False)
                     bar.update(1)
-                yield value
+                box = [value]
+                del value
+                yield box.pop()  # (no local keeps it while the caller has it)
         finally:
             batch.closed = True
             # What has not started will not run (closed, dropped, or interrupted).
