@@ -82,6 +82,7 @@ CANNOT_PASS: dict[str, str] = {
 
 class KeyedExecutorMixin(suite.ExecutorMixin):  # type: ignore[misc]
     executor_type = shmchan.KeyedExecutor
+    worker_count = 2  # (CPython uses 5; two keep the spawn runs short on a small machine)
     ctx = "fork"
 
     def get_context(self) -> Any:

@@ -584,7 +584,10 @@ class _Core:
                 tasks = list(self.tasks.values())
                 self.tasks.clear()
             for task in tasks:  # (a task stays in the list until it is resolved)
-                self.settle(task.set_exception, failure)
+                try:  # (not settle(): this must hold whatever failed before)
+                    task.set_exception(failure)
+                except BaseException:  # noqa: S110 - cancelled meanwhile, or a callback
+                    pass
         finally:
             self.teardown()
 
