@@ -22,8 +22,8 @@ from .channel import (
     Stats,
     adopt,
     hand_over,
-    split_hand_over,
     list_channels,
+    split_hand_over,
     unlink,
 )
 from .errors import (

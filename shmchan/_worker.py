@@ -5,10 +5,10 @@ channel's receiver). The handles travel by pickling through a pipe that carries 
 but those references, a few bytes each; the task or message itself is read from shared
 memory through the handle.
 
-    manager --(pickled handles: pipe)--> reader thread: unpickles at once --> inbox
-                                                                               |
+    manager --(pickled handles: pipe)--> reader thread --> inbox
+                                                             |
     main thread: take a handle, run it, [executor: send the result into the result
-    channel], release the handle  <--------------------------------------------'
+    channel], release the handle  <--------------------------'
 
 A watcher thread checks every _PARENT_CHECK_SECONDS, from before the initializer to
 the worker's end, that the manager's process lives (its liveness token: pid and start
@@ -16,11 +16,19 @@ time), and exits the worker once it does not: nobody wants its results any more,
 what it holds goes back to the channel as a dead holder's handles do. Every blocking
 send in a worker waits at most that long at a time, so nothing outlives the check.
 
-The reader thread unpickles every batch the moment it arrives: unpickling is what makes
-this process the handles' holder, so from then on the channel notices this process's
-death and redelivers them (attempt + 1), and no handle waits in the pipe past the
-channel's hand-over deadline. A handle is released only after its result was sent, so a
-worker that dies never loses a task: it runs again.
+A KeyedPool worker's reader thread adopts every batch the moment it arrives: adopting
+(unpickling) is what makes this process the handles' holder, so from then on the
+channel notices this process's death and redelivers them (attempt + 1), and no handle
+waits in the pipe past the channel's hand-over deadline.
+
+A KeyedExecutor worker adopts each task only right before it runs it: until then the
+task is in transit, and its manager can take it back by adopting it itself (cancel(),
+or an idle worker taking over what waits behind a long task). The core lets exactly one
+adoption win, so a task taken back never runs here (adopting it raises HandoverExpired
+and the worker skips it), and a task adopted here is started: this is what makes
+"running" mean started. The manager gives back what a dead worker held itself, so the
+executor's task channel has a long hand-over time. A handle is released only after its
+result was sent, so a worker that dies never loses a task: it runs again.
 
 The manager follows each worker through a few int64 words in shared memory (a
 multiprocessing RawArray, written only by the worker):
@@ -31,7 +39,9 @@ multiprocessing RawArray, written only by the worker):
     words[SLOT * i + FAILED]    of those, handler calls that raised (KeyedPool)
     words[SLOT * i + READY]     1 once the initializer returned (KeyedPool hands out
                                 nothing before: a worker whose initializer fails never
-                                held a message, so none is charged an attempt)
+                                held a message, so none is charged an attempt; a
+                                KeyedExecutor worker that exits before it is set never
+                                started, which breaks the executor)
 
 Handles are finished in the order they were handed over, so the manager knows from
 FINISHED which of the handles it gave this worker are still in its hands.
@@ -52,7 +62,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import errors, liveness
-from .channel import Handle, Sender, adopt, split_hand_over
+from .channel import Sender, adopt, split_hand_over
 
 __all__ = [
     "SLOT",

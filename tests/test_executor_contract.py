@@ -194,7 +194,11 @@ def _interrupt(
     their end). 20 tasks of 0.5 s on 2 workers: 4.5 s more to finish them."""
     log = str(tmp_path / f"{peer}-{mode}")
     script = _SCRIPT.format(
-        tests=str(ROOT / "tests"), root=str(ROOT), peer=peer, log=log, mode=mode,
+        tests=str(ROOT / "tests"),
+        root=str(ROOT),
+        peer=peer,
+        log=log,
+        mode=mode,
         timeout=timeout,
     )
     p = subprocess.Popen(
@@ -255,3 +259,22 @@ def test_a_second_ctrl_c_never_hangs(tmp_path: Path) -> None:
     gone, ran = _interrupt("KeyedExecutor", "with", tmp_path, twice=True)
     print(f"Ctrl-C twice in the with block's exit: gone after {gone:.1f} s, {ran} ran")
     assert ran < 20 and gone < 4.5
+
+
+def test_tasks_waiting_behind_a_long_task_move_to_an_idle_worker(tmp_path: Path) -> None:
+    # Tasks are handed to workers ahead of time, spread over them; those that landed
+    # behind a long task would hold their keys (and everything behind those) until it
+    # ends. An idle worker takes them over.
+    gate = str(tmp_path / "gate")
+    e = shmchan.KeyedExecutor(2)
+    try:
+        slow = e.submit(gated, gate, "slow", keys="slow")
+        _until(slow.running)
+        fs = [e.submit(logged_sleep, str(tmp_path / "log"), i, 0.01, keys=i % 8) for i in range(40)]
+        done, pending = concurrent.futures.wait(fs, timeout=WAIT)
+        stolen = getattr(e._core, "stolen", "-")
+        print(f"done beside a long task: {len(done)} of 40, taken over: {stolen}")
+        assert not pending and not slow.done()
+    finally:
+        Path(gate).touch()
+        e.shutdown(wait=True)

@@ -105,9 +105,7 @@ def _make(group: type, method: str) -> type:
     attrs: dict[str, Any] = {}
     for name in dir(group):
         if name in CANNOT_PASS and name.startswith("test_"):
-            attrs[name] = unittest.skip(f"cannot pass: {CANNOT_PASS[name]}")(
-                getattr(group, name)
-            )
+            attrs[name] = unittest.skip(f"cannot pass: {CANNOT_PASS[name]}")(getattr(group, name))
     name = f"KeyedExecutor{method.title()}{group.__name__}"
     return type(name, (group, mixin, suite.BaseTestCase), attrs)
 

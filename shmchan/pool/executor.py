@@ -57,6 +57,9 @@ _ONE_KEY = frozenset({int, str, bytes})  # the types of a value that is one key
 # by a signal in the initializer, say) before the executor counts itself broken (only
 # when it has an initializer: without one, deaths are never its own).
 _EARLY_DEATHS = 3
+# Seconds a worker runs one task before the tasks waiting in its hands may be taken
+# back for an idle worker (see _Core.rebalance).
+_STEAL_AFTER = 0.1
 
 log = logging.getLogger("shmchan.pool")
 
@@ -286,6 +289,7 @@ class _Core:
         self.reclaimed: list[Handle] = []  # taken back from workers by cancel(): release
         self.terminating = False  # Ctrl-C: stop now (see request_shutdown)
         self.cancel_requested = False  # shutdown(cancel_futures=True): see housekeeping
+        self.stolen = 0  # tasks taken back from a busy worker for an idle one, ever
         self.terminate_at = 0.0
         self.seen_running: dict[int, int] = {}  # worker slot -> its RUNNING word, last seen
         self.timeout_kills: dict[int, int] = {}  # worker pid -> seq of the task it overran
@@ -840,6 +844,7 @@ class _Core:
                 self.failed += 1
             return True
         self.reap()
+        self.rebalance()
         if self.cancel_requested:
             self.cancel_requested = False
             self.cancel_unstarted()
@@ -847,6 +852,40 @@ class _Core:
             if not self.tasks and not self.spare and not workers.outstanding():
                 return True
         return False
+
+    def rebalance(self) -> None:
+        """While a worker is idle, take back the tasks waiting in the hands of a worker
+        that has run one task for longer than _STEAL_AFTER, and hand them out again:
+        a task waiting behind a long one holds its keys (and the tasks behind those)
+        for no reason when another worker could start it now."""
+        workers = self.workers
+        live = workers.live()
+        words = workers.words
+        if not any(
+            w.taken == w.finished and workers.budget(w) > 0 and not words[SLOT * w.index + RUNNING]
+            for w in live
+        ):
+            return
+        limit = time.monotonic_ns() - int(_STEAL_AFTER * 1e9)
+        back: list[list[Any]] = []
+        with self.lock:
+            for w in live:
+                run = workers.running(w)
+                if run is None or run[1] > limit or len(w.given) < 2:
+                    continue
+                for entry in list(w.given)[1:]:
+                    task = self.tasks.get(entry[1])
+                    if task is None or task.handed is None or task.handed[0] is not entry:
+                        continue
+                    h = self.take_back(task.handed[1], task.handed[2])
+                    if h is None:  # it has just started there
+                        continue
+                    entry[0] = None
+                    task.handed = None
+                    back.append([h, entry[1]])
+        if back:
+            self.stolen += len(back)
+            self.give(back)
 
     def cancel_unstarted(self) -> None:
         """shutdown(cancel_futures=True): cancel every task not started, except the one
