@@ -278,3 +278,20 @@ def test_tasks_waiting_behind_a_long_task_move_to_an_idle_worker(tmp_path: Path)
     finally:
         Path(gate).touch()
         e.shutdown(wait=True)
+
+
+def test_a_map_iterator_dropped_before_its_first_item_cancels_its_tasks(tmp_path: Path) -> None:
+    log, gate = str(tmp_path / "log"), str(tmp_path / "gate")
+    e = shmchan.KeyedExecutor(1)
+    try:
+        blocker = e.submit(gated, gate, "blocker")
+        _until(blocker.running)
+        results = e.map(logged_sleep, [log] * 20, range(20), [0] * 20)
+        del results  # never iterated
+        _until(lambda: e.stats().cancelled == 20)
+        Path(gate).touch()
+        assert blocker.result(timeout=WAIT) == "blocker"
+        assert e.submit(logged_sleep, log, 99, 0).result(timeout=WAIT) == 99
+    finally:
+        e.shutdown(wait=True)
+    assert Path(log).read_text().split() == ["99"]

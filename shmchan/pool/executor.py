@@ -86,7 +86,7 @@ class _MapBatch:
 
     __slots__ = (
         "results", "cond", "waiting", "closed", "owners", "ready", "raised_at", "_order",
-        "_firsts", "_done", "_next",
+        "_firsts", "_done", "_next", "dropped",
     )  # fmt: skip
 
     def __init__(self, n: int, owners: list[list[int]] | None = None) -> None:
@@ -94,6 +94,7 @@ class _MapBatch:
         self.cond = threading.Condition(threading.Lock())
         self.waiting = -1  # the index the caller waits for
         self.closed = False  # the iterator was closed: run nothing more of it
+        self.dropped: Any = None  # the finalizer of an iterator dropped before it started
         self.owners = owners  # in chunks: the items of chunk i are owners[i]
         # In chunks, results[:ready] are all there and none before raised_at is an
         # exception, so that the caller can take them as a block. `ready` is the first
@@ -290,6 +291,7 @@ class _Core:
         self.terminating = False  # Ctrl-C: stop now (see request_shutdown)
         self.cancel_requested = False  # shutdown(cancel_futures=True): see housekeeping
         self.stolen = 0  # tasks taken back from a busy worker for an idle one, ever
+        self.dropped_maps: list[list[_Task]] = []  # see drop_map
         self.terminate_at = 0.0
         self.seen_running: dict[int, int] = {}  # worker slot -> its RUNNING word, last seen
         self.timeout_kills: dict[int, int] = {}  # worker pid -> seq of the task it overran
@@ -613,6 +615,8 @@ class _Core:
         while True:
             if self.breaking is not None:
                 raise self.breaking
+            while self.dropped_maps:
+                self.cancel(t for t in self.dropped_maps.pop() if not t.started)
             busy = self.collect(0)
             busy |= self.dispatch(0)
             if self.backlog:
@@ -886,6 +890,13 @@ class _Core:
         if back:
             self.stolen += len(back)
             self.give(back)
+
+    def drop_map(self, tasks: list[_Task]) -> None:
+        """A map iterator was dropped before its first item (any thread, at garbage
+        collection, maybe with the lock held: the manager cancels its tasks)."""
+        self.dropped_maps.append(tasks)
+        with contextlib.suppress(errors.Error):
+            self.wake()
 
     def cancel_unstarted(self) -> None:
         """shutdown(cancel_futures=True): cancel every task not started, except the one
@@ -1245,11 +1256,16 @@ class KeyedExecutor(Executor):
         del items, raw
         batch = _MapBatch(n, owners)
         tasks = self._core.submit_many(fn, kind, args, key_tuples, batch)
-        return self._results(batch, tasks, end, n if progress else None)
+        results = self._results(batch, tasks, end, n if progress else None)
+        # An iterator dropped before its first item never ran its `finally` (which
+        # cancels what has not started): this does it then.
+        batch.dropped = weakref.finalize(results, self._core.drop_map, tasks)
+        return results
 
     def _results(
         self, batch: _MapBatch, tasks: list[_Task], end: float | None, total: int | None
     ) -> Iterator[Any]:
+        batch.dropped.detach()  # started: the `finally` below cancels from now on
         bar = None
         if total is not None:
             from tqdm import tqdm
