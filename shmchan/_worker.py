@@ -24,11 +24,12 @@ waits in the pipe past the channel's hand-over deadline.
 A KeyedExecutor worker adopts each task only right before it runs it: until then the
 task is in transit, and its manager can take it back by adopting it itself (cancel(),
 or an idle worker taking over what waits behind a long task). The core lets exactly one
-adoption win, so a task taken back never runs here (adopting it raises HandoverExpired
-and the worker skips it), and a task adopted here is started: this is what makes
-"running" mean started. The manager gives back what a dead worker held itself, so the
-executor's task channel has a long hand-over time. A handle is released only after its
-result was sent, so a worker that dies never loses a task: it runs again.
+adoption win, so a task taken back never runs here (adopting it gives a no-op handle,
+whose data raises Closed, and the worker skips it), and a task adopted here is started:
+this is what makes "running" mean started. The manager gives back what a dead worker
+held itself, so the executor's task channel has a long hand-over time. A handle is
+released only after its result was sent, so a worker that dies never loses a task: it
+runs again.
 
 The manager follows each worker through a few int64 words in shared memory (a
 multiprocessing RawArray, written only by the worker):

@@ -540,7 +540,7 @@ class _Core:
         adopted it first (or it is gone: released, redelivered)."""
         try:
             h = adopt(split_hand_over(data)[i])[0]
-            h.data  # noqa: B018 - a handle that came back released raises Closed
+            h.data  # noqa: B018 - a no-op handle (adopted elsewhere first) raises Closed
         except (errors.HandoverExpired, errors.Closed):
             return None
         return h
