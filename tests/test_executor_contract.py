@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -295,3 +296,22 @@ def test_a_map_iterator_dropped_before_its_first_item_cancels_its_tasks(tmp_path
     finally:
         e.shutdown(wait=True)
     assert Path(log).read_text().split() == ["99"]
+
+
+def test_wait_hears_of_a_cancel_made_while_it_waits(
+    ex: shmchan.KeyedExecutor, tmp_path: Path
+) -> None:
+    gate = str(tmp_path / "gate")
+    blocker = ex.submit(gated, gate, "blocker")
+    behind = ex.submit(logged_sleep, str(tmp_path / "log"), 1, 0)
+    _until(blocker.running)
+    waited: list[set[concurrent.futures.Future[int]]] = []
+    t = threading.Thread(
+        target=lambda: waited.append(concurrent.futures.wait([behind], timeout=WAIT).done)
+    )
+    t.start()
+    time.sleep(0.2)  # (wait() is waiting by now, or sees it cancelled at once: both pass)
+    ex.shutdown(wait=False, cancel_futures=True)
+    t.join(WAIT)
+    Path(gate).touch()
+    assert waited == [{behind}] and behind.cancelled()

@@ -190,6 +190,9 @@ class _Task:
         self.fn = None  # (the caller may keep the future: it must not keep fn alive)
         if self.future is not None:
             Future.cancel(self.future)
+            # CANCELLED -> CANCELLED_AND_NOTIFIED, as an executor does: what waits on it
+            # in concurrent.futures.wait() or as_completed() hears of it only then.
+            self.future.set_running_or_notify_cancel()
         else:
             self._resolve_all(_Raised(CancelledError()))
 
@@ -785,6 +788,7 @@ class _Core:
         handed with its hand-over bytes (then it can take it back)."""
         drop: list[Handle] = []
         out: list[list[Any]] = []
+        stopped: list[_Task] = []
         tasks = self.tasks
         with self.lock:
             for entry in entries:
@@ -794,14 +798,16 @@ class _Core:
                 elif self.terminating:  # nothing more runs; a started task did not finish
                     del tasks[entry[1]]
                     drop.append(entry[0])
-                    self.settle(task.set_exception, self.terminated())
-                    self.failed += 1
+                    stopped.append(task)
                 else:
                     if task.started:
                         self.retried += 1
                     out.append(entry)
             if out:
                 self.spare += self.workers.give(out, self.record)
+        for task in stopped:  # (outside the lock: done-callbacks run here)
+            self.settle(task.set_exception, self.terminated())
+            self.failed += 1
         if drop:
             self.rx_tasks.release_many(drop)
 
