@@ -1313,8 +1313,10 @@ class KeyedExecutor(Executor):
                 bar.close()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """No new tasks; with cancel_futures, cancel those not yet running; with wait,
-        return once every task finished and the workers and channels are gone."""
+        """No new tasks; with cancel_futures, cancel those no worker has started (the
+        one an idle worker is already taking up still runs, as with ProcessPoolExecutor);
+        with wait, return once every task finished and the workers and channels are
+        gone. Ctrl-C while waiting stops the executor now (see __exit__)."""
         self._core.request_shutdown(cancel_futures)
         if wait and self._core.thread is not threading.current_thread():
             try:
@@ -1324,6 +1326,9 @@ class KeyedExecutor(Executor):
                 raise
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        """shutdown(wait=True); after a KeyboardInterrupt in the block, first stop: cancel
+        what has not started and kill the workers (with task_timeout set, once the
+        running tasks end or reach it); the futures of the tasks stopped fail."""
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
             # Ctrl-C: leave now. Nothing more starts; the running tasks are stopped (at
             # once, or when they reach task_timeout if one is set) and count as not done.
