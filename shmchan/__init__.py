@@ -24,6 +24,7 @@ from .channel import (
     adopt,
     hand_over,
     list_channels,
+    split_hand_over,
     unlink,
 )
 from .errors import (
@@ -136,6 +137,7 @@ __all__ = [
     "list_channels",
     "hand_over",
     "adopt",
+    "split_hand_over",
     "Error",
     "Full",
     "Empty",

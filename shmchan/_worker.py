@@ -5,10 +5,10 @@ channel's receiver). The handles travel by pickling through a pipe that carries 
 but those references, a few bytes each; the task or message itself is read from shared
 memory through the handle.
 
-    manager --(pickled handles: pipe)--> reader thread: unpickles at once --> inbox
-                                                                               |
+    manager --(pickled handles: pipe)--> reader thread --> inbox
+                                                             |
     main thread: take a handle, run it, [executor: send the result into the result
-    channel], release the handle  <--------------------------------------------'
+    channel], release the handle  <--------------------------'
 
 A watcher thread checks every _PARENT_CHECK_SECONDS, from before the initializer to
 the worker's end, that the manager's process lives (its liveness token: pid and start
@@ -16,11 +16,20 @@ time), and exits the worker once it does not: nobody wants its results any more,
 what it holds goes back to the channel as a dead holder's handles do. Every blocking
 send in a worker waits at most that long at a time, so nothing outlives the check.
 
-The reader thread unpickles every batch the moment it arrives: unpickling is what makes
-this process the handles' holder, so from then on the channel notices this process's
-death and redelivers them (attempt + 1), and no handle waits in the pipe past the
-channel's hand-over deadline. A handle is released only after its result was sent, so a
-worker that dies never loses a task: it runs again.
+A KeyedPool worker's reader thread adopts every batch the moment it arrives: adopting
+(unpickling) is what makes this process the handles' holder, so from then on the
+channel notices this process's death and redelivers them (attempt + 1), and no handle
+waits in the pipe past the channel's hand-over deadline.
+
+A KeyedExecutor worker adopts each task only right before it runs it: until then the
+task is in transit, and its manager can take it back by adopting it itself (cancel(),
+or an idle worker taking over what waits behind a long task). The core lets exactly one
+adoption win, so a task taken back never runs here (adopting it gives a no-op handle,
+whose data raises Closed, and the worker skips it), and a task adopted here is started:
+this is what makes "running" mean started. The manager gives back what a dead worker
+held itself, so the executor's task channel has a long hand-over time. A handle is
+released only after its result was sent, so a worker that dies never loses a task: it
+runs again.
 
 The manager follows each worker through a few int64 words in shared memory (a
 multiprocessing RawArray, written only by the worker):
@@ -31,7 +40,9 @@ multiprocessing RawArray, written only by the worker):
     words[SLOT * i + FAILED]    of those, handler calls that raised (KeyedPool)
     words[SLOT * i + READY]     1 once the initializer returned (KeyedPool hands out
                                 nothing before: a worker whose initializer fails never
-                                held a message, so none is charged an attempt)
+                                held a message, so none is charged an attempt; a
+                                KeyedExecutor worker that exits before it is set never
+                                started, which breaks the executor)
 
 Handles are finished in the order they were handed over, so the manager knows from
 FINISHED which of the handles it gave this worker are still in its hands.
@@ -52,7 +63,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import delivery, errors, liveness, remote
-from .channel import Handle, Sender, adopt
+from .channel import Sender, adopt, split_hand_over
 
 __all__ = [
     "SLOT",
@@ -105,11 +116,14 @@ log = logging.getLogger("shmchan.pool")
 
 
 class _Inbox:
-    """Handles received from the manager, adopted on arrival by a reader thread."""
+    """Handles received from the manager, adopted on arrival by a reader thread; or,
+    `lazy`, kept in transit (each one's own hand-over bytes, see split_hand_over) for
+    the main thread to adopt right before it runs it."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, lazy: bool = False) -> None:
         self._conn = conn
-        self._queue: collections.deque[Handle] = collections.deque()
+        self._lazy = lazy
+        self._queue: collections.deque[Any] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
         threading.Thread(target=self._read, name="shmchan-worker-reader", daemon=True).start()
@@ -120,7 +134,8 @@ class _Inbox:
                 data = self._conn.recv_bytes()
                 if not data:  # the manager's stop mark: finish what is here, then exit
                     break
-                handles = adopt(data)  # we hold them from here on
+                # lazy: still in transit; the manager may take them back until we adopt
+                handles = split_hand_over(data) if self._lazy else adopt(data)
                 with self._cond:
                     self._queue.extend(handles)
                     self._cond.notify()
@@ -133,7 +148,7 @@ class _Inbox:
                 self._closed = True
                 self._cond.notify()
 
-    def __iter__(self) -> Iterator[Handle]:
+    def __iter__(self) -> Iterator[Any]:
         queue = self._queue
         while True:
             if queue:
@@ -227,8 +242,12 @@ def executor_worker(
     initializer: Callable[..., object] | None,
     initargs: tuple[Any, ...],
 ) -> None:
-    """A KeyedExecutor worker: run tasks, send each result, then release its handle."""
-    _start(initializer, initargs, parent_token)
+    """A KeyedExecutor worker: run tasks, send each result, then release its handle.
+
+    A task is adopted only when it is about to run: until then its manager can take it
+    back (a cancelled task, or one that waits here while another worker is idle), and
+    adopting it is what starts it."""
+    _start(initializer, initargs, parent_token, words, index)
     words = memoryview(words).cast("B").cast("q")  # (a ctypes item store costs 3x this)
     tx = Sender.open(result_channel)
     base = SLOT * index
@@ -236,11 +255,13 @@ def executor_worker(
     finished = 0
     clock = time.monotonic_ns
     functions: dict[int, Callable[..., Any]] = {}
-    for h in _Inbox(conn):
+    for transit in _Inbox(conn, lazy=True):
         finished += 1
         try:
+            h = adopt(transit)[0]
             view = h.data
-        except errors.Closed:  # redelivered before we adopted it: not ours to run
+        except (errors.HandoverExpired, errors.Closed):
+            # taken back by the manager, or redelivered before we adopted it: not ours
             words[base + FINISHED] = finished
             continue
         seq = h.seq

@@ -1679,6 +1679,32 @@ def hand_over(handles: Iterable[Handle]) -> bytes:
     return seg.handover_prefix + pairs
 
 
+def split_hand_over(data: bytes | bytearray | memoryview) -> list[bytes]:
+    """The bytes of one `hand_over` of n handles as n hand-overs of one handle each, in
+    order: each can be passed to `adopt` on its own, when its handle is wanted. A handle
+    stays in transit until it is adopted, so the process that handed it over can still
+    take it back by adopting it itself; whichever adoption comes first wins (the core
+    decides, with one atomic step), the other gets a no-op handle, already released
+    (its `data` and `payload` raise Closed)."""
+    view = memoryview(data).cast("B")
+    _, _, _, end = _hand_over_header(view, "split_hand_over")
+    prefix = bytes(view[:end])
+    return [prefix + bytes(view[i : i + 8]) for i in range(end, len(view), 8)]
+
+
+def _hand_over_header(view: memoryview, what: str) -> tuple[int, int, int, int]:
+    """(chan_id, name length, path length or _NO_PATH, where the (slot, gen) pairs
+    start) of hand_over() bytes, checked; InvalidArgument naming `what` if malformed."""
+    size = _HANDOVER.size
+    if len(view) < size or bytes(view[:4]) != _HANDOVER_MAGIC:
+        raise errors.InvalidArgument(f"{what}: not the bytes of a hand_over()")
+    _, chan_id, nlen, plen = _HANDOVER.unpack_from(view)
+    end = size + nlen + (0 if plen == _NO_PATH else plen)
+    if len(view) < end or (len(view) - end) % 8:
+        raise errors.InvalidArgument(f"{what}: a truncated or malformed hand_over()")
+    return chan_id, nlen, plen, end
+
+
 def adopt(data: bytes | bytearray | memoryview) -> list[Handle]:
     """Take over, in this process, the handles `hand_over` handed over, with one core
     call: this process holds them from now on (its death sends them back with attempt
@@ -1686,13 +1712,8 @@ def adopt(data: bytes | bytearray | memoryview) -> list[Handle]:
     comes back already released, as a no-op one (its `data` and `payload` raise Closed);
     handing one over twice or adopting it twice never gives two processes one message."""
     view = memoryview(data).cast("B")
+    chan_id, nlen, plen, end = _hand_over_header(view, "adopt")
     size = _HANDOVER.size
-    if len(view) < size or bytes(view[:4]) != _HANDOVER_MAGIC:
-        raise errors.InvalidArgument("adopt: not the bytes of a hand_over()")
-    _, chan_id, nlen, plen = _HANDOVER.unpack_from(view)
-    end = size + nlen + (0 if plen == _NO_PATH else plen)
-    if len(view) < end or (len(view) - end) % 8:
-        raise errors.InvalidArgument("adopt: a truncated or malformed hand_over()")
     if len(view) == end:
         return []
     name = bytes(view[size : size + nlen]).decode()

@@ -6,6 +6,8 @@ import concurrent.futures
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -317,48 +319,92 @@ def touch(path: str) -> str:
     return path
 
 
+class ExitAtUnpickle:
+    """A result whose unpickling in the caller raises SystemExit."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_exit_now, ())
+
+
+def _exit_now() -> None:
+    raise SystemExit(3)
+
+
+def exit_at_unpickle() -> ExitAtUnpickle:
+    return ExitAtUnpickle()
+
+
 @pytest.mark.timeout(3 * BOUND)
-def test_a_map_item_reported_cancelled_never_runs(
-    executors: list[shmchan.KeyedExecutor], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_a_done_callback_that_raises_system_exit_leaves_every_future_resolved(
+    executors: list[shmchan.KeyedExecutor],
 ) -> None:
-    # shutdown(cancel_futures=True) cancels the map items that have not started, in the
-    # caller's thread, while the manager may be starting one. Stage the closest race:
-    # the manager has checked the item is not cancelled and the cancel comes before it
-    # marks the item started. Either the item runs and the map gives its result, or
-    # the map gives CancelledError and it never runs.
-    in_start, go_on = threading.Event(), threading.Event()
-
-    class Batch(executor._MapBatch):
-        def __init__(self, *args: Any) -> None:
-            self.flag = False
-            super().__init__(*args)
-
-        @property  # type: ignore[override]
-        def closed(self) -> bool:
-            value = self.flag
-            if threading.current_thread() is ex._core.thread and not in_start.is_set():
-                in_start.set()  # (the manager, in _Task.start: hold it here)
-                go_on.wait(BOUND)
-            return value
-
-        @closed.setter
-        def closed(self, value: bool) -> None:
-            self.flag = value
-
-    monkeypatch.setattr(executor, "_MapBatch", Batch)
-    ex = shmchan.KeyedExecutor(1)
+    ex = shmchan.KeyedExecutor(2)
     executors.append(ex)
-    ran = str(tmp_path / "ran")
-    results = ex.map(touch, [ran])
-    assert in_start.wait(BOUND)
-    ex.shutdown(wait=False, cancel_futures=True)
-    go_on.set()
-    try:
-        outcome: object = next(results)
-    except concurrent.futures.CancelledError as e:
-        outcome = e
-    assert _shutdown_within(ex, BOUND)
-    if os.path.exists(ran):
-        assert outcome == ran
-    else:
-        assert isinstance(outcome, concurrent.futures.CancelledError)
+    fs = []
+    for i in range(200):  # results arrive in batches: each batch meets the callbacks
+        f = ex.submit(square, i)
+        f.add_done_callback(lambda _f: sys.exit(1))
+        fs.append(f)
+    done, pending = concurrent.futures.wait(fs, timeout=BOUND)
+    assert not pending
+    assert [f.result() for f in fs] == [i * i for i in range(200)]
+    assert ex.submit(square, 3).result(timeout=BOUND) == 9  # the manager lives on
+
+
+@pytest.mark.timeout(3 * BOUND)
+def test_a_result_whose_unpickling_raises_system_exit_fails_only_its_future(
+    executors: list[shmchan.KeyedExecutor],
+) -> None:
+    ex = shmchan.KeyedExecutor(2)
+    executors.append(ex)
+    bad = ex.submit(exit_at_unpickle)
+    good = [ex.submit(square, i) for i in range(50)]
+    with pytest.raises(shmchan.Error, match="unpickled.*SystemExit"):
+        bad.result(timeout=BOUND)
+    assert [f.result(timeout=BOUND) for f in good] == [i * i for i in range(50)]
+    assert ex.submit(square, 3).result(timeout=BOUND) == 9
+
+
+@pytest.mark.timeout(3 * BOUND)
+def test_a_manager_that_dies_fails_every_pending_future(
+    executors: list[shmchan.KeyedExecutor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The last line of defence: whatever kills the manager midway through a batch of
+    # results, no future is left pending (result() without a timeout would block).
+    def broken(self: Any, *args: Any) -> bool:
+        raise SystemExit("the manager died")
+
+    ex = shmchan.KeyedExecutor(2)
+    executors.append(ex)
+    assert ex.submit(square, 2).result(timeout=BOUND) == 4
+    monkeypatch.setattr(executor._Core, "settle", broken)
+    fs = [ex.submit(square, i) for i in range(20)]
+    done, pending = concurrent.futures.wait(fs, timeout=BOUND)
+    assert not pending
+    assert any(isinstance(f.exception(), shmchan.Error) for f in fs)
+
+
+_NO_GUARD = """
+import sys
+sys.path[:0] = [{root!r}]
+import shmchan
+ex = shmchan.KeyedExecutor(2, mp_context="spawn")
+print(ex.submit(abs, -1).result(timeout={bound!r}))
+"""
+
+
+@pytest.mark.timeout(3 * BOUND)
+def test_spawn_workers_that_cannot_start_break_the_executor_and_name_the_guard(
+    tmp_path: Path,
+) -> None:
+    # A script without `if __name__ == "__main__":`: every spawned worker imports it
+    # again, tries to start an executor of its own while bootstrapping, and exits.
+    script = tmp_path / "no_guard.py"
+    root = str(Path(__file__).resolve().parent.parent)
+    script.write_text(_NO_GUARD.format(root=root, bound=BOUND))
+    p = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=2 * BOUND
+    )
+    assert p.returncode != 0
+    last = p.stderr.strip().splitlines()[-1]
+    assert "InitializerFailed" in last and '__name__ == "__main__"' in last, last

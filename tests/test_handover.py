@@ -245,3 +245,37 @@ def test_hand_over_and_adopt_refuse_what_they_cannot_take(make_channel):
     with pytest.raises(shmchan.InvalidArgument):
         shmchan.adopt(shmchan.hand_over([h])[:-3])  # truncated
     assert shmchan.adopt(shmchan.hand_over([])) == []
+
+
+def adopt_each_and_report(parts: list[bytes], results) -> None:
+    """Adopt each one-handle hand-over on its own; report its payload or that it was lost."""
+    out = []
+    for part in parts:
+        (h,) = shmchan.adopt(part)
+        try:
+            out.append(bytes(h.data))
+        except shmchan.Closed:  # a no-op handle: another process adopted it first
+            out.append("taken back")
+        h.release()
+    results.put(out)
+
+
+def test_split_hand_over_lets_the_sender_take_back_a_handle_not_yet_adopted(make_channel):
+    ch = make_channel(handover=60.0)
+    tx, rx = ch.sender(), ch.receiver()
+    for i in range(3):
+        tx.send(b"job%d" % i, keys=f"k{i}")
+    data = shmchan.hand_over(rx.recv_many(3, timeout=5))
+    parts = shmchan.split_hand_over(data)
+    assert len(parts) == 3
+    (mine,) = shmchan.adopt(parts[1])  # taken back here first: the worker loses it
+    assert bytes(mine.data) == b"job1"
+    results = CTX.Queue()
+    worker = CTX.Process(target=adopt_each_and_report, args=(parts, results))
+    with running(worker):
+        assert results.get(timeout=WAIT) == [b"job0", "taken back", b"job2"]
+        worker.join(WAIT)
+    mine.release()
+    assert ch.stats().released == 3 and ch.stats().inflight == 0
+    with pytest.raises(shmchan.InvalidArgument):
+        shmchan.split_hand_over(data[:-3])

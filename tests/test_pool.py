@@ -599,7 +599,8 @@ def test_closing_a_map_cancels_what_has_not_started(tmp_path: Path) -> None:
         results.close()
         Path(gate).touch()
         ex.submit(square, 1, keys="k").result(timeout=WAIT)  # behind every item on "k"
-    assert Path(log).read_text().split() == ["0", "1"]
+    # Item 1 runs if a worker had started it when the map was closed, else never.
+    assert Path(log).read_text().split() in (["0"], ["0", "1"])
 
 
 def test_pool_logs_the_handlers_exception(

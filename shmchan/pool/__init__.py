@@ -13,12 +13,20 @@ caller's threads only register futures and send task messages):
         --> [task channel] --recv_many: handles whose keys are free and whose
                                         predecessors on them finished-->
                                           dispatch: handle references (hand_over)
-                                             --pipe--> reader thread adopts them
-                                                       main thread: run fn
+                                             --pipe--> reader thread: inbox
+                                                       main thread: adopt one, run fn
         [result channel] <------------------ result message (task id + pickled value)
       futures resolved <-- recv_many, release_many              then release the task's
                                                                 handle: its keys go to
                                                                 the next task in line
+
+A future is RUNNING once a worker adopted its task (the worker adopts each task right
+before running it). Until then the task is in transit and cancel() takes it back by
+adopting it in the executor's process: the channel lets exactly one adoption win, so a
+cancelled task never runs. The same take-back moves the tasks waiting behind a long
+task in one worker's hands to an idle worker. Every change of a task's state (handed,
+started, cancelled) is made under the executor's lock; results and failures are set by
+the manager thread, cancellations by the thread that cancels.
 
 Done-callbacks run in the manager thread, which is what empties the task channel: a
 submit made there never waits for room in it (what finds it full waits in the manager's

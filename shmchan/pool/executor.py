@@ -6,8 +6,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import os
 import pickle
+import sys
 import threading
 import time
 import types
@@ -25,11 +27,14 @@ from .._worker import (
     CHUNK_STAR,
     ONE,
     RAISED,
+    READY,
     RESULT_HEADER,
+    RUNNING,
+    SLOT,
     STAR,
     TASK_HEADER,
 )
-from ..channel import Channel, Handle
+from ..channel import Channel, Handle, adopt, split_hand_over
 from .common import (
     _BATCH,
     _CAPACITY,
@@ -55,6 +60,11 @@ _ONE_KEY = frozenset({int, str, bytes})  # the types of a value that is one key
 # by a signal in the initializer, say) before the executor counts itself broken (only
 # when it has an initializer: without one, deaths are never its own).
 _EARLY_DEATHS = 3
+# Seconds a worker runs one task before the tasks waiting in its hands may be taken
+# back for an idle worker (see _Core.rebalance).
+_STEAL_AFTER = 0.1
+
+log = logging.getLogger("shmchan.pool")
 
 
 class _Pending:
@@ -79,7 +89,7 @@ class _MapBatch:
 
     __slots__ = (
         "results", "cond", "waiting", "closed", "owners", "ready", "raised_at", "_order",
-        "_firsts", "_done", "_next",
+        "_firsts", "_done", "_next", "dropped",
     )  # fmt: skip
 
     def __init__(self, n: int, owners: list[list[int]] | None = None) -> None:
@@ -87,6 +97,7 @@ class _MapBatch:
         self.cond = threading.Condition(threading.Lock())
         self.waiting = -1  # the index the caller waits for
         self.closed = False  # the iterator was closed: run nothing more of it
+        self.dropped: Any = None  # the finalizer of an iterator dropped before it started
         self.owners = owners  # in chunks: the items of chunk i are owners[i]
         # In chunks, results[:ready] are all there and none before raised_at is an
         # exception, so that the caller can take them as a block. `ready` is the first
@@ -141,18 +152,24 @@ class _MapBatch:
 
 class _Task:
     """A submitted call, from submit until it is resolved: a future (submit) or one
-    slot of a map() batch."""
+    slot of a map() batch.
+
+    Its states, changed only under the core's lock: queued (in the task channel or the
+    manager's hands), handed (given to a worker that has not adopted it: `handed` says
+    where, and the manager can still take it back), started (a worker adopted it; a
+    task that runs again after its worker died stays started), cancelled (it never
+    runs). A task leaves the core's `tasks` once resolved or cancelled."""
 
     __slots__ = (
-        "future", "batch", "index", "fn", "keys", "started", "cancelled", "deaths",
-        "last_death", "timed_out",
+        "future", "batch", "index", "fn", "keys", "tid", "started", "cancelled", "handed",
+        "deaths", "last_death", "timed_out",
     )  # fmt: skip
 
     def __init__(
         self,
         fn: object,
         keys: tuple[Any, ...],
-        future: Future[Any] | None,
+        future: _Future | None,
         batch: _MapBatch | None = None,
         index: int = 0,
     ) -> None:
@@ -161,49 +178,29 @@ class _Task:
         self.index = index  # the batch slot (a map item), or the chunk (batch.owners)
         self.fn = fn
         self.keys = keys
-        self.started = False  # handed to a worker at least once
-        self.cancelled = False  # a map item cancelled before it ran
+        self.tid = 0
+        self.started = False  # a worker adopted it (it runs or ran)
+        self.cancelled = False  # it never runs
+        # While given to a worker that has not adopted it: (its entry in the worker's
+        # `given`, the hand-over's bytes, its place in them).
+        self.handed: tuple[list[Any], bytes, int] | None = None
         self.deaths = 0  # workers that died while running it
         self.last_death = ""
         self.timed_out = False  # the last death was a task_timeout kill
 
-    def start(self) -> bool:
-        """Manager side: mark it running; False if it was cancelled first (then it must
-        not run, and dispatch resolves it as cancelled: see resolve_cancelled)."""
-        if self.future is not None:
-            return self.future.set_running_or_notify_cancel()
-        # A map item: `started` is written before `cancelled` and `batch.closed` are
-        # read, and cancel() and the map's iterator write theirs before they read
-        # `started`; so at least one side sees the other's write (the GIL keeps these
-        # loads and stores in order), and an item never runs after being reported
-        # cancelled.
-        self.started = True
-        if self.cancelled or self.batch is None or self.batch.closed:
-            self.started = False
-            return False
-        return True
-
-    def cancel(self) -> None:
-        """Caller side: cancel it if it has not started."""
-        if self.future is not None:
-            self.future.cancel()
-        elif self.batch is not None:
-            self.cancelled = True  # (before reading `started`: see start())
-            if not self.started:
-                self._resolve_all(_Raised(CancelledError()))
-
     def resolve_cancelled(self) -> None:
-        """Manager side: start() said no. A map item's slots say CancelledError (again,
-        if cancel() did too: whichever comes second writes the same)."""
-        if self.future is None:
+        """After the core cancelled it (outside the core's lock: callbacks run here)."""
+        self.fn = None  # (the caller may keep the future: it must not keep fn alive)
+        if self.future is not None:
+            Future.cancel(self.future)
+            # CANCELLED -> CANCELLED_AND_NOTIFIED, as an executor does: what waits on it
+            # in concurrent.futures.wait() or as_completed() hears of it only then.
+            self.future.set_running_or_notify_cancel()
+        else:
             self._resolve_all(_Raised(CancelledError()))
 
-    def is_cancelled(self) -> bool:
-        if self.future is not None:
-            return self.future.cancelled()
-        return not self.started and (self.cancelled or self.batch is None or self.batch.closed)
-
     def set_result(self, value: Any) -> None:
+        self.fn = None
         if self.future is not None:
             self.future.set_result(value)
         elif self.batch is None:
@@ -220,8 +217,10 @@ class _Task:
             self.batch.resolve(self.index, value)
 
     def set_exception(self, exc: BaseException) -> None:
+        self.fn = None
         if self.future is not None:
-            self.future.set_exception(exc)
+            if not self.future.done():
+                self.future.set_exception(exc)
         else:
             self._resolve_all(_Raised(exc))
 
@@ -230,6 +229,37 @@ class _Task:
         if batch is not None:
             for index in [self.index] if batch.owners is None else batch.owners[self.index]:
                 batch.resolve(index, value)
+
+
+class _Future(Future):  # type: ignore[type-arg]  # (Future is generic only in stubs)
+    """A KeyedExecutor's future. cancel() succeeds until a worker has started the task
+    (it takes the task back from a worker that holds it unstarted). A done-callback run
+    by the manager thread that raises, whatever it raises, is logged: it must not stop
+    the thread that resolves every other future."""
+
+    def __init__(self, core: _Core) -> None:
+        super().__init__()
+        self._kx_core = core
+        self._kx_task: _Task | None = None
+
+    def cancel(self) -> bool:
+        task = self._kx_task
+        if task is None:
+            return super().cancel()
+        return self._kx_core.cancel([task]) == 1 or self.cancelled()
+
+    def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
+        core = self._kx_core
+
+        def guarded(future: Future[Any]) -> None:
+            try:
+                fn(future)
+            except BaseException:
+                if threading.current_thread() is not getattr(core, "thread", None):
+                    raise
+                log.exception("shmchan.KeyedExecutor: a done-callback of %r raised", future)
+
+        super().add_done_callback(guarded)
 
 
 class _Core:
@@ -260,7 +290,14 @@ class _Core:
         self.max_workers = max_workers
         self.done = self.retried = self.failed = self.cancelled = 0
         self.sleeping = False  # the manager waits on the result channel (see wake())
-        self.spare: list[tuple[Handle, int]] = []  # taken, but no worker had room yet
+        self.spare: list[list[Any]] = []  # [handle, task id] taken, no worker had room yet
+        self.reclaimed: list[Handle] = []  # taken back from workers by cancel(): release
+        self.terminating = False  # Ctrl-C: stop now (see request_shutdown)
+        self.cancel_requested = False  # shutdown(cancel_futures=True): see housekeeping
+        self.stolen = 0  # tasks taken back from a busy worker for an idle one, ever
+        self.dropped_maps: list[list[_Task]] = []  # see drop_map
+        self.terminate_at = 0.0
+        self.seen_running: dict[int, int] = {}  # worker slot -> its RUNNING word, last seen
         self.timeout_kills: dict[int, int] = {}  # worker pid -> seq of the task it overran
         # Task messages sent from the manager thread (by a done-callback) that found the
         # task channel full: the manager is what empties it, so it must not wait for
@@ -271,7 +308,12 @@ class _Core:
         self.function_ids = itertools.count(1)
         _reap_dead_executors()
         stem = f"kx-{liveness.current_token():x}-{next(_names)}"
-        self.task_ch = Channel.create(f"{stem}-tasks", capacity, max_keys=64, max_messages=16384)
+        # A worker adopts a task only when it starts it (until then the manager can take
+        # it back), so a task may wait in a worker's hands behind a long one: the
+        # manager, not the hand-over deadline, gives back what a dead worker held.
+        self.task_ch = Channel.create(
+            f"{stem}-tasks", capacity, max_keys=64, max_messages=16384, handover=3600
+        )
         try:
             self.result_ch = Channel.create(
                 f"{stem}-results", capacity, max_keys=0, max_messages=8192, serializer="raw"
@@ -328,12 +370,13 @@ class _Core:
         fid, blob = self.pickled(fn)
         body = _dumps((args, kwargs), "the arguments", fn)
         keys = _as_keys(keys)
-        future: Future[Any] = Future()
+        future = _Future(self)
+        task = future._kx_task = _Task(fn, keys, future)
         with self.lock:
             self.check_open()
-            tid = self.next_tid
+            tid = task.tid = self.next_tid
             self.next_tid = tid + 1
-            self.tasks[tid] = _Task(fn, keys, future)
+            self.tasks[tid] = task
         message = TASK_HEADER.pack(tid, fid, len(blob), CALL) + blob + body
         try:
             if self.backlog or threading.current_thread() is self.thread:
@@ -382,6 +425,8 @@ class _Core:
                 self.check_open()
                 first = self.next_tid
                 self.next_tid += len(tasks)
+                for tid, task in enumerate(tasks, first):
+                    task.tid = tid
                 self.tasks.update(zip(range(first, first + len(tasks)), tasks, strict=True))
             messages = [
                 (tid, head(tid, fid, nblob, kind) + blob + body, k)
@@ -396,8 +441,7 @@ class _Core:
             except BaseException as e:
                 for tid in range(first, first + len(tasks)):
                     self.tasks.pop(tid, None)
-                for task in out:
-                    task.cancel()
+                self.cancel(out)
                 self.explain(e)
                 raise
             self.wake()
@@ -459,12 +503,73 @@ class _Core:
                 "each: pass capacity= for larger tasks and results"
             ) from None
 
-    def request_shutdown(self, cancel_futures: bool) -> None:
+    def cancel(self, tasks: Iterable[_Task]) -> int:
+        """Cancel each of `tasks` that no worker has started (any thread); how many of
+        them are cancelled now. A task handed to a worker that has not adopted it is
+        taken back by adopting it here: the core lets exactly one adoption win, so
+        either the worker never runs it, or it runs and the task counts as started."""
+        done: list[_Task] = []
+        count = 0
+        with self.lock:
+            for task in tasks:
+                if task.cancelled:
+                    count += 1
+                    continue
+                if task.started or self.tasks.get(task.tid) is not task:
+                    continue  # running, or resolved
+                if task.handed is not None:
+                    entry, data, i = task.handed
+                    h = self.take_back(data, i)
+                    if h is None:  # the worker adopted it first: it runs
+                        self.mark_started(task)
+                        continue
+                    entry[0] = None  # the worker skips it; its copy is not ours to release
+                    task.handed = None
+                    self.reclaimed.append(h)
+                task.cancelled = True
+                del self.tasks[task.tid]
+                self.cancelled += 1
+                done.append(task)
+                count += 1
+        for task in done:
+            task.resolve_cancelled()
+        if self.reclaimed and self.sleeping:
+            with contextlib.suppress(errors.Error):
+                self.wake()
+        return count
+
+    @staticmethod
+    def take_back(data: bytes, i: int) -> Handle | None:
+        """Adopt the i-th handle of a hand-over back into this process; None if a worker
+        adopted it first (or it is gone: released, redelivered)."""
+        try:
+            h = adopt(split_hand_over(data)[i])[0]
+            h.data  # noqa: B018 - a no-op handle (adopted elsewhere first) raises Closed
+        except (errors.HandoverExpired, errors.Closed):
+            return None
+        return h
+
+    def mark_started(self, task: _Task) -> None:
+        """Under the lock: a worker adopted `task`; its future says RUNNING from now on."""
+        task.started = True
+        task.handed = None
+        f = task.future
+        if f is not None and not f.running() and not f.done():
+            f.set_running_or_notify_cancel()
+
+    def request_shutdown(self, cancel_futures: bool, terminate: bool = False) -> None:
+        """No new tasks; with cancel_futures, cancel those not started. terminate (a
+        KeyboardInterrupt in the caller): also stop the running ones, the workers are
+        killed now (with a task_timeout, once the running tasks end or reach it), and
+        their futures fail."""
         with self.lock:
             self.shutdown_requested = True
-        if cancel_futures:
-            for task in list(self.tasks.values()):
-                task.cancel()  # only those not yet running are cancelled
+            if terminate and not self.terminating:
+                self.terminate_at = time.monotonic() + (self.task_timeout or 0.0)
+                self.terminating = True
+            self.cancel_requested |= cancel_futures
+        if terminate:
+            self.cancel(list(self.tasks.values()))
         # Wake a manager waiting for tasks, so that it closes down now rather than at its
         # next tick: a message for task id 0, which no task has, so dispatch drops it. A
         # full task channel needs no wake-up (the manager is busy taking from it). Best
@@ -488,22 +593,41 @@ class _Core:
                 self.broken = e
                 tasks = list(self.tasks.values())
                 self.tasks.clear()
-            for task in tasks:
-                with contextlib.suppress(InvalidStateError):  # (cancelled meanwhile)
+            for task in tasks:  # (a task stays in the list until it is resolved)
+                try:  # (not settle(): this must hold whatever failed before)
                     task.set_exception(failure)
-                    self.failed += 1
+                except BaseException:  # noqa: S110 - cancelled meanwhile, or a callback
+                    pass
         finally:
             self.teardown()
+
+    def settle(self, how: Callable[[Any], None], value: Any) -> bool:
+        """Resolve a task by how(value); whatever that raises (InvalidStateError: it was
+        cancelled meanwhile; anything a done-callback raised past its guard) is logged,
+        never the end of the manager. False if it raised."""
+        try:
+            how(value)
+            return True
+        except InvalidStateError:
+            return False
+        except BaseException:
+            log.exception("shmchan.KeyedExecutor: resolving a future raised")
+            return False
 
     def loop(self) -> None:
         next_check = 0.0
         while True:
             if self.breaking is not None:
                 raise self.breaking
+            while self.dropped_maps:
+                self.cancel(t for t in self.dropped_maps.pop() if not t.started)
             busy = self.collect(0)
             busy |= self.dispatch(0)
             if self.backlog:
                 busy |= self.flush()
+            if self.reclaimed:
+                self.release_reclaimed()
+            self.note_running()
             now = time.monotonic()
             if now >= next_check or self.shutdown_requested:
                 next_check = now + _TICK
@@ -532,6 +656,34 @@ class _Core:
             self.sleeping = False
             self.wake_tx.send(b"")
 
+    def release_reclaimed(self) -> None:
+        """Release the handles cancel() took back: their keys go to the next in line."""
+        with self.lock:
+            hs, self.reclaimed = self.reclaimed, []
+        self.rx_tasks.release_many(hs)
+
+    def note_running(self) -> None:
+        """Mark the tasks the workers are running now as started (their futures say
+        RUNNING; one that ran between two looks is marked by its result)."""
+        words, seen = self.workers.words, self.seen_running
+        for w in self.workers.slots:
+            if w is None:
+                continue
+            word = words[SLOT * w.index + RUNNING]
+            if word == seen.get(w.index, 0):
+                continue
+            seen[w.index] = word
+            if not word:
+                continue
+            for entry in w.given:
+                h = entry[0]
+                if h is not None and h.seq == word - 1:
+                    task = self.tasks.get(entry[1])
+                    if task is not None and not task.started:
+                        with self.lock:
+                            self.mark_started(task)
+                    break
+
     def collect(self, timeout: float, dispatch: bool = True) -> bool:
         """Resolve the futures of the results that arrived; False if none did. With
         `dispatch`, the tasks their results free go to the workers first (see below)."""
@@ -546,6 +698,7 @@ class _Core:
         counts: dict[int, int] = {}  # worker pid -> its FINISHED count in its last result
         tasks = self.tasks
         arrived: list[tuple[_Task, int, int, int]] = []  # task, status, start, end
+        seen: set[int] = set()
         end = 0
         if lengths:
             self.early_deaths = 0  # workers do start
@@ -554,9 +707,16 @@ class _Core:
             if size < header:
                 continue  # wake()'s empty message
             tid, _seq, pid, counts[pid], status = unpack(data, start)
-            task = tasks.pop(tid, None)
-            if task is not None:  # (None: a second result of a task that ran again)
+            task = tasks.get(tid)
+            # (None, or seen: a second result of a task that ran again)
+            if task is not None and tid not in seen:
+                seen.add(tid)
                 arrived.append((task, status, start + header, end))
+        if arrived:
+            with self.lock:
+                for task, *_ in arrived:
+                    if not task.started:
+                        self.mark_started(task)
         finished: list[Handle] = []
         by_pid = self.workers.by_pid
         for pid, count in counts.items():
@@ -566,12 +726,13 @@ class _Core:
         # The worker releases a task's handle right after sending its result; releasing
         # it here too (a no-op for whichever comes second) frees its keys at once, and
         # the tasks next in line on them go to the workers before the caller hears of
-        # these results: a task is started before the result of the one it waited for
-        # is seen (so closing a map right after a result never cancels the next one).
+        # these results (they are on their way, and still cancellable until adopted).
         if finished:
             self.rx_tasks.release_many(finished)
         if dispatch:
             self.dispatch(0)
+        # Each task leaves `tasks` only once resolved: should the manager fail midway,
+        # run() fails every one still there.
         for task, status, start, end in arrived:
             try:
                 if status == RAISED:
@@ -580,8 +741,12 @@ class _Core:
                     value = pickle.loads(data[start:end])
             except Exception as e:
                 status, value = RAISED, remote.unreadable_result(task.fn, e)
+            except BaseException as e:  # (SystemExit from a __reduce__: not the manager's)
+                failure = errors.Error(f"the task's result could not be unpickled: {e!r}")
+                failure.__cause__ = e
+                status, value = RAISED, failure
             if status == RAISED:
-                task.set_exception(value)
+                self.settle(task.set_exception, value)
                 self.failed += 1
             else:
                 batch = task.batch
@@ -591,8 +756,9 @@ class _Core:
                         with batch.cond:
                             batch.cond.notify()
                 else:
-                    task.set_result(value)
+                    self.settle(task.set_result, value)
                 self.done += 1
+            tasks.pop(task.tid, None)
         return True
 
     def dispatch(self, timeout: float) -> bool:
@@ -602,7 +768,7 @@ class _Core:
             if room <= 0:
                 return False
             spare, self.spare = self.spare, []
-            self.spare = self.workers.give(spare)
+            self.give(spare)
             return True
         if room <= 0:
             return False
@@ -613,31 +779,52 @@ class _Core:
         if any(h.attempt > 1 for h in hs):
             # Redelivered: maybe its worker died. Count that death before running it again.
             self.reap()
-        batch: list[tuple[Handle, int]] = []
+        self.give([[h, TASK_HEADER.unpack_from(h.data)[0]] for h in hs])
+        return True
+
+    def give(self, entries: list[list[Any]]) -> None:
+        """Hand [handle, task id] entries to the workers (those no worker has room for
+        wait in `spare`); drop those whose task is resolved or cancelled. Under the lock,
+        so that cancel() sees each task either not handed (then it is dropped here) or
+        handed with its hand-over bytes (then it can take it back)."""
         drop: list[Handle] = []
+        out: list[list[Any]] = []
+        stopped: list[_Task] = []
         tasks = self.tasks
-        for h in hs:
-            tid = TASK_HEADER.unpack_from(h.data)[0]
-            task = tasks.get(tid)
-            if task is None:  # resolved already (it failed for good, or ran twice)
-                drop.append(h)
-                continue
-            if task.started:
-                self.retried += 1
-            elif task.start():
-                task.started = True
-            else:
-                del tasks[tid]
-                task.resolve_cancelled()
-                self.cancelled += 1
-                drop.append(h)
-                continue
-            batch.append((h, tid))
+        with self.lock:
+            for entry in entries:
+                task = tasks.get(entry[1])
+                if task is None:  # resolved already (failed for good, ran twice, cancelled)
+                    drop.append(entry[0])
+                elif self.terminating:  # nothing more runs; a started task did not finish
+                    del tasks[entry[1]]
+                    drop.append(entry[0])
+                    stopped.append(task)
+                else:
+                    if task.started:
+                        self.retried += 1
+                    out.append(entry)
+            if out:
+                self.spare += self.workers.give(out, self.record)
+        for task in stopped:  # (outside the lock: done-callbacks run here)
+            self.settle(task.set_exception, self.terminated())
+            self.failed += 1
         if drop:
             self.rx_tasks.release_many(drop)
-        if batch:
-            self.spare += self.workers.give(batch)
-        return True
+
+    def record(self, entries: list[list[Any]], data: bytes) -> None:
+        """workers.give's note of a hand-over (under the lock): where each task went."""
+        tasks = self.tasks
+        for i, entry in enumerate(entries):
+            task = tasks.get(entry[1])
+            if task is not None and not task.started:
+                task.handed = (entry, data, i)
+
+    def terminated(self) -> errors.Error:
+        return errors.Error(
+            "KeyedExecutor was stopped by KeyboardInterrupt before this task finished "
+            "(its worker was terminated)"
+        )
 
     def housekeeping(self) -> bool:
         """Timeouts, deaths, replacements; True once the executor may close down."""
@@ -650,18 +837,86 @@ class _Core:
             for w in workers.live():
                 run = workers.running(w)
                 if run is not None and now - run[1] > self.timeout_ns:
-                    tid = next((t for h, t in w.given if h.seq == run[0]), None)
+                    tid = next((t for h, t in w.given if h is not None and h.seq == run[0]), None)
                     task = self.tasks.get(tid) if tid is not None else None
                     if task is not None:
                         task.timed_out = True
                     self.timeout_kills[w.process.pid] = run[0]
                     w.process.kill()
+        if self.terminating and (
+            time.monotonic() >= self.terminate_at or not workers.outstanding()
+        ):
+            workers.shut(kill=True)
+            with self.lock:
+                left = list(self.tasks.values())
+                self.tasks.clear()
+            for task in left:
+                self.settle(task.set_exception, self.terminated())
+                self.failed += 1
+            return True
         self.reap()
+        self.rebalance()
+        if self.cancel_requested:
+            self.cancel_requested = False
+            self.cancel_unstarted()
         if self.shutdown_requested:
-            pending = [t for t in self.tasks.values() if not t.is_cancelled()]
-            if not pending and not self.spare and not workers.outstanding():
+            if not self.tasks and not self.spare and not workers.outstanding():
                 return True
         return False
+
+    def rebalance(self) -> None:
+        """While a worker is idle, take back the tasks waiting in the hands of a worker
+        that has run one task for longer than _STEAL_AFTER, and hand them out again:
+        a task waiting behind a long one holds its keys (and the tasks behind those)
+        for no reason when another worker could start it now."""
+        workers = self.workers
+        live = workers.live()
+        words = workers.words
+        if not any(
+            w.taken == w.finished and workers.budget(w) > 0 and not words[SLOT * w.index + RUNNING]
+            for w in live
+        ):
+            return
+        limit = time.monotonic_ns() - int(_STEAL_AFTER * 1e9)
+        back: list[list[Any]] = []
+        with self.lock:
+            for w in live:
+                run = workers.running(w)
+                if run is None or run[1] > limit or len(w.given) < 2:
+                    continue
+                for entry in list(w.given)[1:]:
+                    task = self.tasks.get(entry[1])
+                    if task is None or task.handed is None or task.handed[0] is not entry:
+                        continue
+                    h = self.take_back(task.handed[1], task.handed[2])
+                    if h is None:  # it has just started there
+                        continue
+                    entry[0] = None
+                    task.handed = None
+                    back.append([h, entry[1]])
+        if back:
+            self.stolen += len(back)
+            self.give(back)
+
+    def drop_map(self, tasks: list[_Task]) -> None:
+        """A map iterator was dropped before its first item (any thread, at garbage
+        collection, maybe with the lock held: the manager cancels its tasks)."""
+        self.dropped_maps.append(tasks)
+        with contextlib.suppress(errors.Error):
+            self.wake()
+
+    def cancel_unstarted(self) -> None:
+        """shutdown(cancel_futures=True): cancel every task not started, except the one
+        an idle worker is picking up (first in its hands: it is starting, as the call a
+        ProcessPoolExecutor's worker has taken from its queue is)."""
+        starting = set()
+        words = self.workers.words
+        for w in self.workers.live():
+            if not words[SLOT * w.index + RUNNING]:
+                first = next((e for e in w.given if e[0] is not None), None)
+                if first is not None:
+                    starting.add(first[1])
+        self.cancel([t for t in list(self.tasks.values()) if t.tid not in starting])
 
     def bury(self, w: _Worker, code: int | None, running_seq: int | None) -> None:
         """A worker ended: give back what it held; the task it ran counts an attempt.
@@ -680,25 +935,35 @@ class _Core:
         give_back: list[Handle] = []
         drop: list[Handle] = []
         counted: set[int] = set()
-        for h, tid in w.given:
-            task = self.tasks.get(tid)
-            if task is None:  # resolved: whatever copy this is, nobody must run it
-                drop.append(h)
-                continue
-            if h.seq == running_seq and tid not in counted:
-                counted.add(tid)
-                task.deaths += 1
-                if task.timed_out:
-                    status = f"was killed after running past task_timeout={self.task_timeout:g} s"
-                task.last_death = f"worker pid {w.process.pid} {status}"
-                if task.deaths >= self.max_attempts:
-                    del self.tasks[tid]
-                    drop.append(h)  # its keys go to the next in line
-                    self.fail(task)
+        failed: list[_Task] = []
+        with self.lock:  # (against cancel(), which may be taking these back)
+            for h, tid in w.given:
+                if h is None:  # taken back: not this worker's any more
                     continue
-                task.timed_out = False
-            give_back.append(h)
-        w.given.clear()
+                task = self.tasks.get(tid)
+                if task is None:  # resolved: whatever copy this is, nobody must run it
+                    drop.append(h)
+                    continue
+                if task.handed is not None and task.handed[0][0] is h:
+                    task.handed = None  # back in the channel: queued again
+                if h.seq == running_seq and tid not in counted:
+                    counted.add(tid)
+                    task.deaths += 1
+                    if task.timed_out:
+                        status = (
+                            f"was killed after running past task_timeout={self.task_timeout:g} s"
+                        )
+                    task.last_death = f"worker pid {w.process.pid} {status}"
+                    if task.deaths >= self.max_attempts:
+                        del self.tasks[tid]
+                        drop.append(h)  # its keys go to the next in line
+                        failed.append(task)
+                        continue
+                    task.timed_out = False
+                give_back.append(h)
+            w.given.clear()
+        for task in failed:
+            self.fail(task)
         if drop:
             self.rx_tasks.release_many(drop)  # a no-op for copies already redelivered
         for h in give_back:
@@ -739,7 +1004,26 @@ class _Core:
         self.early_deaths += 1
         name = _name_of(self.initializer)
         status = f"worker pid {w.process.pid} {_exit_status(code, w.oom)}"
-        if code == _worker.EXIT_INIT_FAILED:
+        ready = self.workers.words[SLOT * w.index + READY]
+        if (
+            not ready
+            and code is not None
+            and code > 0
+            and code not in (_worker.EXIT_INIT_FAILED, _worker.EXIT_PARENT_GONE)
+        ):
+            # It exited by itself before it reached its task loop: it could not start
+            # (a worker killed by a signal is not this, and is replaced as usual).
+            method = self.workers.ctx.get_start_method()
+            hint = (
+                "; with the 'spawn' or 'forkserver' start method this is most often a "
+                "script that creates the executor when it is imported: each worker "
+                "imports the main module again, so the code that creates and uses the "
+                'executor must be under `if __name__ == "__main__":`'
+                if method != "fork"
+                else ""
+            )
+            why = f"{status} before it started (the worker's traceback says why){hint}"
+        elif code == _worker.EXIT_INIT_FAILED:
             why = f"the initializer {name}(...) raised ({status}; it logged the traceback)"
         elif self.initializer is not None and self.early_deaths >= _EARLY_DEATHS * self.max_workers:
             why = (
@@ -790,7 +1074,9 @@ class _Core:
 
     def stats(self) -> ExecutorStats:
         tasks = list(self.tasks.values())
-        running = sum(1 for t in tasks if t.started)
+        # Running: what the workers say they run now (each runs one task at a time).
+        workers = self.workers.stats()
+        running = min(sum(1 for w in workers if w.state == "busy"), len(tasks))
         try:
             held = self.task_ch.stats().held_keys
         except errors.Closed:
@@ -803,7 +1089,7 @@ class _Core:
             failed=self.failed,
             cancelled=self.cancelled,
             held_keys=held,
-            workers=self.workers.stats(),
+            workers=workers,
         )
 
 
@@ -811,9 +1097,12 @@ _live_cores: weakref.WeakSet[_Core] = weakref.WeakSet()
 
 
 def _at_exit() -> None:
-    # Before the interpreter joins the manager threads: let them finish and clean up.
+    # Before the interpreter joins the manager threads: let them finish and clean up,
+    # unless the program is ending by Ctrl-C (the interpreter keeps the uncaught
+    # exception in sys.last_value): then stop them now, as the `with` block's exit does.
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     for core in list(_live_cores):
-        core.request_shutdown(cancel_futures=False)
+        core.request_shutdown(cancel_futures=interrupted, terminate=interrupted)
 
 
 getattr(threading, "_register_atexit")(_at_exit)  # noqa: B009 - private, as concurrent.futures
@@ -886,7 +1175,7 @@ class KeyedExecutor(Executor):
             max_workers = len(os.sched_getaffinity(0)) or 1
         for what, value in (("max_workers", max_workers), ("max_attempts", max_attempts)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{what} must be a positive int, got {value!r}")
+                raise ValueError(f"{what} must be greater than 0 (an int), got {value!r}")
         if max_tasks_per_child is not None and (
             not isinstance(max_tasks_per_child, int) or max_tasks_per_child < 1
         ):
@@ -984,11 +1273,16 @@ class KeyedExecutor(Executor):
         del items, raw
         batch = _MapBatch(n, owners)
         tasks = self._core.submit_many(fn, kind, args, key_tuples, batch)
-        return self._results(batch, tasks, end, n if progress else None)
+        results = self._results(batch, tasks, end, n if progress else None)
+        # An iterator dropped before its first item never ran its `finally` (which
+        # cancels what has not started): this does it then.
+        batch.dropped = weakref.finalize(results, self._core.drop_map, tasks)
+        return results
 
     def _results(
         self, batch: _MapBatch, tasks: list[_Task], end: float | None, total: int | None
     ) -> Iterator[Any]:
+        batch.dropped.detach()  # started: the `finally` below cancels from now on
         bar = None if total is None else ProgressBar(total)
         results = batch.results
         n = len(results)
@@ -997,11 +1291,13 @@ class KeyedExecutor(Executor):
             while index < n:
                 stop = min(batch.ready, batch.raised_at)
                 if stop > index + 1 and bar is None:  # a block, all there: no check per item
-                    block = results[index:stop]
+                    # Handed out as taken from the deque: the iterator keeps no result
+                    # the caller has had (it may drop it and expect it collected).
+                    block = collections.deque(results[index:stop])
+                    block.append(_PENDING)
                     results[index:stop] = itertools.repeat(None, stop - index)
                     index = stop
-                    yield from block
-                    del block
+                    yield from iter(block.popleft, _PENDING)
                     continue
                 value = results[index]
                 if value is _PENDING:
@@ -1012,21 +1308,38 @@ class KeyedExecutor(Executor):
                     raise value.exc
                 if bar is not None:
                     bar.advance(self._core.retried)
-                yield value
+                box = [value]
+                del value
+                yield box.pop()  # (no local keeps it while the caller has it)
         finally:
-            batch.closed = True  # what has not started will not run
-            for task in tasks:
-                if not task.started:
-                    task.cancelled = True
+            batch.closed = True
+            # What has not started will not run (closed, dropped, or interrupted).
+            self._core.cancel(t for t in tasks if not t.started and not t.cancelled)
             if bar is not None:
                 bar.close()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """No new tasks; with cancel_futures, cancel those not yet running; with wait,
-        return once every task finished and the workers and channels are gone."""
+        """No new tasks; with cancel_futures, cancel those no worker has started (the
+        one an idle worker is already taking up still runs, as with ProcessPoolExecutor);
+        with wait, return once every task finished and the workers and channels are
+        gone. Ctrl-C while waiting stops the executor now (see __exit__)."""
         self._core.request_shutdown(cancel_futures)
         if wait and self._core.thread is not threading.current_thread():
-            self._core.thread.join()
+            try:
+                self._core.thread.join()
+            except KeyboardInterrupt:
+                self._core.request_shutdown(True, terminate=True)
+                raise
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        """shutdown(wait=True); after a KeyboardInterrupt in the block, first stop: cancel
+        what has not started and kill the workers (with task_timeout set, once the
+        running tasks end or reach it); the futures of the tasks stopped fail."""
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            # Ctrl-C: leave now. Nothing more starts; the running tasks are stopped (at
+            # once, or when they reach task_timeout if one is set) and count as not done.
+            self._core.request_shutdown(True, terminate=True)
+        self.shutdown(wait=True)
 
     def stats(self) -> ExecutorStats:
         """Tasks queued, running, done, retried, failed; held keys; the workers."""

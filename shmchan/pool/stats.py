@@ -28,9 +28,10 @@ class ExecutorStats:
     """A snapshot of a KeyedExecutor."""
 
     queued: int
-    """Tasks submitted and not yet handed to a worker (waiting for keys included)."""
+    """Tasks submitted and not started (waiting for keys, or in a worker's hands waiting
+    for it to start them: those can still be cancelled)."""
     running: int
-    """Tasks handed to a worker and not finished."""
+    """Tasks a worker is running now (started: their futures say running)."""
     done: int
     """Tasks that finished with a result, ever."""
     retried: int

@@ -39,7 +39,9 @@ class _Worker:
         self.index = index
         self.process = process
         self.conn = conn
-        self.given: collections.deque[tuple[Handle, int]] = collections.deque()  # unfinished
+        # Unfinished handles, in the order given: [handle, id]. The executor voids an
+        # entry (handle None) that it took back before the worker adopted it.
+        self.given: collections.deque[list[Any]] = collections.deque()
         self.taken = 0  # handles given, ever
         self.finished = 0  # of those, finished (the worker's FINISHED word, or results)
         self.oom = _oom_kills()
@@ -51,7 +53,9 @@ class _Worker:
         if finished > self.finished:
             given = self.given
             for _ in range(min(finished, self.taken) - self.finished):
-                done.append(given.popleft()[0])
+                h = given.popleft()[0]
+                if h is not None:
+                    done.append(h)
             self.finished = min(finished, self.taken)
 
 
@@ -134,10 +138,15 @@ class _Workers:
     def capacity(self) -> int:
         return sum(self.budget(w) for w in self.slots if w is not None)
 
-    def give(self, batch: list[tuple[Handle, int]]) -> list[tuple[Handle, int]]:
+    def give(
+        self,
+        batch: list[Any],
+        record: Callable[[list[list[Any]], bytes], None] | None = None,
+    ) -> list[Any]:
         """Hand each (handle, task id) to a worker: evenly over those with room, the
         least loaded first, in runs (one pipe write per worker). Returns those no worker
-        had room for.
+        had room for. Each entry is [handle, id]; `record(entries, data)` is called with
+        the bytes of each hand-over (see channel.hand_over) right after it is made.
 
         Least loaded first: tasks often come one at a time (each result frees a key,
         and the next task on it follows), and each must go where it runs soonest, not to
@@ -153,13 +162,20 @@ class _Workers:
             for room, w in open_:
                 items, todo = todo[: min(share, room)], todo[min(share, room) :]
                 if items:
-                    self._send(w, items)
+                    self._send(w, items, record)
         return []
 
-    def _send(self, w: _Worker, items: list[tuple[Handle, int]]) -> None:
+    def _send(
+        self,
+        w: _Worker,
+        items: list[Any],
+        record: Callable[[list[list[Any]], bytes], None] | None,
+    ) -> None:
         w.given.extend(items)
         w.taken += len(items)
-        data = hand_over([h for h, _ in items])  # one core call for the batch
+        data = hand_over([item[0] for item in items])  # one core call for the batch
+        if record is not None:
+            record(items, data)
         try:
             w.conn.send_bytes(data)
         except OSError:
