@@ -182,6 +182,14 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
             uint64_t skip = island_skip(c, pos, pos + n + REC_HDR, &first);
             if (UNLIKELY(skip) && first < pos + REC_HDR) return SHM_E_CORRUPT; /* tail on an island */
             uint64_t need = (skip ? skip : pos + n) + REC_HDR;
+            /* Memory behind what we are about to claim, before we claim it (commit.c): a
+             * claim that could not be filled would hold up the ring. acquire: pairs with
+             * the release raise in commit_ring. */
+            uint64_t cm = LOAD_ACQUIRE(&h->ring_committed);
+            if (UNLIKELY(cm < c->cap) && ring_need(c, pos, need) > cm) {
+                int crc = commit_ring(c, pos, need);
+                if (crc) return crc;
+            }
             if (need > head + c->limit) {
                 uint64_t fresh = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
                 STORE_RELEASE(&c->cached_head, fresh); /* pairs with the acquire load above */
@@ -364,7 +372,7 @@ static void wake_receiver(shm_chan *c, int *wake) {
 static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
                     const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *seq_out,
                     shm_stall *stall, const shm_gate *gate, uint64_t *pos_out) {
-    uint64_t n, pos, seq;
+    uint64_t n, pos = 0, seq = 0; /* set by claim() when it succeeds */
     uint64_t hashes[SHM_MAX_KEYS_LIMIT];
     if (gate && gate->name_len > SHM_GATE_NAME_MAX) return SHM_E_INVALID;
     /* the trailer is 8-aligned: the record is the body's size plus gate_size */
@@ -553,7 +561,11 @@ int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
 int ring_rewind(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t pos = h->scan_pos, off = pos % c->cap; /* receiver-owned fields */
-    if (h->head != pos || off < REWIND_AT(c) || h->ingest_pos != pos || h->writing_n) return 0;
+    /* relaxed: ring_short is a hint (commit.c); with it, any empty ring off offset 0
+     * rewinds, so the ring's committed start is used again instead of more memory */
+    int early = off > 0 && LOAD_RELAXED(&h->ring_short);
+    if (h->head != pos || (off < REWIND_AT(c) && !early) || h->ingest_pos != pos || h->writing_n)
+        return 0;
     uint64_t end = pos + (c->cap - off);
     if (end + REC_HDR > pos + c->limit || !len_ok(c, end - pos)) return 0; /* room, as claim() */
     uint64_t first = 0;
@@ -580,6 +592,7 @@ int ring_rewind(shm_chan *c) {
      * ring_advance_head. Free space is unchanged: tail and head both moved by end - pos. */
     STORE_RELEASE(&h->head, end);
     h->rewinds++; /* receiver-owned, like the positions above */
+    if (early) STORE_RELAXED(&h->ring_short, 0); /* as above: a hint */
     return 1;
 }
 
