@@ -163,6 +163,7 @@ int commit_ring(shm_chan *c, uint64_t pos, uint64_t end) {
         return SHM_FULL;
     }
     if (rc) return rc;
+    test_pause(SHM_PAUSE_RING_COMMIT);
     /* release: our fallocate happened before the raise; pairs with the acquire loads of
      * ring_committed here and in claim() (ring.c). Only ever raises it. */
     while (cur < target &&

@@ -80,7 +80,8 @@
  * lines), where a small one recycles the same warm pages. So when the receiver finds
  * the ring empty (a poll with nothing to do, or a release that lets head catch up:
  * nothing unread, nothing in flight before the tail, head = scan_pos = tail) and the
- * tail lies at least REWIND_AT into its lap, it claims the tail itself
+ * tail lies at least REWIND_AT into its lap (or three quarters into the ring's committed
+ * part, or a sender found the filesystem full: commit.c), it claims the tail itself
  * for a SKIP record reaching to the lap's end (steps 3-5, as a producer would, the seq
  * passed on unchanged) and moves scan_pos, ingest_pos and head past it. The next record
  * starts at offset 0 again: the working set of a channel whose receiver keeps up stays
@@ -561,9 +562,12 @@ int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
 int ring_rewind(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t pos = h->scan_pos, off = pos % c->cap; /* receiver-owned fields */
-    /* relaxed: ring_short is a hint (commit.c); with it, any empty ring off offset 0
-     * rewinds, so the ring's committed start is used again instead of more memory */
-    int early = off > 0 && LOAD_RELAXED(&h->ring_short);
+    /* Early, before REWIND_AT, where the ring's committed part (commit.c) ends soon: an
+     * empty ring then starts again at offset 0 rather than take more memory, and a sender
+     * that found the filesystem full (ring_short, a hint: relaxed) goes on at once.
+     * acquire: pairs with commit_ring's release raise (a mere bound here). */
+    uint64_t cm = LOAD_ACQUIRE(&h->ring_committed);
+    int early = off > 0 && (LOAD_RELAXED(&h->ring_short) || (cm < c->cap && off >= cm - cm / 4));
     if (h->head != pos || (off < REWIND_AT(c) && !early) || h->ingest_pos != pos || h->writing_n)
         return 0;
     uint64_t end = pos + (c->cap - off);

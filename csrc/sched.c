@@ -115,6 +115,7 @@ static int key_grow(shm_chan *c) {
     c->keytab_size = size;
     STORE_RELAXED(&h->keys_active, size); /* read by keytab_view_size, under the seqlock */
     for (uint32_t j = 0; j < old; j++) {
+        if (j == old / 2) test_pause(SHM_PAUSE_KEY_GROW);
         if (key_empty(&copy[j])) continue;
         uint32_t i = key_home(c, copy[j].hash);
         for (uint32_t probes = 0; probes < size && !key_empty(&c->keys[i]); probes++)
