@@ -254,15 +254,8 @@ def test_a_channel_whose_fixed_part_does_not_fit_says_what_to_do() -> None:
     assert "created 1073741824" in r.stdout
 
 
-_SIDE_BY_SIDE = """
-    import os, subprocess, sys, time
-    root = os.getcwd()
-    py = sys.executable
-    jobs = {
-        "demo": [py, "-m", "shmchan", "demo", "--messages", "2000"],
-        "quickstart": [py, "examples/quickstart.py"],
-        "orders": [py, "examples/orders.py"],
-        "defaults": [py, "-c", '''
+# Each a program of its own, run side by side in one 64 MiB /dev/shm.
+_DEFAULTS_JOB = """
 import shmchan, time
 chans = [shmchan.Channel.create(f"dflt{i}") for i in range(3)]
 tx, rx = chans[0].sender(), chans[0].receiver()
@@ -273,37 +266,49 @@ for i in range(1000):
 time.sleep(2)
 for c in chans:
     c.unlink()
-'''],
-        "executors": [py, "-c", '''
+"""
+
+_EXECUTORS_JOB = """
 import shmchan, threading
+
 def task(blob, i):
     return len(blob) + i
+
 def run(k, out):
     with shmchan.KeyedExecutor(max_workers=8) as ex:
         futs = [ex.submit(task, bytes(1 << 20), i, keys=(f"k{i % 4}",)) for i in range(24)]
-        out[k] = [f.result(timeout=120) for f in futs]
-out = {}
-ts = [threading.Thread(target=run, args=(k, out)) for k in range(4)]
-for t in ts: t.start()
-for t in ts: t.join(150)
-assert all(out[k] == [(1 << 20) + i for i in range(24)] for k in range(4)), out.keys()
-'''],
-        "pool": [py, "-c", '''
+        out[k] = [f.result(timeout=150) for f in futs]
+
+if __name__ == "__main__":
+    out = {}
+    ts = [threading.Thread(target=run, args=(k, out)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(180)
+    assert all(out.get(k) == [(1 << 20) + i for i in range(24)] for k in range(4)), sorted(out)
+"""
+
+_POOL_JOB = """
 import shmchan, time
-ch = shmchan.Channel.create("poolch")
+
 def handler(payload, keys):
     pass
-with shmchan.KeyedPool("poolch", handler, processes=2) as pool:
-    tx = ch.sender()
-    for i in range(500):
-        tx.send(b"p" * 2000, keys=(i % 7,), timeout=30)
-    deadline = time.monotonic() + 60
-    while ch.stats().released < 500 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert ch.stats().released == 500, ch.stats()
-ch.unlink()
-'''],
-        "exchange": [py, "-c", '''
+
+if __name__ == "__main__":
+    ch = shmchan.Channel.create("poolch")
+    with shmchan.KeyedPool("poolch", handler, processes=2):
+        tx = ch.sender()
+        for i in range(500):
+            tx.send(b"p" * 2000, keys=(i % 7,), timeout=30)
+        deadline = time.monotonic() + 90
+        while ch.stats().released < 500 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ch.stats().released == 500, ch.stats()
+    ch.unlink()
+"""
+
+_EXCHANGE_JOB = """
 import shmchan
 chans = [shmchan.Channel.create(f"ex{i}") for i in range(3)]
 ex = shmchan.Exchange.create("fan", kind="fanout")
@@ -317,30 +322,53 @@ for c in chans:
         rx.recv(timeout=10).release()
     c.unlink()
 ex.unlink()
-'''],
-    }
-    procs = {k: subprocess.Popen(v, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k, v in jobs.items()}
-    failed = []
-    for k, p in procs.items():
-        try:
-            out, _ = p.communicate(timeout=200)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            failed.append(k)
-            print(f"--- {k} timed out\\n{out[-3000:]}")
-            continue
-        if p.returncode != 0:
-            failed.append(k)
-            print(f"--- {k} exited {p.returncode}\\n{out[-3000:]}")
-    print("failed:", failed)
 """
+
+_SIDE_BY_SIDE = """
+import os, subprocess, sys, tempfile
+py = sys.executable
+here = tempfile.mkdtemp()  # scripts as files: spawned workers import their functions
+
+def script(name, text):
+    path = os.path.join(here, name + ".py")
+    with open(path, "w") as f:
+        f.write(text)
+    return [py, path]
+
+jobs = {
+    "demo": [py, "-m", "shmchan", "demo", "--messages", "2000"],
+    "quickstart": [py, "examples/quickstart.py"],
+    "orders": [py, "examples/orders.py"],
+    "defaults": script("defaults", %r),
+    "executors": script("executors", %r),
+    "pool": script("pool", %r),
+    "exchange": script("exchange", %r),
+}
+procs = {k: subprocess.Popen(v, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         for k, v in jobs.items()}
+failed = []
+for k, p in procs.items():
+    try:
+        out, _ = p.communicate(timeout=220)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        failed.append(k)
+        print(f"--- {k} timed out\\n{out[-3000:]}")
+        continue
+    if p.returncode != 0:
+        failed.append(k)
+        print(f"--- {k} exited {p.returncode}\\n{out[-3000:]}")
+print("failed:", failed)
+print("left in /dev/shm:", sorted(os.listdir("/dev/shm")))
+import shutil
+shutil.rmtree(here)
+""" % (_DEFAULTS_JOB, _EXECUTORS_JOB, _POOL_JOB, _EXCHANGE_JOB)
 
 
 @pytest.mark.timeout(300)
 def test_every_default_fits_a_64_mib_dev_shm_side_by_side() -> None:
-    r = _namespace_run("64m", _SIDE_BY_SIDE, timeout=280)
+    r = _namespace_run("64m", _SIDE_BY_SIDE, timeout=270)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "failed: []" in r.stdout, r.stdout + r.stderr
 
