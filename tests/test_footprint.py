@@ -10,6 +10,7 @@ skipped with the reason.
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import struct
@@ -485,5 +486,32 @@ def test_a_receiver_killed_while_the_key_table_grows_loses_nothing(chan_name: st
                 seen.append(struct.unpack("<I", h.data)[0])
                 h.release()
         assert seen == list(range(n))
+    finally:
+        ch.close()
+
+
+# ---- the committed figure in `stat` ---------------------------------------------------------
+
+
+def test_stat_reports_committed_bytes_as_text_json_and_prometheus(chan_name: str) -> None:
+    import json
+
+    from tests.procs import run_shmchan
+
+    ch = shmchan.Channel.create(chan_name)
+    try:
+        tx = ch.sender()
+        for _ in range(3000):  # about 3 MiB: past the ring's first committed part
+            tx.send(b"c" * 1000)
+        held = allocated(chan_name)
+        js = run_shmchan("stat", chan_name, "--json", timeout=60)
+        assert js.returncode == 0, js
+        committed = json.loads(js.stdout)["stats"]["committed_bytes"]
+        assert 3 * MiB < committed <= held + (64 << 10)
+        text = run_shmchan("stat", chan_name, timeout=60)
+        assert re.search(rf"^committed_bytes\s+{committed} \(", text.stdout, re.M), text.stdout
+        prom = run_shmchan("stat", chan_name, "--prometheus", timeout=60)
+        found = re.search(rf'^shmchan_committed_bytes{{channel="{chan_name}"}} (\S+)$', prom.stdout, re.M)
+        assert found and float(found.group(1)) == committed, prom.stdout
     finally:
         ch.close()
