@@ -74,7 +74,7 @@ def test_a_burst_of_n_bytes_holds_at_most_1_1_n_plus_2_mib(chan_name: str) -> No
             got += 1
         assert got == sent
         # a second burst of the same size reuses what the first committed (the ring rewinds)
-        for i in range(6000):
+        for _i in range(6000):
             tx.send(b"y" * 4000)
         while (h := rx.try_recv()) is not None:
             h.release()
@@ -132,7 +132,9 @@ def test_the_key_table_grows_with_the_keys_in_use(make_channel: Any) -> None:
 # ---- running out, for real, in a private mount namespace ---------------------------------
 
 
-def _namespace_run(tmpfs_size: str, script: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _namespace_run(
+    tmpfs_size: str, script: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
     """Run `python -c script` with a tmpfs of tmpfs_size on /dev/shm in a private mount
     namespace; skip the test if this machine does not permit that."""
     probe = subprocess.run(
@@ -325,7 +327,7 @@ for c in chans:
 ex.unlink()
 """
 
-_SIDE_BY_SIDE = """
+_SIDE_BY_SIDE_DRIVER = """
 import os, subprocess, sys, tempfile
 py = sys.executable
 here = tempfile.mkdtemp()  # scripts as files: spawned workers import their functions
@@ -340,10 +342,10 @@ jobs = {
     "demo": [py, "-m", "shmchan", "demo", "--messages", "2000"],
     "quickstart": [py, "examples/quickstart.py"],
     "orders": [py, "examples/orders.py"],
-    "defaults": script("defaults", %r),
-    "executors": script("executors", %r),
-    "pool": script("pool", %r),
-    "exchange": script("exchange", %r),
+    "defaults": script("defaults", DEFAULTS),
+    "executors": script("executors", EXECUTORS),
+    "pool": script("pool", POOL),
+    "exchange": script("exchange", EXCHANGE),
 }
 procs = {k: subprocess.Popen(v, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
          for k, v in jobs.items()}
@@ -364,7 +366,19 @@ print("failed:", failed)
 print("left in /dev/shm:", sorted(os.listdir("/dev/shm")))
 import shutil
 shutil.rmtree(here)
-""" % (_DEFAULTS_JOB, _EXECUTORS_JOB, _POOL_JOB, _EXCHANGE_JOB)
+"""
+_SIDE_BY_SIDE = (
+    "".join(
+        f"{var} = {text!r}\n"
+        for var, text in [
+            ("DEFAULTS", _DEFAULTS_JOB),
+            ("EXECUTORS", _EXECUTORS_JOB),
+            ("POOL", _POOL_JOB),
+            ("EXCHANGE", _EXCHANGE_JOB),
+        ]
+    )
+    + _SIDE_BY_SIDE_DRIVER
+)
 
 
 @pytest.mark.timeout(300)
@@ -395,7 +409,14 @@ def test_a_producer_killed_while_committing_a_chunk_stops_nobody(chan_name: str)
         r_notify, w_notify = os.pipe()
         r_wait, w_wait = os.pipe()
         child = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_COMMIT_VICTIM), chan_name, str(w_notify), str(r_wait)],
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(_COMMIT_VICTIM),
+                chan_name,
+                str(w_notify),
+                str(r_wait),
+            ],
             pass_fds=(w_notify, r_wait),
             env=child_env(),
         )
@@ -415,7 +436,7 @@ def test_a_producer_killed_while_committing_a_chunk_stops_nobody(chan_name: str)
             os.close(w_wait)
         # another producer goes on through the same chunk, and everything arrives whole
         tx, rx = ch.sender(), ch.receiver()
-        for i in range(2000):
+        for _i in range(2000):
             tx.send(b"z" * 1024, timeout=5)
         theirs = ours = 0
         while (h := rx.try_recv()) is not None:
@@ -457,7 +478,14 @@ def test_a_receiver_killed_while_the_key_table_grows_loses_nothing(chan_name: st
         r_notify, w_notify = os.pipe()
         r_wait, w_wait = os.pipe()
         child = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(_GROW_VICTIM), chan_name, str(w_notify), str(r_wait)],
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(_GROW_VICTIM),
+                chan_name,
+                str(w_notify),
+                str(r_wait),
+            ],
             pass_fds=(w_notify, r_wait),
             env=child_env(),
         )
@@ -511,7 +539,9 @@ def test_stat_reports_committed_bytes_as_text_json_and_prometheus(chan_name: str
         text = run_shmchan("stat", chan_name, timeout=60)
         assert re.search(rf"^committed_bytes\s+{committed} \(", text.stdout, re.M), text.stdout
         prom = run_shmchan("stat", chan_name, "--prometheus", timeout=60)
-        found = re.search(rf'^shmchan_committed_bytes{{channel="{chan_name}"}} (\S+)$', prom.stdout, re.M)
+        found = re.search(
+            rf'^shmchan_committed_bytes{{channel="{chan_name}"}} (\S+)$', prom.stdout, re.M
+        )
         assert found and float(found.group(1)) == committed, prom.stdout
     finally:
         ch.close()
