@@ -13,6 +13,10 @@
  *   ring_off            ring bytes        the intake ring (ring.c), mapped twice in a row so a
  *                                         record that wraps is still contiguous in memory
  *
+ * The file is sized for all of that but sparse: each region is backed by memory only as
+ * far as its committed mark in the header, which grows with use (commit.c). Nothing
+ * touches a page above a mark: on a full filesystem that would be a SIGBUS.
+ *
  * Every region starts on a page boundary. Offsets and sizes are recomputed from the
  * configuration in each process and compared with what the header says; nothing is
  * taken from the segment on trust. Positions are free-running 64-bit byte counters
