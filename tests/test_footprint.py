@@ -97,6 +97,17 @@ def test_an_idle_keyed_executor_holds_at_most_4_mib() -> None:
         assert total <= 4 * MiB, total
 
 
+def _numbers_received(rx: shmchan.Receiver, n: int) -> list[int]:
+    """The numbers n messages carry, as received (each released at once); within 60 s."""
+    seen: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(seen) < n and time.monotonic() < deadline:
+        for h in rx.recv_many(64, timeout=1):
+            seen.append(struct.unpack("<I", h.data)[0])
+            h.release()
+    return seen
+
+
 def test_the_key_table_grows_with_the_keys_in_use(make_channel: Any) -> None:
     # Many distinct keys waiting at once (parked behind one held key) make the key table
     # grow past its first size; the order on every key is kept through the growth.
@@ -119,13 +130,7 @@ def test_the_key_table_grows_with_the_keys_in_use(make_channel: Any) -> None:
     os.close(seg)
     assert grown >= 4 * first  # the table took more room as the keys came
     hot.release()
-    seen = []
-    deadline = time.monotonic() + 60
-    while len(seen) < n and time.monotonic() < deadline:
-        for h in rx.recv_many(64, timeout=1):
-            seen.append(struct.unpack("<I", h.data)[0])
-            h.release()
-    assert seen == list(range(n))  # they all share "hot": strictly in order
+    assert _numbers_received(rx, n) == list(range(n))  # all share "hot": strictly in order
     assert ch.stats().held_keys == 0
 
 
@@ -390,6 +395,33 @@ def test_every_default_fits_a_64_mib_dev_shm_side_by_side() -> None:
 
 # ---- crash safety --------------------------------------------------------------------------
 
+
+def _kill_at_pause(script: str, chan_name: str, what: str) -> None:
+    """Run `script` (it arms a pause point on argv[2], argv[3]) in a child process, wait
+    until it stops at the point, and SIGKILL it there."""
+    r_notify, w_notify = os.pipe()
+    r_wait, w_wait = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), chan_name, str(w_notify), str(r_wait)],
+        pass_fds=(w_notify, r_wait),
+        env=child_env(),
+    )
+    try:
+        os.close(w_notify)
+        os.close(r_wait)
+        ready, _, _ = select.select([r_notify], [], [], 60)
+        assert ready, f"the child never reached {what}"
+        assert os.read(r_notify, 1) == b"\0"
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        os.close(r_notify)
+        os.close(w_wait)
+
+
 _COMMIT_VICTIM = """
     import os, sys
     import shmchan
@@ -406,34 +438,8 @@ _COMMIT_VICTIM = """
 def test_a_producer_killed_while_committing_a_chunk_stops_nobody(chan_name: str) -> None:
     ch = shmchan.Channel.create(chan_name, capacity=64 * MiB)
     try:
-        r_notify, w_notify = os.pipe()
-        r_wait, w_wait = os.pipe()
-        child = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                textwrap.dedent(_COMMIT_VICTIM),
-                chan_name,
-                str(w_notify),
-                str(r_wait),
-            ],
-            pass_fds=(w_notify, r_wait),
-            env=child_env(),
-        )
-        try:
-            os.close(w_notify)
-            os.close(r_wait)
-            ready, _, _ = select.select([r_notify], [], [], 60)
-            assert ready, "the producer never reached a commit"
-            assert os.read(r_notify, 1) == b"\0"
-            child.send_signal(signal.SIGKILL)  # between its fallocate and raising the mark
-            assert child.wait(30) == -signal.SIGKILL
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(30)
-            os.close(r_notify)
-            os.close(w_wait)
+        # killed between its fallocate and raising the mark
+        _kill_at_pause(_COMMIT_VICTIM, chan_name, "a ring commit")
         # another producer goes on through the same chunk, and everything arrives whole
         tx, rx = ch.sender(), ch.receiver()
         for _i in range(2000):
@@ -475,45 +481,14 @@ def test_a_receiver_killed_while_the_key_table_grows_loses_nothing(chan_name: st
         n = 4000
         for i in range(n):
             tx.send(struct.pack("<I", i), keys=("hot", f"u{i}"))
-        r_notify, w_notify = os.pipe()
-        r_wait, w_wait = os.pipe()
-        child = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                textwrap.dedent(_GROW_VICTIM),
-                chan_name,
-                str(w_notify),
-                str(r_wait),
-            ],
-            pass_fds=(w_notify, r_wait),
-            env=child_env(),
-        )
-        try:
-            os.close(w_notify)
-            os.close(r_wait)
-            ready, _, _ = select.select([r_notify], [], [], 60)
-            assert ready, "the receiver never grew its key table"
-            child.send_signal(signal.SIGKILL)  # half way through the rehash
-            assert child.wait(30) == -signal.SIGKILL
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(30)
-            os.close(r_notify)
-            os.close(w_wait)
+        # killed half way through the rehash
+        _kill_at_pause(_GROW_VICTIM, chan_name, "the key table's growth")
         rx = take_receiver_seat(ch)
         # first: handed out again if its holder had it (the growth may come before that)
         hot = rx.recv(timeout=10)
         assert bytes(hot.data) == b"hot" and hot.attempt in (1, 2)
         hot.release()
-        seen = []
-        deadline = time.monotonic() + 60
-        while len(seen) < n and time.monotonic() < deadline:
-            for h in rx.recv_many(64, timeout=1):
-                seen.append(struct.unpack("<I", h.data)[0])
-                h.release()
-        assert seen == list(range(n))
+        assert _numbers_received(rx, n) == list(range(n))
     finally:
         ch.close()
 
