@@ -34,6 +34,8 @@
  * only within committed entries, and the key table within header.keys_active
  * (keytab_view_size), which is never above keys_committed.
  *
+ * Giving back: see commit_give_back below (a drained ring returns its idle tail).
+ *
  * Running out: a commit that fails for lack of space returns SHM_FULL. A sender then
  * behaves as if the ring were full (it waits and retries up to its timeout); the
  * receiver, whose tables hold a first chunk from create on, keeps delivering, and when
@@ -164,13 +166,64 @@ int commit_ring(shm_chan *c, uint64_t pos, uint64_t end) {
     }
     if (rc) return rc;
     test_pause(SHM_PAUSE_RING_COMMIT);
-    /* release: our fallocate happened before the raise; pairs with the acquire loads of
-     * ring_committed here and in claim() (ring.c). Only ever raises it. */
-    while (cur < target &&
-           !__atomic_compare_exchange_n(&h->ring_committed, &cur, target, 1, __ATOMIC_RELEASE,
-                                        __ATOMIC_RELAXED)) {
+    /* From the value we read only (invariant C: we allocated from there). release: our
+     * fallocate happened before the raise; pairs with the acquire loads of ring_committed
+     * here and in claim() (ring.c). If it moved: raised far enough by someone else, fine;
+     * otherwise (lowered by a give-back, or raised less far) the caller looks again. */
+    if (__atomic_compare_exchange_n(&h->ring_committed, &cur, target, 0, __ATOMIC_RELEASE,
+                                    __ATOMIC_ACQUIRE))
+        return SHM_OK;
+    return cur >= target ? SHM_OK : SHM_AGAIN;
+}
+
+/* ---- giving back: a drained ring returns what it committed past its recent need ----
+ * The receiver, polling with nothing to do, finds the ring empty and its committed part
+ * much larger than a lap from the tail needs (commit_give_back_due). After SHRINK_IDLE_NS
+ * of that, it claims the tail itself (ring.c ring_give_back), which stops every producer
+ * short of the tail until it publishes the tail again, and between the two:
+ *   1. lowers ring_committed to `keep` (seq_cst store);
+ *   2. punches [keep, old mark) out of the file (fallocate PUNCH_HOLE).
+ * Nothing reads or writes the ring past the tail, and no producer writes before it can
+ * claim, which it does only past our record, after acquiring its publication: so it sees
+ * the lowered mark and commits (allocates again) what it needs. A producer that was
+ * committing beyond the old mark when we lowered it fails its raise (it raises only from
+ * the value it read) and looks at the tail again, after us. A receiver killed in
+ * between leaves a claim that is repaired like a dead producer's, with the mark lowered
+ * or not and pages punched or not: either way every page below the mark is allocated,
+ * since the mark is lowered before the punch. */
+#define SHRINK_IDLE_NS 1000000000ull /* a drained ring this long idle gives back its tail */
+
+uint64_t commit_give_back_due(shm_chan *c, uint64_t pos) {
+    shm_header *h = c->hdr;
+    if (LOAD_RELAXED(&h->commit_all)) return 0;
+    uint64_t cm = LOAD_ACQUIRE(&h->ring_committed); /* pairs with commit_ring's raise */
+    uint64_t keep = pg_up(pos % c->cap + REC_HDR + RING_CHUNK_MIN);
+    if (keep < RING_WARM(c)) keep = RING_WARM(c);
+    if (cm > c->cap || cm < keep + RING_CHUNK_MIN) { /* nothing worth giving back */
+        c->shrink_since = 0;
+        return 0;
     }
-    return SHM_OK;
+    uint64_t now = coarse_ns();
+    if (c->shrink_since == 0 || c->shrink_pos != pos) { /* the ring moved: start again */
+        c->shrink_since = now;
+        c->shrink_pos = pos;
+        return 0;
+    }
+    if (now - c->shrink_since < SHRINK_IDLE_NS) return 0;
+    c->shrink_since = 0;
+    return keep;
+}
+
+void commit_give_back(shm_chan *c, uint64_t keep) {
+    shm_header *h = c->hdr;
+    uint64_t cm = LOAD_ACQUIRE(&h->ring_committed); /* pairs with commit_ring's raise */
+    if (cm <= keep || cm > c->cap) return;
+    /* seq_cst: lowered before the punch below; a committer's raise from the old value
+     * fails after this (commit_ring) */
+    STORE_SEQCST(&h->ring_committed, keep);
+    uint64_t off = off_of(c, c->ring);
+    (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(off + keep),
+                    (off_t)(cm - keep)); /* best effort: a failure only keeps the memory */
 }
 
 /* ---- create, adopt, report -------------------------------------------------------------- */

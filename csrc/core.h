@@ -392,6 +392,7 @@ struct shm_chan {
     uint32_t keytab_max;  /* the key table's region: the most it may grow to          */
     int fd;               /* the segment's file, for committing ranges (commit.c)     */
     int short_errno;      /* this process's last commit failure (0: the last succeeded) */
+    uint64_t shrink_since, shrink_pos; /* receiver: the ring empty at shrink_pos since (commit.c) */
     uint64_t token;     /* this process's identity                                    */
     uint32_t producer;  /* registry index + 1 while registered, 0 otherwise          */
     int is_rx;          /* this attachment holds the receiver                         */
@@ -508,6 +509,8 @@ int commit_slots(shm_chan *c, uint32_t n);
 int commit_nodes(shm_chan *c, uint32_t n);
 int commit_keys(shm_chan *c, uint32_t n);
 int commit_adopt(shm_chan *c);
+uint64_t commit_give_back_due(shm_chan *c, uint64_t pos);
+void commit_give_back(shm_chan *c, uint64_t keep);
 uint64_t commit_bytes(shm_chan *c);
 uint32_t keytab_view_size(shm_chan *c);
 /* The ring's first committed bytes, which must cover [pos, end) (end - pos < cap): a
@@ -528,6 +531,7 @@ int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t f
                      int *wake);
 int ring_advance_head(shm_chan *c);
 int ring_rewind(shm_chan *c);
+int ring_give_back(shm_chan *c);
 int space_wake_due(shm_chan *c, int idle);
 uint32_t space_count_sub(uint32_t *w, uint32_t n);
 void space_unwait_entry(shm_chan *c, shm_producer *p);

@@ -350,6 +350,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
              * may have found the ring full while the skip was published and head not
              * yet past it). */
             moved |= ring_rewind(c);
+            if (!moved) moved |= ring_give_back(c); /* a drained ring's idle memory */
             /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see
              * send_one. Closed once nothing is queued and no handle can come back
              * (others_inflight): until then the receiver waits, and a dead holder's

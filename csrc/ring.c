@@ -189,6 +189,7 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
             uint64_t cm = LOAD_ACQUIRE(&h->ring_committed);
             if (UNLIKELY(cm < c->cap) && ring_need(c, pos, need) > cm) {
                 int crc = commit_ring(c, pos, need);
+                if (crc == SHM_AGAIN) continue; /* the mark moved under us: look again */
                 if (crc) return crc;
             }
             if (need > head + c->limit) {
@@ -597,6 +598,36 @@ int ring_rewind(shm_chan *c) {
     STORE_RELEASE(&h->head, end);
     h->rewinds++; /* receiver-owned, like the positions above */
     if (early) STORE_RELAXED(&h->ring_short, 0); /* as above: a hint */
+    return 1;
+}
+
+/* Receiver, from a poll with nothing to do: an empty ring idle for a while gives back
+ * the committed memory past what a lap from its tail needs (commit.c). The receiver holds
+ * the tail meanwhile: it claims it for a REC_HDR-sized SKIP, as ring_rewind does for a
+ * longer one, and publishes it when the memory is given back. 1 if it did. */
+int ring_give_back(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t pos = h->scan_pos; /* receiver-owned fields */
+    if (h->head != pos || h->ingest_pos != pos || h->writing_n ||
+        LOAD_RELAXED(&h->island_count)) /* relaxed: receiver-written */
+        return 0;
+    uint64_t keep = commit_give_back_due(c, pos);
+    if (keep == 0) return 0;
+    shm_record *r = rec_at(c, pos);
+    uint64_t owner = OWNER_EMPTY(pos);
+    if (LOAD_RELAXED(&r->owner) != owner) return 0; /* a hint, as in ring_rewind */
+    /* seq_cst: the claim, as in ring_rewind */
+    if (!CAS_SEQCST(&r->owner, &owner, OWNER_CLAIM(c->token))) return 0;
+    uint64_t seq = LOAD_RELAXED(&r->seq); /* ordered by the CAS's acquire */
+    commit_give_back(c, keep);
+    test_pause(SHM_PAUSE_GIVE_BACK);
+    prepare_successor(c, pos + REC_HDR, seq); /* the seq passes on unchanged */
+    /* release: the lowered mark and our claim's end are visible to whoever acquires the
+     * successor's EMPTY or this meta (claim(), ring_peek) */
+    STORE_RELEASE(&r->meta, META(REC_HDR, REC_SKIP));
+    hint_raise(c, pos + REC_HDR);
+    h->scan_pos = h->ingest_pos = pos + REC_HDR; /* finished at once, as in ring_rewind */
+    STORE_RELEASE(&h->head, pos + REC_HDR);      /* pairs with claim()'s acquire of head */
     return 1;
 }
 

@@ -213,6 +213,7 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_INGEST_WAKE     5   /* a poll, between its writing and wake passes      */
 #define SHM_PAUSE_RING_COMMIT     6   /* a ring commit, after its fallocate, before the mark */
 #define SHM_PAUSE_KEY_GROW        7   /* the key table's growth, half rehashed             */
+#define SHM_PAUSE_GIVE_BACK       8   /* a give-back of ring memory, holding the tail      */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */

@@ -103,7 +103,7 @@ def _numbers_received(rx: shmchan.Receiver, n: int) -> list[int]:
     deadline = time.monotonic() + 60
     while len(seen) < n and time.monotonic() < deadline:
         for h in rx.recv_many(64, timeout=1):
-            seen.append(struct.unpack("<I", h.data)[0])
+            seen.append(struct.unpack_from("<I", h.data)[0])
             h.release()
     return seen
 
@@ -518,5 +518,64 @@ def test_stat_reports_committed_bytes_as_text_json_and_prometheus(chan_name: str
             rf'^shmchan_committed_bytes{{channel="{chan_name}"}} (\S+)$', prom.stdout, re.M
         )
         assert found and float(found.group(1)) == committed, prom.stdout
+    finally:
+        ch.close()
+
+
+# ---- giving memory back -------------------------------------------------------------------
+
+
+def _burst(tx: shmchan.Sender, n: int) -> None:
+    for i in range(n):
+        tx.send(struct.pack("<I", i) + b"g" * 996, keys=(i % 100,), timeout=10)
+
+
+def test_a_drained_ring_gives_its_memory_back_after_a_second_idle(chan_name: str) -> None:
+    ch = shmchan.Channel.create(chan_name)
+    try:
+        tx, rx = ch.sender(), ch.receiver()
+        for _round in range(2):
+            _burst(tx, 20000)  # about 20 MiB queued
+            assert allocated(chan_name) > 20 * MiB
+            assert sorted(_numbers_received(rx, 20000)) == list(range(20000))
+            with pytest.raises(shmchan.Empty):
+                rx.recv(timeout=2.0)  # idle: its polls give the memory back after 1 s
+            assert allocated(chan_name) <= 2 * MiB
+            assert ch.stats().committed_bytes <= 2 * MiB
+    finally:
+        ch.close()
+
+
+_GIVE_BACK_VICTIM = """
+    import sys, time
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rx = shmchan.Channel.open(name).receiver()
+    while (h := rx.try_recv()) is not None:
+        h.release()
+    lib.shm_test_pause_at(lib.SHM_PAUSE_GIVE_BACK, notify, wait)
+    while True:
+        try:
+            rx.recv(timeout=0.2)
+        except shmchan.Empty:
+            pass
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_killed_while_giving_memory_back_stops_nobody(chan_name: str) -> None:
+    ch = shmchan.Channel.create(chan_name)
+    try:
+        tx = ch.sender()
+        _burst(tx, 12000)
+        # the receiver drains, idles, and is killed holding the tail, memory given back
+        _kill_at_pause(_GIVE_BACK_VICTIM, chan_name, "a give-back")
+        assert allocated(chan_name) <= 2 * MiB
+        # a producer steps over the dead receiver's claim; a new receiver gets it all
+        _burst(tx, 12000)
+        rx = take_receiver_seat(ch)
+        assert _numbers_received(rx, 12000) == list(range(12000))
+        assert rx.try_recv() is None
     finally:
         ch.close()
