@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 import shmchan
+from shmchan import liveness
 from tests.procs import child_env, layout_fact, take_receiver_seat
 
 MiB = 1 << 20
@@ -87,11 +88,8 @@ def test_an_idle_keyed_executor_holds_at_most_4_mib() -> None:
     before = set(os.listdir(DEV_SHM))
     with shmchan.KeyedExecutor(max_workers=2) as ex:
         assert ex.submit(sum, (1, 2, 3), keys=("a",)).result(timeout=60) == 6
-        mine = [
-            n
-            for n in set(os.listdir(DEV_SHM)) - before
-            if n.startswith("shmchan.") and not n.startswith("sem.")
-        ]
+        ours = f"shmchan.kx-{liveness.current_token():x}-"  # this process's executors
+        mine = [n for n in set(os.listdir(DEV_SHM)) - before if n.startswith(ours)]
         assert len(mine) == 2, mine  # its task and result channels
         total = sum(os.stat(os.path.join(DEV_SHM, n)).st_blocks * 512 for n in mine)
         assert total <= 4 * MiB, total

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import shmchan
+from shmchan import liveness
 from shmchan.bench.common import MIB, SHMCHAN, Sizes, unique
 from shmchan.bench.harness import Run
 from shmchan.bench.registry import register
@@ -29,7 +30,9 @@ def _allocated(entry: str) -> int:
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir(_DEV_SHM) if n.startswith("shmchan.")}
+    """This process's executors' segments (other processes may make some meanwhile)."""
+    ours = f"shmchan.kx-{liveness.current_token():x}-"
+    return {n for n in os.listdir(_DEV_SHM) if n.startswith(ours)}
 
 
 def _idle_and_burst(burst: int) -> tuple[float, float, float]:
