@@ -18,6 +18,7 @@ SOURCES = [
     "compact.c",
     "islands.c",
     "segment.c",
+    "commit.c",
     "hash.c",
     "crc32c.c",
     "inspect.c",

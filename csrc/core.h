@@ -13,6 +13,10 @@
  *   ring_off            ring bytes        the intake ring (ring.c), mapped twice in a row so a
  *                                         record that wraps is still contiguous in memory
  *
+ * The file is sized for all of that but sparse: each region is backed by memory only as
+ * far as its committed mark in the header, which grows with use (commit.c). Nothing
+ * touches a page above a mark: on a full filesystem that would be a SIGBUS.
+ *
  * Every region starts on a page boundary. Offsets and sizes are recomputed from the
  * configuration in each process and compared with what the header says; nothing is
  * taken from the segment on trust. Positions are free-running 64-bit byte counters
@@ -131,6 +135,19 @@ typedef struct {
     uint64_t chan_id;    /* random, non-zero, drawn at create: which channel this is, so an
                           * attachment can tell whether its name still means this segment */
     uint64_t created_ns; /* CLOCK_REALTIME at create (for people reading `stat`)       */
+
+    /* -- committed memory (commit.c): what of the sparse file is backed -- */
+    _Alignas(SHM_CACHELINE) uint64_t ring_committed; /* ring bytes [0, n) backed: raised by
+                          * whoever committed them (CAS to the maximum), never lowered */
+    uint32_t ring_short; /* 1 once a claim found the filesystem full; the receiver then
+                          * rewinds an empty ring early, so the committed part is reused */
+    uint32_t commit_all; /* 1: the filesystem cannot allocate by range, so everything
+                          * was allocated at create (commit.c) */
+    /* receiver-written (commit.c, sched.c): table entries [0, n) backed */
+    uint32_t slots_committed; /* slots, and ready heap entries as many              */
+    uint32_t nodes_committed;
+    uint32_t keys_committed;  /* key table entries                                  */
+    uint32_t keys_active;     /* the key table's size in use (sched.c key_grow)      */
 
     /* -- producers: where the tail probably is (a hint; the ring is the truth) -- */
     _Alignas(SHM_CACHELINE) uint64_t tail_hint;
@@ -369,7 +386,13 @@ struct shm_chan {
     shm_config cfg;     /* validated local copy: never re-read from the segment       */
     uint64_t cap;       /* ring size: the capacity rounded up to whole pages          */
     uint64_t limit;     /* the capacity: bytes the ring may hold at once (cfg.capacity) */
-    uint32_t max_nodes, keytab_size;
+    uint32_t max_nodes;
+    uint32_t keytab_size; /* receiver: the key table's size in use (header.keys_active);
+                           * other processes read the header's (keytab_view_size)      */
+    uint32_t keytab_max;  /* the key table's region: the most it may grow to          */
+    int fd;               /* the segment's file, for committing ranges (commit.c)     */
+    int short_errno;      /* this process's last commit failure (0: the last succeeded) */
+    uint64_t shrink_since, shrink_pos; /* receiver: the ring empty at shrink_pos since (commit.c) */
     uint64_t token;     /* this process's identity                                    */
     uint32_t producer;  /* registry index + 1 while registered, 0 otherwise          */
     int is_rx;          /* this attachment holds the receiver                         */
@@ -436,8 +459,11 @@ static inline shm_record *rec_at(shm_chan *c, uint64_t pos) { return (shm_record
  * exactly (not to a power of two, which doubled a large channel's table): a hash's home
  * entry is its high 32 bits scaled to the size (multiply-shift), and a probe wraps at the
  * end. The hash's high bits are as well mixed as its low ones (hash.c's finalizer). */
+static inline uint32_t key_home_in(uint32_t size, uint64_t hash) {
+    return (uint32_t)(((hash >> 32) * (uint64_t)size) >> 32);
+}
 static inline uint32_t key_home(const shm_chan *c, uint64_t hash) {
-    return (uint32_t)(((hash >> 32) * (uint64_t)c->keytab_size) >> 32);
+    return key_home_in(c->keytab_size, hash);
 }
 static inline uint32_t key_next(const shm_chan *c, uint32_t i) {
     return i + 1 >= c->keytab_size ? 0 : i + 1;
@@ -475,6 +501,24 @@ static inline int rec_first_of_hash(const shm_record *r, uint32_t i) {
 static inline uint64_t *rec_links(shm_record *r, uint32_t nkeys) { return r->hashes + nkeys; }
 
 /* ---- functions shared between files ---------------------------------------------------- */
+/* commit.c */
+#define KEYTAB_MIN 2048u /* the key table's first size (entries) */
+int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end);
+int commit_ring(shm_chan *c, uint64_t pos, uint64_t end);
+int commit_slots(shm_chan *c, uint32_t n);
+int commit_nodes(shm_chan *c, uint32_t n);
+int commit_keys(shm_chan *c, uint32_t n);
+int commit_adopt(shm_chan *c);
+uint64_t commit_give_back_due(shm_chan *c, uint64_t pos);
+void commit_give_back(shm_chan *c, uint64_t keep);
+uint64_t commit_bytes(shm_chan *c);
+uint32_t keytab_view_size(shm_chan *c);
+/* The ring's first committed bytes, which must cover [pos, end) (end - pos < cap): a
+ * prefix of the ring is committed, so a run that wraps needs all of it. */
+static inline uint64_t ring_need(const shm_chan *c, uint64_t pos, uint64_t end) {
+    uint64_t off = pos % c->cap;
+    return off + (end - pos) > c->cap ? c->cap : off + (end - pos);
+}
 /* ring.c */
 void ring_init(shm_chan *c);
 int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall);
@@ -487,6 +531,7 @@ int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t f
                      int *wake);
 int ring_advance_head(shm_chan *c);
 int ring_rewind(shm_chan *c);
+int ring_give_back(shm_chan *c);
 int space_wake_due(shm_chan *c, int idle);
 uint32_t space_count_sub(uint32_t *w, uint32_t n);
 void space_unwait_entry(shm_chan *c, shm_producer *p);
@@ -516,6 +561,8 @@ void window_unlink(shm_chan *c, uint32_t s);
 shm_key *sched_key_find(shm_chan *c, uint64_t hash);
 shm_key *sched_key_get(shm_chan *c, uint64_t hash);
 void sched_key_tidy(shm_chan *c, uint64_t hash);
+int sched_key_room(shm_chan *c, uint32_t n);
+void sched_keys_reset(shm_chan *c);
 /* compact.c */
 int compact(shm_chan *c);
 /* islands.c */

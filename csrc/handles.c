@@ -67,6 +67,9 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
     /* Work-avoidance state of an earlier turn as receiver means nothing now (core.h). */
     c->done_count = c->compact_retry_at = c->compact_watch_end = c->compact_fail_ns = 0;
     c->compact_watch_hit = 0;
+    /* The tables' committed marks and the key table's size (commit.c); a size no receiver
+     * could have set calls for a rebuild, as a death mid-operation does. */
+    if (commit_adopt(c)) STORE_RELAXED(&c->hdr->dirty, 1);
     if (LOAD_RELAXED(&c->hdr->dirty)) {
         /* The previous receiver died inside an operation: rebuild (recovery.c). */
         pthread_mutex_lock(&c->rx_mu);
@@ -347,6 +350,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
              * may have found the ring full while the skip was published and head not
              * yet past it). */
             moved |= ring_rewind(c);
+            if (!moved) moved |= ring_give_back(c); /* a drained ring's idle memory */
             /* seq_cst: pairs with shm_shutdown, then the ring read in ingest: see
              * send_one. Closed once nothing is queued and no handle can come back
              * (others_inflight): until then the receiver waits, and a dead holder's
@@ -440,7 +444,7 @@ int handles_rx_asleep(shm_chan *c) {
 }
 
 int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
-    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     shm_slot *sl = &c->slots[s];
     uint64_t expect = SLOT_WORD(gen, SLOT_INFLIGHT);
     /* seq_cst: exactly one transition out of INFLIGHT per generation; pairs with the
@@ -484,7 +488,7 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
     rx_begin(c);
     for (uint32_t i = 0; i < n && !broken; i++) {
         uint32_t s = slots[i];
-        if (s == NIL || s > c->cfg.max_messages) {
+        if (s == NIL || s >= slots_touched(c, c->hdr)) { /* never handed out */
             rc = SHM_E_INVALID;
             continue;
         }
@@ -558,7 +562,7 @@ int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
 /* Describe a live handle. Bytes read at the offsets it gives are good only if
  * shm_unmoved() agrees afterwards (the record may be moved: compact.c). */
 int shm_handle_info(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
-    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     shm_slot *sl = &c->slots[s];
     for (int tries = 0; tries < 1000; tries++) {
         /* acquire: pairs with hand_out's release store of INFLIGHT. */
@@ -574,7 +578,7 @@ int shm_handle_info(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
 
 /* Pin a live handle's record where it is and describe it: for zero-copy views. */
 int shm_handle_view(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
-    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     shm_slot *sl = &c->slots[s];
     for (uint32_t spins = 0; spins < 1000000; spins++) {
         if (LOAD_ACQUIRE(&sl->state) != SLOT_WORD(gen, SLOT_INFLIGHT)) return SHM_STALE;
@@ -594,7 +598,7 @@ int shm_handle_view(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
 /* Seqlock check: bytes copied from the record at pos (for the state word `word`) are
  * good if the slot still has that word and position. */
 int shm_unmoved(shm_chan *c, uint32_t s, uint64_t word, uint64_t pos) {
-    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     /* acquire fence: the caller's reads of the record happen before these loads; pairs
      * with the mover's release store of pos (which precedes any reuse of the old bytes). */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
@@ -666,7 +670,7 @@ static int lost_or_stale(shm_slot *sl, uint32_t gen) {
 }
 
 static int handle_send(shm_chan *c, uint32_t s, uint32_t gen, uint64_t deadline) {
-    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     shm_slot *sl = &c->slots[s];
     const uint64_t live = SLOT_WORD(gen, SLOT_INFLIGHT);
     if (LOAD_ACQUIRE(&sl->state) != live) return SHM_STALE; /* pairs with hand_out */
@@ -706,7 +710,7 @@ int shm_handle_send_many(shm_chan *c, const uint32_t *slots, const uint32_t *gen
  * SHM_STALE: the message was released or redelivered meanwhile (a no-op handle);
  * SHM_LOST: taken back at its deadline, or adopted by another process first. */
 int shm_handle_adopt(shm_chan *c, uint32_t s, uint32_t gen, uint64_t token) {
-    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     shm_slot *sl = &c->slots[s];
     const uint64_t live = SLOT_WORD(gen, SLOT_INFLIGHT);
     /* acquire: pairs with hand_out's release store and with the revoker's CAS, which
@@ -747,7 +751,7 @@ int shm_handle_adopt_many(shm_chan *c, const uint32_t *slots, const uint32_t *ge
 }
 
 int shm_handle_extend(shm_chan *c, uint32_t s, uint32_t gen, uint64_t deadline_ns) {
-    if (s == NIL || s > c->cfg.max_messages) return SHM_E_INVALID;
+    if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     shm_slot *sl = &c->slots[s];
     const uint64_t live = SLOT_WORD(gen, SLOT_INFLIGHT);
     if (LOAD_ACQUIRE(&sl->state) != live) return SHM_STALE; /* pairs with hand_out */

@@ -81,13 +81,17 @@ typedef struct {
     uint64_t cap, used;
 } blob_buf;
 
+/* The key table's size is the header's (the receiver grows it: sched.c), read inside the
+ * caller's seqlock section, which a growth in between invalidates. */
 static int64_t key_lookup(shm_chan *c, uint64_t hash) {
-    uint32_t i = key_home(c, hash);
-    for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
+    uint32_t size = keytab_view_size(c);
+    if (size == 0) return -1;
+    uint32_t i = key_home_in(size, hash);
+    for (uint32_t probes = 0; probes < size; probes++) {
         shm_key k = c->keys[i]; /* a copy: the entry may change under us */
         if (k.head == NIL && k.held == NIL && k.skipped == 0) return -1;
         if (k.hash == hash) return i;
-        i = key_next(c, i);
+        i = i + 1 >= size ? 0 : i + 1;
     }
     return -1;
 }
@@ -469,7 +473,8 @@ int shm_view_lines(shm_chan *c, uint32_t top, shm_view *out, uint32_t *n, uint8_
     uint32_t count = 0;
     shm_key chunk[VIEW_CHUNK];
     uint64_t depths[VIEW_CHUNK];
-    uint32_t size = c->keytab_size;
+    uint32_t size = keytab_view_size(c); /* it only grows; chunks copied from the table as
+                                          * it is then may miss keys moved by a growth */
     for (uint32_t start = 0; start < size; start += VIEW_CHUNK) {
         uint32_t m = size - start < VIEW_CHUNK ? size - start : VIEW_CHUNK;
         int ok = 0;

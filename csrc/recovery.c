@@ -334,7 +334,7 @@ int recovery_rebuild(shm_chan *c) {
     }
 
     /* 2. empty key table and nodes */
-    memset(c->keys, 0, sizeof(shm_key) * (size_t)c->keytab_size);
+    sched_keys_reset(c);
     h->free_nodes = NIL; /* every node is free: handed out from the start again */
     STORE_RELAXED(&h->fresh_nodes, 1); /* read by nodes_touched (core.h) */
     h->nodes_used = 0;

@@ -80,7 +80,8 @@
  * lines), where a small one recycles the same warm pages. So when the receiver finds
  * the ring empty (a poll with nothing to do, or a release that lets head catch up:
  * nothing unread, nothing in flight before the tail, head = scan_pos = tail) and the
- * tail lies at least REWIND_AT into its lap, it claims the tail itself
+ * tail lies at least REWIND_AT into its lap (or three quarters into the ring's committed
+ * part, or a sender found the filesystem full: commit.c), it claims the tail itself
  * for a SKIP record reaching to the lap's end (steps 3-5, as a producer would, the seq
  * passed on unchanged) and moves scan_pos, ingest_pos and head past it. The next record
  * starts at offset 0 again: the working set of a channel whose receiver keeps up stays
@@ -182,6 +183,15 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
             uint64_t skip = island_skip(c, pos, pos + n + REC_HDR, &first);
             if (UNLIKELY(skip) && first < pos + REC_HDR) return SHM_E_CORRUPT; /* tail on an island */
             uint64_t need = (skip ? skip : pos + n) + REC_HDR;
+            /* Memory behind what we are about to claim, before we claim it (commit.c): a
+             * claim that could not be filled would hold up the ring. acquire: pairs with
+             * the release raise in commit_ring. */
+            uint64_t cm = LOAD_ACQUIRE(&h->ring_committed);
+            if (UNLIKELY(cm < c->cap) && ring_need(c, pos, need) > cm) {
+                int crc = commit_ring(c, pos, need);
+                if (crc == SHM_AGAIN) continue; /* the mark moved under us: look again */
+                if (crc) return crc;
+            }
             if (need > head + c->limit) {
                 uint64_t fresh = LOAD_ACQUIRE(&h->head); /* pairs with ring_advance_head */
                 STORE_RELEASE(&c->cached_head, fresh); /* pairs with the acquire load above */
@@ -364,7 +374,7 @@ static void wake_receiver(shm_chan *c, int *wake) {
 static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
                     const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *seq_out,
                     shm_stall *stall, const shm_gate *gate, uint64_t *pos_out) {
-    uint64_t n, pos, seq;
+    uint64_t n, pos = 0, seq = 0; /* set by claim() when it succeeds */
     uint64_t hashes[SHM_MAX_KEYS_LIMIT];
     if (gate && gate->name_len > SHM_GATE_NAME_MAX) return SHM_E_INVALID;
     /* the trailer is 8-aligned: the record is the body's size plus gate_size */
@@ -553,7 +563,14 @@ int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
 int ring_rewind(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t pos = h->scan_pos, off = pos % c->cap; /* receiver-owned fields */
-    if (h->head != pos || off < REWIND_AT(c) || h->ingest_pos != pos || h->writing_n) return 0;
+    /* Early, before REWIND_AT, where the ring's committed part (commit.c) ends soon: an
+     * empty ring then starts again at offset 0 rather than take more memory, and a sender
+     * that found the filesystem full (ring_short, a hint: relaxed) goes on at once.
+     * acquire: pairs with commit_ring's release raise (a mere bound here). */
+    uint64_t cm = LOAD_ACQUIRE(&h->ring_committed);
+    int early = off > 0 && (LOAD_RELAXED(&h->ring_short) || (cm < c->cap && off >= cm - cm / 4));
+    if (h->head != pos || (off < REWIND_AT(c) && !early) || h->ingest_pos != pos || h->writing_n)
+        return 0;
     uint64_t end = pos + (c->cap - off);
     if (end + REC_HDR > pos + c->limit || !len_ok(c, end - pos)) return 0; /* room, as claim() */
     uint64_t first = 0;
@@ -580,6 +597,37 @@ int ring_rewind(shm_chan *c) {
      * ring_advance_head. Free space is unchanged: tail and head both moved by end - pos. */
     STORE_RELEASE(&h->head, end);
     h->rewinds++; /* receiver-owned, like the positions above */
+    if (early) STORE_RELAXED(&h->ring_short, 0); /* as above: a hint */
+    return 1;
+}
+
+/* Receiver, from a poll with nothing to do: an empty ring idle for a while gives back
+ * the committed memory past what a lap from its tail needs (commit.c). The receiver holds
+ * the tail meanwhile: it claims it for a REC_HDR-sized SKIP, as ring_rewind does for a
+ * longer one, and publishes it when the memory is given back. 1 if it did. */
+int ring_give_back(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t pos = h->scan_pos; /* receiver-owned fields */
+    if (h->head != pos || h->ingest_pos != pos || h->writing_n ||
+        LOAD_RELAXED(&h->island_count)) /* relaxed: receiver-written */
+        return 0;
+    uint64_t keep = commit_give_back_due(c, pos);
+    if (keep == 0) return 0;
+    shm_record *r = rec_at(c, pos);
+    uint64_t owner = OWNER_EMPTY(pos);
+    if (LOAD_RELAXED(&r->owner) != owner) return 0; /* a hint, as in ring_rewind */
+    /* seq_cst: the claim, as in ring_rewind */
+    if (!CAS_SEQCST(&r->owner, &owner, OWNER_CLAIM(c->token))) return 0;
+    uint64_t seq = LOAD_RELAXED(&r->seq); /* ordered by the CAS's acquire */
+    commit_give_back(c, keep);
+    test_pause(SHM_PAUSE_GIVE_BACK);
+    prepare_successor(c, pos + REC_HDR, seq); /* the seq passes on unchanged */
+    /* release: the lowered mark and our claim's end are visible to whoever acquires the
+     * successor's EMPTY or this meta (claim(), ring_peek) */
+    STORE_RELEASE(&r->meta, META(REC_HDR, REC_SKIP));
+    hint_raise(c, pos + REC_HDR);
+    h->scan_pos = h->ingest_pos = pos + REC_HDR; /* finished at once, as in ring_rewind */
+    STORE_RELEASE(&h->head, pos + REC_HDR);      /* pairs with claim()'s acquire of head */
     return 1;
 }
 

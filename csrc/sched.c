@@ -34,6 +34,8 @@
  * Indices read back from the segment are checked before use; a bad one is reported as
  * SHM_E_CORRUPT rather than followed.
  */
+#include <stdlib.h>
+
 #include "core.h"
 
 #define SLOT_OK(c, s) ((s) >= 1 && (s) <= (c)->cfg.max_messages)
@@ -70,9 +72,82 @@ static int64_t key_find(shm_chan *c, uint64_t hash) {
     return -1;
 }
 
+/* ---- the key table's size: grown with use --------------------------------------------
+ * The table's region holds keytab_max entries (segment.c: enough at the most for every
+ * node and parked key), but a hashed table touches pages all over its region, so only
+ * its first keytab_size entries are in use: KEYTAB_MIN, doubled as keys come (the last
+ * step stops at keytab_max). The keys in use are at most nodes_used (a key with a line or
+ * a holder has a node) plus skip_keys (chain-only keys, window.c): the table doubles
+ * before that bound passes half its size, so probes stay short.
+ *
+ * Growing is two steps. sched_key_room (from sched_has_room and window.c's park_room,
+ * before a message's keys are inserted) commits the next size's entries (commit.c) if
+ * the bound says a message's keys may need them; if that fails, the window is full for
+ * that moment. key_insert then rehashes (key_grow) when it is about to pass half, if
+ * the next size is committed; so inserting never fails for lack of memory, and no entry
+ * pointer is held across an insert by any caller (sched_key_get's contract).
+ *
+ * key_grow runs between rx_begin and rx_end like every table change: inspectors retry,
+ * and a receiver killed in the middle leaves dirty set, so the next one rebuilds the
+ * table (recovery.c, sched_keys_reset) from the message table and the ring. */
+static uint32_t keys_next_size(shm_chan *c) {
+    uint64_t n = 2ull * c->keytab_size;
+    return n > c->keytab_max ? c->keytab_max : (uint32_t)n;
+}
+
+static uint32_t keys_bound(shm_chan *c) { return c->hdr->nodes_used + c->hdr->skip_keys; }
+
+int sched_key_room(shm_chan *c, uint32_t n) {
+    if (c->keytab_size >= c->keytab_max) return 1; /* sized for the worst case (segment.c) */
+    if (keys_bound(c) + n <= c->keytab_size / 2) return 1;
+    return commit_keys(c, keys_next_size(c)) == SHM_OK;
+}
+
+/* Rehash into the next size, in place (the old entries are copied out first). */
+static int key_grow(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint32_t old = c->keytab_size, size = keys_next_size(c);
+    if (size <= old || h->keys_committed < size) return SHM_FULL;
+    shm_key *copy = malloc(sizeof(shm_key) * (size_t)old);
+    if (copy == NULL) return SHM_E_NOMEM;
+    memcpy(copy, c->keys, sizeof(shm_key) * (size_t)old);
+    memset(c->keys, 0, sizeof(shm_key) * (size_t)size);
+    c->keytab_size = size;
+    STORE_RELAXED(&h->keys_active, size); /* read by keytab_view_size, under the seqlock */
+    for (uint32_t j = 0; j < old; j++) {
+        if (j == old / 2) test_pause(SHM_PAUSE_KEY_GROW);
+        if (key_empty(&copy[j])) continue;
+        uint32_t i = key_home(c, copy[j].hash);
+        for (uint32_t probes = 0; probes < size && !key_empty(&c->keys[i]); probes++)
+            i = key_next(c, i);
+        c->keys[i] = copy[j];
+    }
+    free(copy);
+    return SHM_OK;
+}
+
+/* Receiver rebuilding its tables (recovery.c): the largest size already committed, empty. */
+void sched_keys_reset(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint32_t k = h->keys_committed <= c->keytab_max ? h->keys_committed : 0, size = KEYTAB_MIN;
+    if (c->keytab_max <= KEYTAB_MIN || k >= c->keytab_max) size = c->keytab_max;
+    else
+        while (2ull * size <= k && 2ull * size < c->keytab_max) size *= 2;
+    if (size > k && commit_keys(c, size) != SHM_OK) size = KEYTAB_MIN; /* committed at create */
+    if (size > c->keytab_max) size = c->keytab_max;
+    c->keytab_size = size;
+    STORE_RELAXED(&h->keys_active, size); /* as in key_grow */
+    memset(c->keys, 0, sizeof(shm_key) * (size_t)size);
+}
+
 /* Index of the entry for hash, created empty-lined if absent; -1 if the table is full
  * (impossible by sizing unless the segment is corrupt). */
 static int64_t key_insert(shm_chan *c, uint64_t hash) {
+    if (UNLIKELY(keys_bound(c) + 1 > c->keytab_size / 2) && c->keytab_size < c->keytab_max &&
+        c->hdr->keys_committed >= keys_next_size(c) && key_find(c, hash) < 0) {
+        int rc = key_grow(c);
+        if (rc == SHM_E_NOMEM) return -1;
+    }
     uint32_t i = key_home(c, hash);
     for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
         shm_key *k = &c->keys[i];
@@ -212,10 +287,23 @@ static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
     return SHM_OK;
 }
 
+/* Room in the window for a message with nkeys keys: a slot, nodes and key entries, each
+ * within what is committed (commit.c), committing more if need be. 0: the window is
+ * full for now (at its size, or the filesystem gives no more). */
 int sched_has_room(shm_chan *c, uint32_t nkeys) {
     shm_header *h = c->hdr;
-    return (h->free_slots != NIL || SLOT_OK(c, h->fresh_slots)) &&
-           (c->max_nodes - 1 - h->nodes_used) >= nkeys;
+    if (h->free_slots == NIL) {
+        if (!SLOT_OK(c, h->fresh_slots)) return 0;
+        if (h->fresh_slots >= h->slots_committed && commit_slots(c, h->fresh_slots + 1) != SHM_OK)
+            return 0;
+    }
+    if (c->max_nodes - 1 - h->nodes_used < nkeys) return 0;
+    /* free nodes: the free list's (fresh_nodes - 1 - nodes_used) and the committed fresh
+     * ones (nodes_committed - fresh_nodes) */
+    if ((uint64_t)h->nodes_used + 1 + nkeys > h->nodes_committed &&
+        commit_nodes(c, h->nodes_used + 1 + nkeys) != SHM_OK)
+        return 0;
+    return sched_key_room(c, nkeys);
 }
 
 /* ---- eager helpers ------------------------------------------------------------------ */

@@ -22,6 +22,7 @@
  * sends are refused with SHM_REMOVED at no extra cost, while the receiver drains.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -116,7 +117,10 @@ static void bind(shm_chan *c, const layout *L) {
     c->cap = page_up(c->cfg.capacity);
     c->limit = c->cfg.capacity;
     c->max_nodes = L->max_nodes;
-    c->keytab_size = L->keytab_size;
+    c->keytab_max = L->keytab_size;
+    /* the key table's size in use starts small and grows (sched.c); a receiver takes the
+     * current one from the header when it takes its seat (commit_adopt) */
+    c->keytab_size = L->keytab_size < KEYTAB_MIN ? L->keytab_size : KEYTAB_MIN;
 }
 
 /* A random non-zero id; getrandom() practically never fails, but if it does the clock,
@@ -219,14 +223,27 @@ int shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_ch
     } else {
         rc = validate_header(c, fd, &L);
     }
+    c->fd = -1;
     if (rc == SHM_OK) rc = map_segment(fd, &L, page_up(c->cfg.capacity), &c->base, &c->map_len);
+    if (rc == SHM_OK) {
+        bind(c, &L);
+        /* our own descriptor: the caller closes theirs, and commits need one (commit.c) */
+        c->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (c->fd < 0) rc = SHM_E_SYS;
+        else if (create) rc = commit_create(c, L.ring_off, L.slots_off);
+        if (rc != SHM_OK) {
+            int e = errno;
+            if (c->fd >= 0) close(c->fd);
+            munmap(c->base, c->map_len);
+            errno = e;
+        }
+    }
     if (rc != SHM_OK) {
         int e = errno;
         free(c);
         errno = e;
         return rc;
     }
-    bind(c, &L);
     c->token = token;
     pthread_mutex_init(&c->rx_mu, NULL);
     if (create) init_segment(c, &L);
@@ -247,6 +264,7 @@ void shm_detach(shm_chan *c) {
     if (c->producer) shm_producer_detach(c);
     if (c->is_rx) shm_rx_release_ownership(c);
     munmap(c->base, c->map_len);
+    if (c->fd >= 0) close(c->fd);
     pthread_mutex_destroy(&c->rx_mu);
     free(c);
 }
@@ -443,6 +461,7 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     o->flags = c->cfg.flags;
     o->layout_version = SHM_LAYOUT_VERSION;
     o->receiver = LOAD_ACQUIRE(&h->receiver); /* pairs with shm_rx_acquire */
+    o->committed_bytes = commit_bytes(c);
     return SHM_OK;
 }
 
@@ -481,6 +500,9 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.ring_off", offsetof(shm_header, ring_off)},
         {"header.max_nodes", offsetof(shm_header, max_nodes)},
         {"header.keytab_size", offsetof(shm_header, keytab_size)},
+        {"header.keys_active", offsetof(shm_header, keys_active)},
+        {"header.keys_committed", offsetof(shm_header, keys_committed)},
+        {"header.ring_committed", offsetof(shm_header, ring_committed)},
         {"header.segment_size", offsetof(shm_header, segment_size)},
         {"header.max_producers", offsetof(shm_header, cfg) + offsetof(shm_config, max_producers)},
         {"header.size", sizeof(shm_header)},

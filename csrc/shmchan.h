@@ -41,7 +41,7 @@
 #define SHM_CFG_DURABLE     2   /* file-backed: records carry a CRC-32C (crc32c.c) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  12
+#define SHM_LAYOUT_VERSION  13
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
@@ -105,6 +105,7 @@ typedef struct {
     uint32_t flags;
     uint32_t layout_version;
     uint64_t receiver;      /* token of the receiver, 0 = none           */
+    uint64_t committed_bytes; /* bytes of the segment backed by memory (commit.c) */
 } shm_stats;
 
 typedef struct shm_chan shm_chan;   /* one process's attachment (opaque) */
@@ -164,6 +165,9 @@ int  shm_space_wait(shm_chan *c, int arm, int *wake);
 /* senders counted as waiting for space now (a snapshot: the receiver's upkeep reaps dead
  * producers while it is non-zero) */
 uint32_t shm_space_waiters(shm_chan *c);
+/* errno of this process's last failed commit (ENOSPC, ...), 0 if its last one succeeded:
+ * a send's SHM_FULL was then for lack of memory, not of ring space (commit.c) */
+int  shm_space_short(shm_chan *c);
 int  shm_shutdown(shm_chan *c);
 
 /* --- receiver ----------------------------------------------------------- */
@@ -209,6 +213,9 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_INGEST_WAKE     5   /* a poll, between its writing and wake passes      */
 #define SHM_PAUSE_EXCH_GATED      6   /* a publish to 2+ channels, its first copy gated   */
 #define SHM_PAUSE_EXCH_SETTLED    7   /* a committed publish, its first copy settled      */
+#define SHM_PAUSE_RING_COMMIT     8   /* a ring commit, after its fallocate, before the mark */
+#define SHM_PAUSE_KEY_GROW        9   /* the key table's growth, half rehashed             */
+#define SHM_PAUSE_GIVE_BACK      10   /* a give-back of ring memory, holding the tail      */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */

@@ -32,7 +32,8 @@
  *     lazily, and head (ring.c) never passes it, so a parked record's bytes stay put.
  *
  * A key table entry is needed for each key with a chain. To keep the table's load below
- * three quarters whatever is parked, at most a quarter of it may be chain-only keys
+ * three quarters whatever is parked, at most a quarter of its largest size may be
+ * chain-only keys (and the table grows with them: sched.c sched_key_room)
  * (header.skip_keys); a record that would need more stops the scan until some leave.
  *
  * Everything read from the ring is checked: a chain link must point forward into the
@@ -143,7 +144,8 @@ static uint32_t new_keys(shm_chan *c, shm_record *r) {
 
 /* May r be parked without the key table growing past its share for chains? */
 static int park_room(shm_chan *c, shm_record *r) {
-    return c->hdr->skip_keys + new_keys(c, r) <= c->keytab_size / 4;
+    uint32_t n = new_keys(c, r);
+    return c->hdr->skip_keys + n <= c->keytab_max / 4 && sched_key_room(c, n);
 }
 
 /* What to do with the record r at scan_pos (read-only: work_pending asks it too).

@@ -367,6 +367,9 @@ class Stats:
     """True once shutdown() was called."""
     receiver_pid: int | None
     """Pid of the process holding the receiver, if any."""
+    committed_bytes: int = 0
+    """Bytes of shared memory (or of the channel's file) backing the channel now: its
+    fixed part plus what its traffic has used so far, never more than its full size."""
 
 
 @dataclass(frozen=True)
@@ -594,6 +597,7 @@ class Channel:
             order="eager" if st.order == lib.SHM_ORDER_EAGER else "fifo",
             shutdown=bool(st.shutdown),
             receiver_pid=liveness.token_pid(receiver) if receiver else None,
+            committed_bytes=int(st.committed_bytes),
         )
 
     def dead_letters(self) -> list[DeadLetter]:
@@ -738,6 +742,30 @@ def _positive_int(what: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+_NO_SPACE = (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT, errno.EFBIG)
+
+
+def space_advice(where: str) -> str:
+    """How full the filesystem at `where` is, and what to do about it."""
+    try:
+        vfs = os.statvfs(where)
+        size, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+        state = f"{where} is {_mib(size)} with {_mib(free)} free"
+    except OSError:
+        state = f"{where} could not be measured"
+    fix = (
+        "give the container a larger /dev/shm (docker run --shm-size=1g; in Kubernetes an "
+        "emptyDir with medium: Memory mounted at /dev/shm)"
+        if where == _SHM_DIR
+        else f"free space on {where}'s filesystem"
+    )
+    return f"{state}; {fix}, or create the channel with a smaller capacity="
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 def _open_sems(name: str, flags: int, mode: int) -> tuple[Any, Any]:
     rx_name, tx_name = _sem_names(name)
     rx = posix_ipc.Semaphore(rx_name, flags, mode=mode, initial_value=0)
@@ -790,20 +818,26 @@ def _create_segment(
                     f"channel file {os.fspath(path)!r} already exists"
                 ) from None
         rx, tx = _open_sems(name, posix_ipc.O_CREAT, mode)
+        where = _SHM_DIR if path is None else os.path.dirname(os.fspath(path)) or "."
         try:
+            # Sparse: memory is committed as the ring and tables are first used
+            # (csrc/commit.c), so a capacity larger than the filesystem is allowed.
             os.ftruncate(fd, total)
-            # Reserve every page now: running out of /dev/shm must fail here, not as a
-            # SIGBUS when a page is first touched later.
-            os.posix_fallocate(fd, 0, total)
         except OSError as e:
-            where = _SHM_DIR if path is None else os.path.dirname(os.fspath(path)) or "."
             raise errors.ResourceError(
                 e.errno,
-                f"cannot create channel {name!r}: it needs {total} bytes in {where}: "
-                f"{os.strerror(e.errno or errno.ENOSPC)}",
+                f"cannot create channel {name!r}: cannot size its file to {total} bytes in "
+                f"{where}: {os.strerror(e.errno or errno.EFBIG)}",
             ) from None
         out = ffi.new("shm_chan **")
         rc = lib.shm_attach(fd, 1, cfg, liveness.current_token(), out)
+        if rc == lib.SHM_E_SYS and ffi.errno in _NO_SPACE:
+            err = ffi.errno
+            raise errors.ResourceError(
+                err,
+                f"cannot create channel {name!r}: {where} cannot give even its fixed part "
+                f"(about 1 MiB): {os.strerror(err)}. {space_advice(where)}",
+            )
         if rc:
             raise_for(rc, "create")
         return _Segment(name, None if path is None else os.fspath(path), out[0], rx, tx)
@@ -821,6 +855,18 @@ def _create_segment(
             shm.close_fd()
         elif fd >= 0:
             os.close(fd)
+
+
+def full_message(seg: _Segment, what: str) -> str:
+    """The message of a Full: the ring had no room, or its filesystem no memory."""
+    err = int(lib.shm_space_short(seg.ptr))
+    if not err:
+        return f"{what}: channel {seg.name!r} stayed full"
+    where = _SHM_DIR if seg.path is None else os.path.dirname(seg.path) or "."
+    return (
+        f"{what}: channel {seg.name!r} is not full, but {where} is out of space for it "
+        f"({os.strerror(err)}): {space_advice(where)}"
+    )
 
 
 def _open_segment(name: str, path: str | os.PathLike[str] | None) -> _Segment:
@@ -1146,7 +1192,7 @@ class Sender(_hot.SenderBase):
                         raise_for(lib.SHM_REMOVED, what)
                     left = _remaining(deadline)
                     if left is not None and left <= 0:
-                        raise errors.Full(f"{what}: channel {seg.name!r} stayed full")
+                        raise errors.Full(full_message(seg, what))
                     # Callers loop and re-check: a post, a timeout and a signal whose
                     # handler returned are all just a return (a handler that raises
                     # propagates).

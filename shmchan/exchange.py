@@ -889,7 +889,7 @@ class Exchange:
                         continue  # re-check after announcing ourselves
                     if left is not None and left <= 0:
                         raise errors.Full(
-                            f"publish: channel {full.name!r} stayed full; published nowhere"
+                            _channel.full_message(full, "publish") + "; published nowhere"
                         )
                     wait = _channel._MAINTENANCE_SECONDS
                     full.wait(_channel._TX, wait if left is None else min(wait, left))

@@ -31,6 +31,11 @@ __all__ = ["ChannelCollector", "openmetrics_text"]
 _GAUGES = (
     ("capacity", "shmchan_capacity_bytes", "Bytes of message storage."),
     ("used_bytes", "shmchan_used_bytes", "Bytes of the ring not yet reclaimed."),
+    (
+        "committed_bytes",
+        "shmchan_committed_bytes",
+        "Bytes of shared memory (or file) backing the channel now.",
+    ),
     ("queued", "shmchan_queued_messages", "Messages accepted and not yet handed out."),
     ("inflight", "shmchan_inflight_messages", "Handles handed out and not yet released."),
     ("held_keys", "shmchan_held_keys", "Keys locked by in-flight handles."),

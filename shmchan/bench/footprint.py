@@ -1,0 +1,162 @@
+"""The `footprint` group: how much shared memory channels hold, idle and after a burst.
+
+Memory is measured as the filesystem sees it: the allocated blocks of each segment's file
+in /dev/shm (`st_blocks * 512`), which is what counts against a container's /dev/shm limit.
+
+* an idle default channel (`Channel.create(name)`: a 64 MiB capacity), with its receiver
+  and a sender attached and one message through;
+* the same channel after a burst that queued N bytes (1 KiB messages with a key, none
+  received yet): the figure is the footprint over 1.1 N + 2 MiB, at most 1 by target;
+* an idle `KeyedExecutor(max_workers=2)` after one task: its two channels together.
+"""
+
+from __future__ import annotations
+
+import os
+
+import shmchan
+from shmchan import liveness
+from shmchan.bench.common import MIB, SHMCHAN, Sizes, unique
+from shmchan.bench.harness import Run
+from shmchan.bench.registry import register
+from shmchan.bench.report import Result, Target, find_result
+
+_DEV_SHM = "/dev/shm"
+_SOURCE = "shared memory follows traffic"
+
+
+def _allocated(entry: str) -> int:
+    return os.stat(os.path.join(_DEV_SHM, entry)).st_blocks * 512
+
+
+def _segments() -> set[str]:
+    """This process's executors' segments (other processes may make some meanwhile)."""
+    ours = f"shmchan.kx-{liveness.current_token():x}-"
+    return {n for n in os.listdir(_DEV_SHM) if n.startswith(ours)}
+
+
+def _idle_and_burst(burst: int) -> tuple[float, float, float]:
+    """(idle MiB, burst MiB, N MiB queued) of one default channel."""
+    name = unique("footprint")
+    ch = shmchan.Channel.create(name)
+    try:
+        tx, rx = ch.sender(), ch.receiver()
+        tx.send(b"x" * 64, keys=("k",))
+        rx.recv(timeout=10).release()
+        idle = _allocated(f"shmchan.{name}")
+        payload = b"b" * 1024
+        for i in range(burst // 1024):
+            tx.send(payload, keys=(i % 1000,), timeout=10)
+        queued = ch.stats().used_bytes
+        held = _allocated(f"shmchan.{name}")
+        while (h := rx.try_recv()) is not None:
+            h.release()
+        tx.close()
+        rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(name)
+    return idle / MIB, held / MIB, queued / MIB
+
+
+def _executor_idle() -> float:
+    before = _segments()
+    with shmchan.KeyedExecutor(max_workers=2) as ex:
+        ex.submit(abs, -1, keys=("k",)).result(timeout=60)
+        mine = _segments() - before
+        return sum(_allocated(n) for n in mine) / MIB
+
+
+def _run_footprint(run: Run) -> None:
+    sz = run.sizes
+    burst = (8 if run.quick else 32) * MIB
+    idle, held, ratio, executor = [], [], [], []
+    note_n = 0.0
+    for _ in range(sz.reps):
+        i, h, n = _idle_and_burst(burst)
+        idle.append(i)
+        held.append(h)
+        ratio.append(h / (1.1 * n + 2))
+        note_n = n
+        run.progress.step("footprint: a default channel")
+        executor.append(_executor_idle())
+        run.progress.step("footprint: an idle KeyedExecutor")
+    run.results += [
+        Result(
+            "footprint_idle",
+            "idle default channel (64 MiB capacity)",
+            SHMCHAN,
+            "MiB",
+            False,
+            idle,
+            note="allocated blocks of its /dev/shm segment",
+        ),
+        Result(
+            "footprint_burst",
+            f"default channel after a {note_n:.1f} MiB burst",
+            SHMCHAN,
+            "MiB",
+            False,
+            held,
+            note="1 KiB messages with a key, queued, none received",
+        ),
+        Result(
+            "footprint_burst_ratio", "burst footprint / (1.1 N + 2 MiB)", SHMCHAN, "x", False, ratio
+        ),
+        Result(
+            "footprint_executor",
+            "idle KeyedExecutor(max_workers=2), both channels",
+            SHMCHAN,
+            "MiB",
+            False,
+            executor,
+        ),
+    ]
+
+
+def _steps_footprint(sizes: Sizes, nsys: int) -> int:
+    return 2 * sizes.reps
+
+
+def _median(results: list[Result], workload: str) -> float | None:
+    r = find_result(results, workload, SHMCHAN)
+    return None if r is None else r.median
+
+
+def _targets_footprint(results: list[Result]) -> list[Target]:
+    return [
+        Target(
+            "idle default channel MiB",
+            _median(results, "footprint_idle"),
+            2.0,
+            "<=",
+            "/dev/shm held by an idle channel with every default",
+            source=_SOURCE,
+        ),
+        Target(
+            "burst footprint / (1.1 N + 2 MiB)",
+            _median(results, "footprint_burst_ratio"),
+            1.0,
+            "<=",
+            "/dev/shm held after a burst that queued N bytes",
+            source=_SOURCE,
+        ),
+        Target(
+            "idle KeyedExecutor MiB",
+            _median(results, "footprint_executor"),
+            4.0,
+            "<=",
+            "/dev/shm held by an idle executor's two channels",
+            source=_SOURCE,
+        ),
+    ]
+
+
+register(
+    "footprint",
+    _run_footprint,
+    steps=_steps_footprint,
+    order=85,
+    default=False,
+    targets=_targets_footprint,
+)
