@@ -22,7 +22,6 @@ from shmchan.bench.registry import register
 from shmchan.bench.report import Result, Target, find_result
 
 _DEV_SHM = "/dev/shm"
-_SOURCE = "shared memory follows traffic"
 
 
 def _allocated(entry: str) -> int:
@@ -131,7 +130,6 @@ def _targets_footprint(results: list[Result]) -> list[Target]:
             2.0,
             "<=",
             "/dev/shm held by an idle channel with every default",
-            source=_SOURCE,
         ),
         Target(
             "burst footprint / (1.1 N + 2 MiB)",
@@ -139,7 +137,6 @@ def _targets_footprint(results: list[Result]) -> list[Target]:
             1.0,
             "<=",
             "/dev/shm held after a burst that queued N bytes",
-            source=_SOURCE,
         ),
         Target(
             "idle KeyedExecutor MiB",
@@ -147,7 +144,6 @@ def _targets_footprint(results: list[Result]) -> list[Target]:
             4.0,
             "<=",
             "/dev/shm held by an idle executor's two channels",
-            source=_SOURCE,
         ),
     ]
 
