@@ -302,7 +302,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
      * never cuts that work short. The tail hint that bounds it is read only when a round
      * found work but nothing to hand out (below), not on every call: it is the line every
      * send writes, and a receiver keeping up with its producers that read it per call
-     * pulled it away from them once per message (issue #10). Read later, it covers at
+     * pulled it away from them once per message. Read later, it covers at
      * least what arrived before the call, and once read it stays fixed. */
     uint64_t arrived = 0;
     int have_arrived = 0;
@@ -401,7 +401,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
  * past it (a placeholder, window.c). Before, the spin ended at the claim, the poll found
  * the record stalled and the receiver slept on the semaphore: a receiver that kept up
  * with its producer caught it mid-write about once per hundred messages and ran at
- * half the rate of one that lagged (issue #10). Watching a few words in our own cache
+ * half the rate of one that lagged. Watching a few words in our own cache
  * costs no bus traffic until a producer or releaser writes them. The positions are read
  * without the lock, as hints: rec_at masks any position into the ring. */
 #define SPIN_WRITING 64u

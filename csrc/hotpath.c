@@ -3,7 +3,7 @@
  *
  * Why this is not cffi like the rest: a cffi call costs about 100 ns before any work
  * (argument conversion, errno save, GIL release) and a Handle built in Python from the
- * core's description cost about 1.4 us (measured, issue #4). At millions of messages
+ * core's description cost about 1.4 us (measured). At millions of messages
  * per second that is the whole budget. Here `Receiver.recv` builds the Handle in C,
  * `Handle.payload` copies the bytes in C, `Handle.release` and `Sender.send` encode
  * and call straight into the core.
@@ -1169,7 +1169,7 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
              * SPIN_SECONDS from its start whatever the adaptive spin says (it may be
              * down to none).
              * Slept on instead, the commit had to post us: a receiver that kept up
-             * with its producer ran at half the rate of one that lagged (issue #10).
+             * with its producer ran at half the rate of one that lagged.
              * A stall that outlasts the spin goes to Receiver._poll, which sleeps on
              * it and sees to a dead claimant. */
             if (stall_until == 0.0) stall_until = now + SPIN_SECONDS;
@@ -1217,7 +1217,7 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
     if (timeout_plain(timeout) && self->seg != NULL) {
         /* With upkeep due, no poll here: wait_for runs it first (its redeliveries go
          * before newer messages), then polls. The first recv after a pause longer than
-         * the upkeep period so still wakes in C, not in Receiver._poll (issue #10). */
+         * the upkeep period so still wakes in C, not in Receiver._poll. */
         int rc = SHM_EMPTY;
         if (fast_ok(self)) {
             PyObject *h = poll_one(self, self->seg, 0, &rc);
