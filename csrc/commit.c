@@ -54,7 +54,12 @@
 
 #define RING_CHUNK_MIN (1ull << 20) /* ring commit steps: at least 1 MiB ...            */
 #define RING_CHUNK_MAX (8ull << 20) /* ... a sixteenth of what is committed, at most 8 MiB */
-#define TABLE_CHUNK (32u << 10)     /* table commit steps: 32 KiB, or an eighth of the table so far */
+#define TABLE_CHUNK (16u << 10)     /* table commit steps: 16 KiB, or an eighth of the table so far */
+
+/* The ring part committed at create, and kept by a give-back: a first chunk. With the
+ * tables' first chunks (TABLE_CHUNK each, KEYTAB_MIN keys) it keeps the tables within a
+ * tenth of the committed ring from the start. */
+static uint64_t ring_first(const shm_chan *c) { return c->cap < RING_CHUNK_MIN ? c->cap : RING_CHUNK_MIN; }
 
 static uint64_t pg_up(uint64_t n) { return (n + SHM_PAGE - 1) & ~(uint64_t)(SHM_PAGE - 1); }
 static uint64_t pg_down(uint64_t n) { return n & ~(uint64_t)(SHM_PAGE - 1); }
@@ -198,7 +203,7 @@ uint64_t commit_give_back_due(shm_chan *c, uint64_t pos) {
     if (LOAD_RELAXED(&h->commit_all)) return 0;
     uint64_t cm = LOAD_ACQUIRE(&h->ring_committed); /* pairs with commit_ring's raise */
     uint64_t keep = pg_up(pos % c->cap + REC_HDR + RING_CHUNK_MIN);
-    if (keep < RING_WARM(c)) keep = RING_WARM(c);
+    if (keep < ring_first(c)) keep = ring_first(c);
     if (cm > c->cap || cm < keep + RING_CHUNK_MIN) { /* nothing worth giving back */
         c->shrink_since = 0;
         return 0;
@@ -228,8 +233,8 @@ void commit_give_back(shm_chan *c, uint64_t keep) {
 
 /* ---- create, adopt, report -------------------------------------------------------------- */
 /* At create, before the segment is initialized: the header and registry, a first chunk
- * of each table, and the ring's first RING_WARM bytes (which every attachment maps at
- * once, segment.c). SHM_E_SYS with errno ENOSPC if even that does not fit. */
+ * of each table, and the ring's first chunk (ring_first: it holds the first RING_WARM
+ * bytes, which every attachment maps at once, segment.c). SHM_E_SYS with errno ENOSPC if even that does not fit. */
 int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end) {
     shm_header *h = c->hdr;
     uint64_t total = ring_off + c->cap;
@@ -253,10 +258,10 @@ int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end) {
     int rc = commit_slots(c, 1);
     if (rc == SHM_OK) rc = commit_nodes(c, 1);
     if (rc == SHM_OK) rc = commit_keys(c, c->keytab_size);
-    if (rc == SHM_OK) rc = alloc_range(c, ring_off, RING_WARM(c));
+    if (rc == SHM_OK) rc = alloc_range(c, ring_off, ring_first(c));
     if (rc == SHM_FULL) errno = c->short_errno;
     if (rc) return SHM_E_SYS;
-    h->ring_committed = RING_WARM(c);
+    h->ring_committed = ring_first(c);
     h->keys_active = c->keytab_size;
     return SHM_OK;
 }
