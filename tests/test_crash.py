@@ -1,4 +1,4 @@
-"""The consumer killed (DESIGN.md "Failure model", issue #3 item 3).
+"""The consumer killed (the failure model).
 
 A receiver process may be SIGKILLed at any instruction, inside a C call included; the
 next process to ask for the receiver carries on (rebuilding the scheduler's state if

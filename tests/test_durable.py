@@ -1,5 +1,4 @@
-"""Durable channels: a segment backed by a regular file (DESIGN.md "Failure model", issue #3
-item 6).
+"""Durable channels: a segment backed by a regular file (the failure model: durability).
 
 `Channel.create(name, path=FILE)` keeps the segment in FILE instead of /dev/shm. When every
 process using it is SIGKILLed (producer, consumer holding handles), a fresh process that

@@ -125,7 +125,7 @@ def test_workers_that_always_die_in_the_initializer_break_the_executor(
 def test_workers_killed_before_any_task_never_break_an_executor_without_initializer(
     executors: list[shmchan.KeyedExecutor],
 ) -> None:
-    # DESIGN.md: the executor is never "broken" by deaths. Only an initializer (user code
+    # The executor is never "broken" by deaths. Only an initializer (user code
     # that runs before any task) can make workers unable to start; without one, new
     # workers killed again and again before their first task are just replaced.
     ex = shmchan.KeyedExecutor(1)

@@ -1,4 +1,4 @@
-"""Bad bytes in the segment (DESIGN.md "Failure model", issue #3 item 5).
+"""Bad bytes in the segment (the failure model).
 
 For each seed: a child process creates a channel, sends, receives, releases, nacks and
 holds messages, and dies without cleaning up; random bytes are then written over random

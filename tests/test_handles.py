@@ -385,7 +385,7 @@ def test_release_many_after_close_does_what_release_does(make_channel, closed):
 def test_a_released_handle_pickles_to_a_no_op_one(tx, rx, how):
     """Pickling a handle after its release raised Closed, where hand_over() of the same
     handle sends a no-op one (and the comment in Handle.__reduce__ promised as much):
-    a second release is a no-op (DESIGN.md), so a released handle travels as one."""
+    a second release is a no-op (the handle contract), so a released handle travels as one."""
     tx.send(b"1", keys="k")
     tx.send(b"2", keys="k")
     h = rx.recv(timeout=5)

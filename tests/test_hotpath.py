@@ -846,7 +846,7 @@ def test_send_after_channel_close_raises_closed(ch, tx, rx):
         tx.send({"a": 1})
     with pytest.raises(shmchan.Closed):
         tx.send_many([(b"x", None)])
-    with pytest.raises(shmchan.Closed):  # its receiver was closed with it (issue #9)
+    with pytest.raises(shmchan.Closed):  # its receiver was closed with it
         rx.try_recv()
     with shmchan.Channel.open(tx._seg.name) as again:
         assert again.stats().sent == 1  # the warm-up only
@@ -940,7 +940,7 @@ def test_upkeep_during_a_wait_leaves_the_wait_in_c(tx, rx, monkeypatch, how, due
     and the wait goes on in C, so the message that comes later is still handed out by
     the fast path. (Both used to hand the wait over to Receiver._poll, whose wake-up
     took 2-3x as long: one idle ping in a hundred at 1 ms apart, which is the p99; and
-    the first ping after a pause took about 10 us longer, issue #10.)"""
+    the first ping after a pause took about 10 us longer)"""
     warm_up(tx, rx)
     upkeep: list[float] = []
     slow: list[str] = []

@@ -1,4 +1,4 @@
-"""A name means the channel under that name now (issue #9 items 1-3).
+"""A name means the channel under that name now.
 
 A channel's name can be removed and given to a new channel while processes still hold
 the old one. Cached attachments (Sender.open, unpickled senders and handles) follow the

@@ -1,5 +1,4 @@
-"""Wrong inputs get a clear shmchan.Error at once; batches are all-or-nothing (issue #9
-items 4-6 and 9)."""
+"""Wrong inputs get a clear shmchan.Error at once; batches are all-or-nothing."""
 
 from __future__ import annotations
 

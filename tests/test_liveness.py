@@ -1,4 +1,4 @@
-"""Liveness: nothing parked, waiting or in flight wedges the channel (issue #8).
+"""Liveness: nothing parked, waiting or in flight wedges the channel.
 
 A message that can go now must not wait for a backlog it does not share a key with, the
 receiver must not sleep while records it has not looked at are waiting, and the loop
@@ -494,7 +494,7 @@ def test_a_receiver_that_keeps_up_with_its_producer_stays_in_the_fast_path(
     # record claimed but not yet written. It used to leave its C wait for Python's slow
     # path there and sleep on the semaphore, so that the commit had to post it: about
     # 1.3 % of messages at 5 us apart (128 of 10 000), and half the throughput of a
-    # receiver that lagged, in the big-channel bench (issue #10). Now it spins through
+    # receiver that lagged, in the big-channel bench. Now it spins through
     # such a stall; only one that lasts SPIN_SECONDS (a producer preempted mid-send)
     # goes to Python.
     n = 5_000

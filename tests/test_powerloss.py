@@ -1,4 +1,4 @@
-"""A durable channel's file after a power loss (issue #9 item 7).
+"""A durable channel's file after a power loss.
 
 The kernel writes a file back page by page, so after a power loss each 4 KiB page of a
 file-backed channel may come from a different moment. We take the file at consecutive

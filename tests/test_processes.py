@@ -447,7 +447,7 @@ STALL_LIMIT = 10.0  # longest the consumer may go without a message while produc
 @pytest.mark.torture
 @pytest.mark.timeout(120)
 def test_producers_killed_mid_send_never_tear_lose_or_duplicate(make_channel, tmp_path):
-    """DESIGN.md "Producer killed mid-send", issue #3 item 1.
+    """The failure model, "producer killed mid-send".
 
     Producers send into a 64 KiB channel (often full: they block in send) while one of them
     is SIGKILLed every 50-400 ms and replaced. The consumer holds up to 6 handles and

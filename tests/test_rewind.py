@@ -250,7 +250,7 @@ def test_receivers_and_producers_killed_while_the_ring_rewinds_lose_nothing(make
     # A 256 KiB ring rewinds once the receiver finds it empty 128 KiB into a lap. Producers
     # send in bursts, so that happens again and again; meanwhile the receiver process is
     # SIGKILLed at random moments (inside ring_rewind too, sometimes) and a new one takes
-    # its seat, and producers are killed and replaced. DESIGN.md's failure model: every
+    # its seat, and producers are killed and replaced. The failure model: every
     # send that returned is delivered; none is torn; a message the receiver had released
     # never comes back; one in flight at the receiver's death comes back with a higher
     # attempt; per key, releases follow the order of sending.
