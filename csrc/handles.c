@@ -67,6 +67,7 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
     /* Work-avoidance state of an earlier turn as receiver means nothing now (core.h). */
     c->done_count = c->compact_retry_at = c->compact_watch_end = c->compact_fail_ns = 0;
     c->compact_watch_hit = 0;
+    c->refusals_seen = 0;
     if (LOAD_RELAXED(&c->hdr->dirty)) {
         /* The previous receiver died inside an operation: rebuild (recovery.c). */
         pthread_mutex_lock(&c->rx_mu);
