@@ -22,10 +22,14 @@
  *     chains follow it, window_moved);
  *   - a soft wall, which stays where it is and which the moves may pass: a SKIP over an
  *     island's bytes (islands.c), an island made earlier, or a record pinned by a
- *     zero-copy view, which becomes an island when the window passes it;
+ *     zero-copy view, which becomes an island when the window passes it. Only in a
+ *     window that head reaches in the same call (everything from head to its first move
+ *     finished or skipped): the filler over a wall is finished space to any later slide,
+ *     which would copy onto the island bytes inside it, so head must pass it at once;
  *   - a hard wall, which nothing passes: a record being written (a placeholder), a message
- *     on its way back from its holder (released or nacked, not yet taken back), a pinned
- *     record when no island entry is left or head could not pass it now, anything unknown.
+ *     on its way back from its holder (released or nacked, not yet taken back), a soft
+ *     wall in a window head does not reach, a pinned record when no island entry is
+ *     left, anything unknown.
  * The window runs from its first move to an end E, and packing its moves, in order, at
  * the end of [first move, E) frees everything before them: one filler from the first move's
  * place to the first copy. E is the end of a finished run, chosen as far on as is useful
@@ -55,9 +59,8 @@
  * The records' order in the ring (= their seq order, and a fifo chain's order) is kept.
  *
  * Islands made by the slide: a pinned record inside the window gets its island entry
- * before the first step (islands.c: entry first, then head passes it), and only in a
- * window that head reaches in the same call -- everything from head to the first move
- * finished or skipped -- so that an island always lies behind head once the call ends.
+ * before the first step (islands.c: entry first, then head passes it); the window is one
+ * head reaches in the same call (above), so an island lies behind head once the call ends.
  *
  * Readers of a moved record are never exposed to reused bytes:
  *   - copies (payload, keys, dead letters) follow a seqlock: read pos, copy, and accept
@@ -180,9 +183,11 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
             pos += len;
             continue;
         }
-        if ((kind == E_PIN || kind == E_ISLAND) &&
-            (moves == 0 || !*clean || (kind == E_PIN && pins >= islands_free)))
-            kind = E_HARD;
+        /* A soft wall inside a window needs head to pass the filler over it at once: the
+         * filler is finished space to later slides, which would copy onto the island
+         * bytes inside it. And a new island needs a free entry. */
+        if (kind != E_MOVE && (!*clean || (kind == E_PIN && pins >= islands_free))) kind = E_HARD;
+        if ((kind == E_PIN || kind == E_ISLAND) && moves == 0) kind = E_HARD; /* see compact() */
         if (kind == E_MOVE && len > COMPACT_BUDGET(c)) kind = E_HARD;
         int full = n == COMPACT_MAX || (kind == E_MOVE && moved + len > COMPACT_BUDGET(c));
         if (kind == E_HARD || full) {
@@ -218,13 +223,12 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
     int clean;
     cut w = look(c, head, stop, e, &clean, looked, watch);
     if (w.n == 0) return 0;
-    uint32_t n = w.n, first = 0;
-    while (e[first].kind != E_MOVE) first++; /* the window starts with a move */
-    uint64_t start = e[first].pos, freed = w.end - w.moved - start;
+    uint32_t n = w.n;
+    uint64_t start = e[0].pos, freed = w.end - w.moved - start; /* a window starts with a move */
     /* A slide copies w.moved bytes to free `freed`: until space runs low or a sender
      * waits, wait for it to free as much as it copies (or a sixteenth of the ring). */
     uint64_t worth = w.moved < c->limit / 16 ? w.moved : c->limit / 16;
-    if (freed < worth && !urgent) return -1; /* not yet: no failure, look again next call */
+    if (freed < worth && !urgent) return -1; /* not yet: more must finish first */
 
     /* 0. in-flight moves: stop holders from taking views until we are done; then the
      * pinned records the window passes become islands (before any filler covers them) */
@@ -340,11 +344,11 @@ int compact(shm_chan *c) {
     uint64_t watch = head;
     int slid = slide(c, head, stop, urgent, &looked, &watch);
     if (slid > 0) return 1;
-    if (slid < 0) return 0; /* worth it soon: no wait before the next try */
     /* Nothing could move the handle at head -- a pinned record right behind it with no
      * island entry left for it, or a record nothing passes: it stays where it is too, as
      * an island, once space runs short. */
-    if (urgent && island_make_at_head(c, head, 0)) return 1;
+    if (slid == 0 && urgent && island_make_at_head(c, head, 0)) return 1;
+    /* Failed, or not worth it yet (slid < 0): either way, wait before the next look. */
     c->compact_retry_at = c->done_count + 1 + looked / 4;
     c->compact_watch_end = watch;
     c->compact_watch_hit = 0;

@@ -671,3 +671,34 @@ def test_a_slow_task_does_not_hold_submits_on_other_keys(tmp_path):
         flag.touch()
         assert slow.result(timeout=WAIT) == "slow"
         assert [f.result(timeout=WAIT) for f in futures] == list(range(30_000))
+
+
+def test_a_refused_send_gets_a_look_at_the_next_poll(make_channel):
+    # After a look for space that found nothing to gain, the receiver waits for records
+    # to finish (or 50 ms) before it looks again: walking a long backlog on every poll
+    # would cost too much. A sender the ring refuses cuts that wait short: the very next
+    # poll looks, and here finds room (the handles released meanwhile freed 48 KB behind
+    # a dead letter, a held handle and 100 messages parked behind it).
+    ch = make_channel(capacity=64 << 10, max_attempts=1)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"x" * 1000, keys=("x",))
+    rx.recv(timeout=WAIT).nack()  # a dead letter at head
+    tx.send(b"k", keys=("a",))
+    held = rx.recv(timeout=WAIT)
+    for _ in range(100):
+        tx.send(bytes(24), keys=("a",))  # parked behind the held key
+    assert rx.try_recv() is None
+    bigs = []
+    with pytest.raises(shmchan.Full):
+        while True:  # handles held until the ring is full
+            tx.send(bytes(3000), keys=(f"b{len(bigs)}",), timeout=0)
+            bigs.append(rx.recv(timeout=WAIT))
+    time.sleep(0.1)  # whatever the receiver did before, its next look is due now
+    assert rx.try_recv() is None  # it looks, finds only live records, and waits
+    for h in bigs[:-1]:
+        h.release()  # 48 KB free behind the head, too few records for another look
+    with pytest.raises(shmchan.Full):
+        tx.send(bytes(3000), keys=("new",), timeout=0)
+    assert rx.try_recv() is None  # one poll
+    tx.send(bytes(3000), keys=("new",), timeout=0)
+    assert held.keys == ("a",) and ch.stats().queued == 101
