@@ -29,6 +29,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from procs import check_core
 
 import shmchan
 from shmchan.codec import encode_keys
@@ -244,10 +245,7 @@ class SpaceMachine(RuleBasedStateMachine):
 
     @invariant()
     def core_bookkeeping_is_consistent(self):
-        from shmchan._lib import ffi, lib
-
-        what = ffi.new("uint32_t *")
-        assert lib.shm_check_scheduler(self.rx._seg.ptr, what) == 0, f"check {what[0]} failed"
+        check_core(self.rx)
 
     @invariant()
     def stats_follow_the_model(self):
