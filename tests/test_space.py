@@ -453,9 +453,8 @@ def test_handles_held_next_to_a_pinned_view_do_not_stop_the_channel(make_channel
 
 
 def test_messages_waiting_for_a_held_key_next_to_an_island_do_not_stop_the_channel(make_channel):
-    # Messages parked behind a held key (window.c) move as a block (compact.c); the skip
-    # over an island right after them must not stop that block. (Under order="eager"
-    # parked records never move: README, Known limitations.)
+    # Messages parked behind a held key (window.c) slide forward (compact.c); the skip
+    # over an island right after them must not stop them.
     ch = make_channel(capacity=1 << 20)
     tx, rx = ch.sender(), ch.receiver()
     tx.send(payload(0, 30_000), keys=("a",))
