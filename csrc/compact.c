@@ -1,39 +1,66 @@
 /* compact.c -- no head-of-line blocking of space: sliding long-lived records forward.
  *
  * The ring frees space only at its head, in order. A message that stays in the channel
- * for long -- a handle held for hours, a message waiting behind it on the same key, a
- * dead letter -- would pin the head and, with it, every byte behind it, even once those
- * bytes' messages are long released. So when the head is pinned and the ring is more
- * than half used, the receiver compacts (an idea from copying garbage collectors):
+ * for long -- a handle held for hours, the messages parked behind it on its key
+ * (window.c), a dead letter -- would pin the head and, with it, every byte behind it, even
+ * once those bytes' messages are long released. So when the head is pinned and the ring is
+ * more than half used, the receiver compacts (the sliding compaction of garbage
+ * collectors, done one record at a time so that the ring stays whole at every store):
  *
- *     head                                                   end
- *     | L1 | done | L2 | L3 | done | ... | done done done done | (live, or ingest_pos)
- *       the block: live records and short finished     the gap G: a finished run
- *       runs between them                              >= longest Li + a header
+ *     head                                                                   E
+ *     | L1 | done | L2 | L3 | done | W | L4 | done ... done | done done done |
  *
- *  => | filler (DONE)                                 | L1' | L2' | L3' |
- *                                                       ^ head after the filler is passed
+ *  => | filler (DONE), W inside it                              | L1'| L2'| L3'| L4'|
+ *                                                               ^ head, once past the filler
  *
- * The live records Li are moved one at a time, last first, each to the end of the
- * finished stretch that follows it; that stretch starts as G and only grows (it takes in
- * the record's old place and the short runs before it), so no step needs more room than
- * one record plus a header, and long-lived records scattered among released ones --
- * dead letters every tenth message -- are gathered at the front of the free space
- * instead of each pinning the ring. One step, for the record L at `at`:
- *   1. one DONE header at at + len(L) covers everything up to the stretch's end (one
- *      store: the chain stays whole);
- *   2. L is copied to the end of that stretch (inside a finished record: invisible);
- *   3. its slot's pos is switched to the copy (release store);
- *   4. one DONE header at `at` covers [at, copy): the chain now runs through the copy.
- * Finally head moves past the filler (release store). Everything here lies before
- * ingest_pos, in space only the receiver writes, so producers are not involved, and the
- * records' order in the ring (= their seq order) is kept.
+ * The window. From head on, the receiver looks at the records up to scan_pos: everything
+ * there is its own (taken in, parked, finished; producers write only past the tail). Each
+ * record is one of:
+ *   - finished (DONE, DISCARDED, CANCELLED): free space, once head passes it;
+ *   - a move: a message that may go elsewhere -- taken in (waiting, ready, a dead letter),
+ *     in flight without a zero-copy view, or parked in its keys' chains (no slot: its
+ *     chains follow it, window_moved);
+ *   - a soft wall, which stays where it is and which the moves may pass: a SKIP over an
+ *     island's bytes (islands.c), an island made earlier, or a record pinned by a
+ *     zero-copy view, which becomes an island when the window passes it. Only in a
+ *     window that head reaches in the same call (everything from head to its first move
+ *     finished or skipped): the filler over a wall is finished space to any later slide,
+ *     which would copy onto the island bytes inside it, so head must pass it at once;
+ *   - a hard wall, which nothing passes: a record being written (a placeholder), a message
+ *     on its way back from its holder (released or nacked, not yet taken back), a soft
+ *     wall in a window head does not reach, a pinned record when no island entry is
+ *     left, anything unknown.
+ * The window runs from its first move to an end E, and packing its moves, in order, at
+ * the end of [first move, E) frees everything before them: one filler from the first move's
+ * place to the first copy. E is the end of a finished run, chosen as far on as is useful
+ * (the slide then frees up to a COMPACT_TARGET of the ring) within bounds on the entries
+ * and the bytes copied. A hard wall ends the look if a window before it works; otherwise
+ * a new window starts after it (the same when the bounds are reached with nothing that
+ * works: the records before stay, and the next call finds the space freed after them).
  *
- * When the slide finds nothing to do, the block at head -- live records up to the first
- * finished one, parked records (window.c) included -- is moved in one piece to the end of
- * the gap after it, if that gap is at least as large (try_compact): parked records have
- * no slot, and their key chains follow them as one block (window_moved). Everything up
- * to scan_pos is the receiver's alone.
+ * The steps, for each move L at `at` (len bytes), last first; gap_end starts at E and is
+ * where the previous copy starts:
+ *   1. one DONE header at h1 covers [h1, gap_end) -- h1 = at + len, or, if pinned records
+ *      or islands follow L directly, the end of them (their headers stay whole: the
+ *      message is read and handed out from there). One store: the chain stays whole.
+ *   2. L is copied to dst = gap_end - len, inside that finished record: invisible. The
+ *      ring is mapped twice, so both are contiguous;
+ *   3. its slot's pos is switched to the copy (release store); a parked record has none;
+ *   4. one DONE header at `at` covers [at, dst): the chain now runs through the copy.
+ * The room each step needs: dst >= h1 + REC_HDR, so that the copy overlaps neither L nor
+ * the header of step 1; and no copy may land on a wall's bytes, so if the window has
+ * walls every copy lies past the last one: E - (bytes moved) >= end of the last wall +
+ * REC_HDR. For a move after the last wall the first condition reads: the finished bytes
+ * after it up to E, less the moves after it, are at least len + REC_HDR. The look keeps
+ * the smallest such margin over its moves (slack) as it goes, so each candidate E is
+ * checked in O(1).
+ * Then: the parked records' chains point at their copies (window_moved), ingest_pos moves
+ * past the filler if it lay in the window, and head moves past the filler (release store).
+ * The records' order in the ring (= their seq order, and a fifo chain's order) is kept.
+ *
+ * Islands made by the slide: a pinned record inside the window gets its island entry
+ * before the first step (islands.c: entry first, then head passes it); the window is one
+ * head reaches in the same call (above), so an island lies behind head once the call ends.
  *
  * Readers of a moved record are never exposed to reused bytes:
  *   - copies (payload, keys, dead letters) follow a seqlock: read pos, copy, and accept
@@ -42,47 +69,40 @@
  *     them) only after its pos changed, with a release fence in between.
  *   - zero-copy views pin the record: a holder CASes slot.pin FREE -> VIEWED; the
  *     receiver moves an in-flight record only after CASing FREE -> MOVING, and puts FREE
- *     back when the copy and pos are in place. A pinned record stops compaction at it;
- *     once it reaches head it becomes an island instead (islands.c): head passes it and
- *     it stays where it is. A SKIP record (the producers' step over an island's bytes)
- *     ends a gap, and nothing is ever copied into it; the records before it slide past
- *     it only when G takes all of them at once, and the fillers then cover it (its
- *     header is the ring's, the rest the island's: neither is read again). The block
- *     move below carries the block past skips the same way, into the finished run
- *     after the last of them.
- * A receiver killed mid-compaction leaves the chain whole and every slot's pos on a
- * whole copy: a moved record's old copy is either still in the chain (then recovery
- * skips it as stale: its slot points at the other copy) or inside a filler.
+ *     back when the copy and pos are in place. A pinned record is a wall (above); at
+ *     head it becomes an island at once (islands.c).
+ *   - parked records have no reader but the receiver (and inspectors, which retry on the
+ *     receiver's seqlock: rx_begin / rx_end).
+ * A receiver killed mid-compaction leaves the chain whole, holding exactly one copy of a
+ * parked record, and every slot's pos on a whole copy: a moved message's old copy is
+ * either still in the chain (then recovery skips it as stale: its slot points at the
+ * other copy) or inside a filler. The chains, the links in parked records and ingest_pos
+ * are receiver state that a rebuild makes anew from the ring (recovery.c). An island
+ * entry written before the fillers is kept by the rebuild (its slot is a live handle) and
+ * passed by head as any island.
  *
- * Cost: a slide copies the live bytes of the block to free G. While free space is
- * plentiful and nobody waits for it, a slide waits for G to reach the block's size (or a
- * sixteenth of the ring), so each byte freed costs at most about one byte copied; when
- * space runs low any G that makes progress is used.
+ * Cost: a slide copies the live bytes of its window to free the finished bytes in it.
+ * It runs only while the ring is more than half used and the head is pinned; while free
+ * space is plentiful and no sender waits for it, a slide that would free less than it
+ * copies (or a sixteenth of the ring) waits for more to finish. A failed look is not
+ * repeated until records finish, the record that ended it finishes, RECHECK_NS pass, or
+ * a sender is refused (header.refusals, counted by ring.c's claim): a sender that found
+ * the ring full gets a look at the next poll.
  */
 #include "core.h"
 
-#define COMPACT_MAX_RECORDS 1024u /* bound on one block, to bound one call's work */
+#define COMPACT_MAX 1024u       /* entries (moves and walls) in one window              */
+#define COMPACT_VISITS 65536u   /* records one look visits at most                      */
+#define COMPACT_TARGET(c) ((c)->limit / 8)  /* a slide freeing this much looks no further */
+#define COMPACT_BUDGET(c) ((c)->limit / 2)  /* the most one slide copies                  */
 
-/* Is the record at pos a message that may be moved now? Sets *slot (NIL for a record
- * parked in key chains: window_moved fixes its chains up). */
-static int movable(shm_chan *c, uint64_t pos, uint64_t len, uint32_t *slot) {
-    shm_record *r = rec_at(c, pos);
-    uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned: behind scan_pos */
-    if (META_STATE(meta) != REC_COMMITTED || META_LEN(meta) != len || len < REC_BODY) return 0;
-    uint32_t s = r->slot;
-    if (s == NIL && window_parked_movable(c, pos)) {
-        *slot = NIL;
-        return 1;
-    }
-    if (s == NIL || s > c->cfg.max_messages) return 0;
-    shm_slot *sl = &c->slots[s];
-    if (LOAD_RELAXED(&sl->pos) != pos || sl->seq != r->seq) return 0;
-    uint32_t st = SLOT_STATE(LOAD_ACQUIRE(&sl->state)); /* pairs with holders' CAS */
-    if (st == SLOT_INFLIGHT && LOAD_ACQUIRE(&sl->pin) != PIN_FREE) return 0;
-    if (st != SLOT_WAITING && st != SLOT_READY && st != SLOT_INFLIGHT && st != SLOT_DEAD) return 0;
-    *slot = s;
-    return 1;
-}
+enum { E_MOVE, E_SKIP, E_PIN, E_ISLAND, E_HARD };
+
+typedef struct {
+    uint64_t pos, len;
+    uint32_t slot; /* E_MOVE: the message's slot, NIL for a parked record */
+    uint32_t kind; /* E_MOVE ... E_ISLAND */
+} entry;
 
 static uint64_t rec_len(shm_chan *c, uint64_t pos) {
     uint64_t meta = LOAD_RELAXED(&rec_at(c, pos)->meta);
@@ -95,114 +115,180 @@ static int finished(shm_chan *c, uint64_t pos) {
     return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED;
 }
 
-/* A SKIP record: its header is the ring's, the bytes after it an island's (islands.c). */
-static int is_skip(shm_chan *c, uint64_t pos) {
-    return META_STATE(LOAD_RELAXED(&rec_at(c, pos)->meta)) == REC_SKIP;
+/* What the unfinished record at pos (len bytes, inside [head, scan_pos)) is to a window.
+ * *slot is set for E_MOVE (NIL: parked). */
+static int classify(shm_chan *c, uint64_t pos, uint64_t len, uint32_t *slot) {
+    shm_record *r = rec_at(c, pos);
+    uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned: behind scan_pos */
+    uint32_t st = META_STATE(meta);
+    if (st == REC_SKIP) return E_SKIP;
+    if (st != REC_COMMITTED || META_LEN(meta) != len || len < REC_BODY) return E_HARD;
+    uint32_t s = r->slot;
+    if (s == NIL) { /* parked, unless it is a placeholder still on the writing list */
+        if (!window_parked_movable(c, pos)) return E_HARD;
+        *slot = NIL;
+        return E_MOVE;
+    }
+    if (s > c->cfg.max_messages) return E_HARD;
+    shm_slot *sl = &c->slots[s];
+    if (LOAD_RELAXED(&sl->pos) != pos || sl->seq != r->seq) return E_HARD;
+    if (island_find(c, pos) >= 0) return E_ISLAND; /* made before head passed it (recovery.c) */
+    uint32_t state = SLOT_STATE(LOAD_ACQUIRE(&sl->state)); /* pairs with holders' CAS */
+    *slot = s;
+    if (state == SLOT_INFLIGHT) /* acquire: pairs with the holder's CAS in shm_handle_view */
+        return LOAD_ACQUIRE(&sl->pin) == PIN_FREE ? E_MOVE : E_PIN;
+    if (state == SLOT_WAITING || state == SLOT_READY || state == SLOT_DEAD) return E_MOVE;
+    return E_HARD; /* released, nacked or discarded: taken back at the next poll */
 }
 
-/* Does ingest_pos (window.c) lie strictly inside [from, to)? */
-static int h_ingest_inside(shm_chan *c, uint64_t from, uint64_t to) {
-    return c->hdr->ingest_pos > from && c->hdr->ingest_pos < to;
-}
+/* A window that works: its first n entries, packed to end at `end`. */
+typedef struct {
+    uint32_t n;
+    uint64_t end, moved;
+} cut;
 
-/* The gap G a slide needs. Each step moves one record to the end of the finished stretch
- * after it, which keeps a header in front, so G must hold the longest record plus a
- * header (the stretch only grows from step to step) -- unless a skip lies in the block:
- * a stretch across it holds island bytes that no copy may land on, so then G must hold
- * every copy at once. */
-static uint64_t slide_room(uint64_t longest, uint64_t live, uint64_t skips) {
-    return (skips ? live : longest) + REC_HDR;
-}
-
-/* The slide: one try at the records at head, up to stop (<= ingest_pos: every record
- * before it has a slot, so each one's pos is all that follows it); *looked counts the
- * records it visited, and *watch is the record that ended the look (whose finishing may
- * change the answer). 1: slid; 0: cannot now; -1: can, but not worth it yet. */
-static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
-                     uint32_t *looked, uint64_t *watch) {
-    /* The block: live records from head on, with the short finished runs between them,
-     * up to the first finished run G long enough to take the longest of them. */
-    uint32_t slots[COMPACT_MAX_RECORDS];
-    uint64_t poss[COMPACT_MAX_RECORDS], lens[COMPACT_MAX_RECORDS];
-    uint64_t pos = head, live = 0, longest = 0, run = 0, run_start = head, skips = 0;
-    uint32_t n = 0;
-    while (pos < stop) {
+/* The look: the window to slide, from head up to stop (scan_pos). *looked counts the
+ * records visited, *watch is the record that ended the look (whose finishing may change
+ * the answer). Fills e[] and *clean (head reaches the window's first move once the
+ * fillers are in: islands may be made in it). */
+static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean, uint32_t *looked,
+                uint64_t *watch) {
+    shm_header *h = c->hdr;
+    uint32_t island_count = LOAD_RELAXED(&h->island_count); /* receiver-written: our own */
+    uint32_t islands_free = island_count < SHM_ISLANDS ? SHM_ISLANDS - island_count : 0;
+    uint32_t n = 0, moves = 0, pins = 0;
+    uint64_t moved = 0, first = 0, wall_end = 0, pos = head;
+    int64_t slack = INT64_MAX; /* min over the moves of (finished bytes after it) - its len */
+    cut best = {0, 0, 0};
+    *clean = 1;
+    for (;;) {
+        /* pos ends a finished run (or is where the look stopped): is it a window's end? */
+        if (moves && slack >= (int64_t)REC_HDR && (wall_end == 0 || pos - moved >= wall_end + REC_HDR)) {
+            best = (cut){n, pos, moved};
+            if (pos - moved - first >= COMPACT_TARGET(c)) break;
+        }
+        if (pos >= stop || *looked >= COMPACT_VISITS) break;
         (*looked)++;
         *watch = pos;
         uint64_t len = rec_len(c, pos);
-        if (!len || len > stop - pos) return 0;
+        if (!len || len > stop - pos) break; /* corrupt: never move past it */
         if (finished(c, pos)) {
-            if (run == 0) run_start = pos;
-            run += len;
+            if (moves) slack += (int64_t)len; /* finite once there is a move */
             pos += len;
             continue;
         }
-        if (n > 0 && run >= slide_room(longest, live, skips)) break; /* the gap G: [run_start, pos) */
-        if (is_skip(c, pos)) {
-            /* a step over an island's bytes (islands.c): no copy may land on them, so a
-             * gap never spans one; the records before it may still slide past it (the
-             * skip ends inside a filler), but only all of them into G at once */
-            skips += len;
-            run = 0;
+        uint32_t s = NIL;
+        int kind = classify(c, pos, len, &s);
+        if (kind == E_SKIP && moves == 0) { /* before the window: head passes it */
+            pos += len;
+            continue;
+        }
+        /* A soft wall inside a window needs head to pass the filler over it at once: the
+         * filler is finished space to later slides, which would copy onto the island
+         * bytes inside it. And a new island needs a free entry. */
+        if (kind != E_MOVE && (!*clean || (kind == E_PIN && pins >= islands_free))) kind = E_HARD;
+        if ((kind == E_PIN || kind == E_ISLAND) && moves == 0) kind = E_HARD; /* see compact() */
+        if (kind == E_MOVE && len > COMPACT_BUDGET(c)) kind = E_HARD;
+        int full = n == COMPACT_MAX || (kind == E_MOVE && moved + len > COMPACT_BUDGET(c));
+        if (kind == E_HARD || full) {
+            if (best.n) break; /* a window before it works: take that */
+            /* a new window after the wall, or from this record on */
+            n = moves = pins = 0;
+            moved = first = wall_end = 0;
+            slack = INT64_MAX;
+            *clean = 0;
+            if (kind == E_HARD) pos += len;
+            continue;
+        }
+        e[n++] = (entry){pos, len, s, (uint32_t)kind};
+        if (kind == E_MOVE) {
+            if (moves++ == 0) first = pos;
+            moved += len;
+            if (-(int64_t)len < slack) slack = -(int64_t)len;
         } else {
-            if (n == COMPACT_MAX_RECORDS || !movable(c, pos, len, &slots[n]) || slots[n] == NIL)
-                return 0;
-            poss[n] = pos;
-            lens[n++] = len;
-            live += len;
-            if (len > longest) longest = len;
-            run = 0;
+            pins += kind == E_PIN;
+            wall_end = pos + len;
+            slack += (int64_t)len; /* moves is > 0 here: slack is finite */
         }
         pos += len;
     }
-    /* pos: where the gap ends (the next live record, a skip, or stop) */
-    if (n == 0 || run < slide_room(longest, live, skips)) return 0;
-    uint64_t gap = run, end = pos;
-    (void)run_start;
-    /* Each step moves one record to the end of the gap that follows it, which keeps a
-     * header in front: G must hold the longest record plus a header (the gap only grows
-     * from step to step). A gap smaller than the live bytes (each slide copies them all)
-     * is worth a slide only once free space runs low or a sender waits for space; until
-     * then let it grow, up to a sixteenth of the ring. */
-    uint64_t worth = live < c->limit / 16 ? live : c->limit / 16;
-    if (gap < worth && tail - head < c->limit - c->limit / 4 &&
-        LOAD_RELAXED(&c->hdr->space_waiters) == 0) /* a hint: pairs with nothing */
-        return -1; /* not yet: no failure, look again at the next call */
+    return best;
+}
 
-    /* 0. in-flight records: stop holders from taking views until we are done */
-    uint32_t pinned = 0;
-    for (; pinned < n; pinned++) {
-        shm_slot *sl = &c->slots[slots[pinned]];
-        if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue;
+/* The slide: 1 slid; 0: cannot now; -1: can, but not worth it yet. */
+static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t *looked,
+                 uint64_t *watch) {
+    shm_header *h = c->hdr;
+    entry e[COMPACT_MAX];
+    int clean;
+    cut w = look(c, head, stop, e, &clean, looked, watch);
+    if (w.n == 0) return 0;
+    uint32_t n = w.n;
+    uint64_t start = e[0].pos, freed = w.end - w.moved - start; /* a window starts with a move */
+    /* A slide copies w.moved bytes to free `freed`: until space runs low or a sender
+     * waits, wait for it to free as much as it copies (or a sixteenth of the ring). */
+    uint64_t worth = w.moved < c->limit / 16 ? w.moved : c->limit / 16;
+    if (freed < worth && !urgent) return -1; /* not yet: more must finish first */
+
+    /* 0. in-flight moves: stop holders from taking views until we are done; then the
+     * pinned records the window passes become islands (before any filler covers them) */
+    uint32_t i = 0, made = 0;
+    for (; i < n; i++) {
+        if (e[i].kind != E_MOVE || e[i].slot == NIL) continue;
+        shm_slot *sl = &c->slots[e[i].slot];
+        if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue; /* pairs with holders' CAS */
         uint32_t free_ = PIN_FREE;
         /* seq_cst: pairs with the holder's CAS FREE -> VIEWED in shm_handle_view. */
         if (!CAS_SEQCST(&sl->pin, &free_, PIN_MOVING)) break;
     }
-    if (pinned < n) { /* someone took a view just now: undo and give up */
-        for (uint32_t i = 0; i < pinned; i++) {
-            shm_slot *sl = &c->slots[slots[i]];
-            if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE);
+    int ok = i == n;
+    for (uint32_t j = 0; ok && j < n; j++) {
+        if (e[j].kind != E_PIN) continue;
+        if (!island_add(c, e[j].pos, e[j].len)) ok = 0; /* counted in look(): cannot happen */
+        else made++;
+    }
+    if (!ok) { /* someone took a view just now: undo and give up */
+        for (uint32_t j = 0; j < n; j++) {
+            if (e[j].kind == E_PIN && made) {
+                island_remove(c, island_find(c, e[j].pos));
+                made--;
+            }
+            if (e[j].kind != E_MOVE || e[j].slot == NIL) continue;
+            shm_slot *sl = &c->slots[e[j].slot];
+            if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE); /* pairs with shm_handle_view */
         }
         return 0;
     }
-    /* Last record first: each moves to the end of the gap that follows it. */
-    uint64_t gap_end = end;
-    for (uint32_t i = n; i-- > 0;) {
-        uint64_t at = poss[i], after = at + lens[i];
-        /* 1. what follows the record up to gap_end -- finished records, the previous
-         * step's filler -- becomes one finished record (one store: the chain stays whole;
-         * receiver-only region behind ingest_pos) */
-        STORE_RELEASE(&rec_at(c, after)->meta, META(gap_end - after, REC_DONE));
-        /* 2. the copy at the end of that record: invisible to the chain. dst >= after +
-         * REC_HDR, so it overlaps neither the original nor that header; the ring is
-         * mapped twice, so both are contiguous. */
-        uint64_t dst = gap_end - lens[i];
-        memcpy(ring_at(c, dst), ring_at(c, at), lens[i]);
+
+    /* 1-4 for each move, last first: each moves to the end of what follows it */
+    uint64_t old_parked[COMPACT_MAX], new_parked[COMPACT_MAX], skips = 0;
+    uint32_t parked = 0;
+    for (uint32_t j = 0; j < n; j++) parked += e[j].kind == E_MOVE && e[j].slot == NIL;
+    uint32_t p = parked;
+    uint64_t gap_end = w.end;
+    for (uint32_t j = n; j-- > 0;) {
+        if (e[j].kind == E_SKIP) skips += e[j].len;
+        if (e[j].kind != E_MOVE) continue;
+        uint64_t at = e[j].pos, len = e[j].len, h1 = at + len;
+        for (uint32_t k = j + 1; k < n && e[k].pos == h1 && (e[k].kind == E_PIN || e[k].kind == E_ISLAND); k++)
+            h1 += e[k].len; /* their headers stay whole */
+        uint64_t dst = gap_end - len; /* >= h1 + REC_HDR: look() checked the room */
+        /* 1. everything from h1 to gap_end becomes one finished record (one store: the
+         * chain stays whole; receiver-only region behind scan_pos) */
+        STORE_RELEASE(&rec_at(c, h1)->meta, META(gap_end - h1, REC_DONE));
+        /* 2. the copy, inside that record */
+        memcpy(ring_at(c, dst), ring_at(c, at), len);
         /* 3. switch the message over. release: pairs with readers' acquire of pos
          * (msg_fill) and the fence in shm_unmoved. */
-        shm_slot *sl = &c->slots[slots[i]];
-        STORE_RELEASE(&sl->pos, dst);
-        if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE); /* pairs with shm_handle_view */
+        if (e[j].slot != NIL) {
+            shm_slot *sl = &c->slots[e[j].slot];
+            STORE_RELEASE(&sl->pos, dst);
+            if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE); /* pairs with shm_handle_view */
+        } else {
+            p--;
+            old_parked[p] = at;
+            new_parked[p] = dst;
+        }
         /* 4. one store re-links the chain: [at, dst) is finished, then the copy */
         STORE_RELEASE(&rec_at(c, at)->meta, META(dst - at, REC_DONE));
         /* release fence: the next step's copy may overwrite this record's old bytes;
@@ -211,97 +297,14 @@ static int try_slide(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail,
         __atomic_thread_fence(__ATOMIC_RELEASE);
         gap_end = dst;
     }
-    /* the skips in the block are inside fillers now, which head passes as finished */
-    c->hdr->skip_bytes = c->hdr->skip_bytes >= skips ? c->hdr->skip_bytes - skips : 0;
-    /* 5. free the space (release store of head inside) */
-    ring_advance_head(c);
-    return 1;
-}
-
-/* One try at the pinned block at head; *looked counts the records it visited, and
- * *watch is the record that ended the look (whose finishing may change the answer). */
-static int try_compact(shm_chan *c, uint64_t head, uint64_t stop, uint32_t *looked,
-                       uint64_t *watch) {
-    /* the pinned block [head, head + block) */
-    uint32_t slots[COMPACT_MAX_RECORDS];
-    uint64_t lens[COMPACT_MAX_RECORDS];
-    uint64_t pos = head, block = 0;
-    uint32_t n = 0;
-    while (pos < stop && n < COMPACT_MAX_RECORDS && !finished(c, pos) && !is_skip(c, pos)) {
-        (*looked)++;
-        *watch = pos;
-        uint64_t len = rec_len(c, pos);
-        if (!len || !movable(c, pos, len, &slots[n])) return 0;
-        lens[n++] = len;
-        pos += len;
-        block += len;
-    }
-    *watch = pos;
-    if (n == 0 || pos >= stop) return 0;
-    /* the gap after it, [head + block, end): finished records, and skips over islands
-     * (islands.c), which the filler covers; the copies go after the last skip */
-    uint64_t gap = 0, end = pos, skips = 0;
-    while (end < stop && (finished(c, end) || is_skip(c, end))) {
-        (*looked)++;
-        uint64_t len = rec_len(c, end);
-        if (!len) return 0;
-        if (is_skip(c, end)) {
-            skips += len;
-            gap = 0;
-        } else {
-            gap += len;
-        }
-        end += len;
-    }
-    *watch = end;
-    /* The gap keeps its own header while the copies sit at its end: room for both. */
-    if (gap < block + REC_HDR) return 0;
-    /* ingest_pos must stay on a record boundary: not inside the filler */
-    if (skips && h_ingest_inside(c, pos, end)) return 0;
-
-    /* 0. in-flight records: stop holders from taking views until we are done */
-    uint32_t pinned = 0;
-    for (; pinned < n; pinned++) {
-        if (slots[pinned] == NIL) continue; /* parked: no handle, no view */
-        shm_slot *sl = &c->slots[slots[pinned]];
-        if (SLOT_STATE(LOAD_ACQUIRE(&sl->state)) != SLOT_INFLIGHT) continue;
-        uint32_t free_ = PIN_FREE;
-        /* seq_cst: pairs with the holder's CAS FREE -> VIEWED in shm_handle_view. */
-        if (!CAS_SEQCST(&sl->pin, &free_, PIN_MOVING)) break;
-    }
-    if (pinned < n) { /* someone took a view just now: undo and give up */
-        for (uint32_t i = 0; i < pinned; i++) {
-            if (slots[i] == NIL) continue;
-            shm_slot *sl = &c->slots[slots[i]];
-            if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE);
-        }
-        return 0;
-    }
-    /* 1. the gap becomes one finished record (one store: the chain stays whole) */
-    shm_record *g = rec_at(c, head + block);
-    STORE_RELEASE(&g->meta, META(end - head - block, REC_DONE)); /* receiver-only region; see below */
-    /* 2. copies at the end of the gap, inside that record: invisible to the chain */
-    uint64_t dst = end - block;
-    memcpy(ring_at(c, dst), ring_at(c, head), block); /* contiguous: the ring is mapped twice */
-    /* 3. switch each message over */
-    uint64_t at = dst;
-    window_moved(c, head, block, dst - head); /* parked records' chains follow them */
-    for (uint32_t i = 0; i < n; i++) {
-        if (slots[i] == NIL) { /* parked */
-            at += lens[i];
-            continue;
-        }
-        shm_slot *sl = &c->slots[slots[i]];
-        /* release: pairs with readers' acquire of pos (msg_fill) and the fence in
-         * shm_unmoved; the old bytes are untouched until head passes them (step 5). */
-        STORE_RELEASE(&sl->pos, at);
-        if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE); /* pairs with shm_handle_view */
-        at += lens[i];
-    }
-    /* 4. one store re-links the chain: filler [head, dst) then the copies */
-    STORE_RELEASE(&rec_at(c, head)->meta, META(dst - head, REC_DONE));
-    /* the skips passed are inside the filler now, which head passes as finished */
-    c->hdr->skip_bytes = c->hdr->skip_bytes >= skips ? c->hdr->skip_bytes - skips : 0;
+    /* the skips in the window are inside the filler now, which head passes as finished */
+    h->skip_bytes = h->skip_bytes >= skips ? h->skip_bytes - skips : 0;
+    /* ingest_pos stays on a record boundary with only taken-in or finished records
+     * before it: the first copy, if it lay in the window (or before it, in a window that
+     * head reaches: only finished records there) */
+    if ((h->ingest_pos >= start && h->ingest_pos < w.end) || (clean && h->ingest_pos < start))
+        h->ingest_pos = gap_end;
+    if (parked) window_moved(c, old_parked, new_parked, parked);
     /* 5. free the space (release store of head inside) */
     ring_advance_head(c);
     return 1;
@@ -321,30 +324,31 @@ int compact(shm_chan *c) {
     /* A record pinned by a zero-copy view at head cannot move: the ring flows around it
      * instead (islands.c). Head passes it; producers step over its bytes. */
     if (island_make_at_head(c, head, 1)) return 1;
-    /* After a failed try, wait before the next: without this a long unfinished backlog
-     * would be walked on every poll. Try again once the record that ended the look
-     * finishes (the gap may now be long enough: ring_mark_done watches for it), or
-     * after a quarter as many records finished as the try looked at -- a few record
-     * visits per record finished. */
-    /* RECHECK_NS passing also ends the wait: records can become movable without
-     * finishing (a view dropped, a nacked message handed out). */
-    if (c->done_count < c->compact_retry_at && !c->compact_watch_hit &&
+    /* relaxed: a hint (pairs with nothing); a sender refused since the last look wants
+     * one now, whatever the wait below says */
+    uint32_t refusals = LOAD_RELAXED(&h->refusals);
+    int refused = refusals != c->refusals_seen;
+    c->refusals_seen = refusals;
+    /* After a failed look, wait before the next: without this a long unfinished backlog
+     * would be walked on every poll. Look again once the record that ended the look
+     * finishes (ring_mark_done watches for it), or after a quarter as many records
+     * finished as the look visited -- a few record visits per record finished; or once
+     * RECHECK_NS pass (records can become movable without finishing: a nacked message
+     * taken back, a placeholder committed); or when a sender was refused. */
+    if (!refused && c->done_count < c->compact_retry_at && !c->compact_watch_hit &&
         coarse_ns() - c->compact_fail_ns < RECHECK_NS)
         return 0;
+    /* space_waiters: a hint, pairs with nothing */
+    int urgent = refused || tail - head >= c->limit - c->limit / 4 || LOAD_RELAXED(&h->space_waiters);
     uint32_t looked = 0;
     uint64_t watch = head;
-    /* First the slide, over what was taken in; then the whole block at head, which may
-     * also carry parked records (their chains follow them: window_moved). */
-    uint64_t taken = h->ingest_pos < stop ? h->ingest_pos : stop;
-    int slid = try_slide(c, head, taken, tail, &looked, &watch);
+    int slid = slide(c, head, stop, urgent, &looked, &watch);
     if (slid > 0) return 1;
-    if (slid < 0) return 0; /* worth it soon: no wait before the next try */
-    if (try_compact(c, head, stop, &looked, &watch)) return 1;
-    /* Neither could move the handle at head -- a pinned record right behind it, or an
-     * island's skip: it stays where it is too, as an island, once space runs short. */
-    if ((tail - head >= c->limit - c->limit / 4 || LOAD_RELAXED(&h->space_waiters)) &&
-        island_make_at_head(c, head, 0)) /* space_waiters: a hint, pairs with nothing */
-        return 1;
+    /* Nothing could move the handle at head -- a pinned record right behind it with no
+     * island entry left for it, or a record nothing passes: it stays where it is too, as
+     * an island, once space runs short. */
+    if (slid == 0 && urgent && island_make_at_head(c, head, 0)) return 1;
+    /* Failed, or not worth it yet (slid < 0): either way, wait before the next look. */
     c->compact_retry_at = c->done_count + 1 + looked / 4;
     c->compact_watch_end = watch;
     c->compact_watch_hit = 0;

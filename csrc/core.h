@@ -160,6 +160,8 @@ typedef struct {
     uint32_t shutdown; /* SHUTDOWN_* bits, only ever set (fetch-or): sends are refused once
                         * either is set; the receiver drains, then reports CLOSED */
     _Alignas(SHM_CACHELINE) uint32_t space_waiters; /* senders blocked (or about to block) on space */
+    uint32_t refusals; /* claims that found the ring full, ever, wrapping: a hint to the
+                        * receiver that a look for space to compact is wanted (compact.c) */
 
     /* -- holders -> consumer: released slots, a push-only stack (handles.c) -- */
     _Alignas(SHM_CACHELINE) uint64_t release_stack; /* slot index of the top, NIL = empty */
@@ -405,6 +407,7 @@ struct shm_chan {
     uint64_t compact_watch_end; /* ... or for the record here to finish              */
     uint64_t compact_fail_ns;   /* ... or for RECHECK_NS after this failure            */
     int compact_watch_hit;
+    uint32_t refusals_seen;     /* header.refusals at the receiver's last look (compact.c) */
     uint64_t verify_below; /* durable: records before this ring position were there when
                             * this receiver took its seat (recovered): their checksums are
                             * checked when taken in and when handed out (crc32c.c) */
@@ -553,7 +556,7 @@ int window_is_writing(shm_chan *c, uint64_t pos);
 int window_discard(shm_chan *c, shm_record *r, uint64_t pos);
 int window_check(shm_chan *c, uint32_t *what);
 int window_parked_movable(shm_chan *c, uint64_t pos);
-void window_moved(shm_chan *c, uint64_t start, uint64_t len, uint64_t delta);
+void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n);
 void window_wake_push(shm_chan *c, uint64_t hash);
 void window_link(shm_chan *c, uint32_t s);
 void window_unlink(shm_chan *c, uint32_t s);

@@ -17,12 +17,13 @@
  * readers check end before and after reading len (a seqlock on end, island_read).
  *
  * Receiver:
- *   make    (compact.c, island_make_at_head: when the record at head is in flight and
- *           pinned by a view; or in flight, when space runs short and compaction cannot
- *           slide it -- a pinned record or an island's skip right behind it) len, then
+ *   make    (compact.c: island_make_at_head, when the record at head is in flight and
+ *           pinned by a view, or in flight when space runs short and compaction cannot
+ *           slide it; or a slide, for a pinned record its window passes) len, then
  *           end (release), then island_count (release);
- *           then head passes the record (ring_advance_head's release store of head). So a
- *           producer that acquired a head beyond the island also sees its entry.
+ *           then head passes the record (ring_advance_head's release store of head, in
+ *           the same call). So a producer that acquired a head beyond the island also
+ *           sees its entry.
  *   remove  (ring_mark_done, when the message is finished: released, or a dead letter
  *           discarded) end = 0 (release), then island_count (release). From then on
  *           producers may reuse the bytes; one that read the entry before merely steps

@@ -208,6 +208,9 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
                         CPU_RELAX();
                         continue;
                     }
+                    /* relaxed: a hint to the receiver (compact.c reads it relaxed and
+                     * pairs with nothing); its next poll looks for space to compact */
+                    FETCH_ADD_RELAXED(&h->refusals, 1);
                     return SHM_FULL;
                 }
                 head = fresh; /* we may be stale, or fit now: look again */

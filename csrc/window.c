@@ -642,40 +642,66 @@ int window_check(shm_chan *c, uint32_t *what) {
 }
 
 /* ---- compaction (compact.c) -------------------------------------------------------------
- * A parked record may be moved with the block at head if every link into it moves too:
- * under fifo a chain runs in ring order, so the records before it in its chains lie
- * between head and it, inside the block. Eager chains do not, so there it stays. */
+ * A parked record may move: its place in its chains is its position, which window_moved
+ * below points at the copy. A placeholder's position is on the writing list, which must
+ * stay true, so it stays where it is. */
 int window_parked_movable(shm_chan *c, uint64_t pos) {
-    /* a placeholder's position is on the writing list, which must stay true */
-    return c->cfg.order == SHM_ORDER_FIFO && pos >= c->hdr->ingest_pos && pos < c->hdr->scan_pos &&
-           !window_is_writing(c, pos);
+    return pos >= c->hdr->ingest_pos && pos < c->hdr->scan_pos && !window_is_writing(c, pos);
 }
 
-/* The records in [start, start + len) were copied delta bytes further on: point the
- * parked ones' chains (their keys' heads and tails, and the links between them, all
- * inside the block) and ingest_pos at the copies. */
-void window_moved(shm_chan *c, uint64_t start, uint64_t len, uint64_t delta) {
-    shm_header *h = c->hdr;
-    uint64_t end = start + len;
-    for (uint64_t pos = start; pos < end;) {
-        shm_record *r = rec_at(c, pos + delta); /* the copy */
-        uint64_t rlen = META_LEN(LOAD_RELAXED(&r->meta)); /* checked by compact's walk */
-        if (META_STATE(LOAD_RELAXED(&r->meta)) == REC_COMMITTED && r->slot == NIL &&
-            r->nkeys <= c->cfg.max_keys) {
-            uint64_t *links = rec_links(r, r->nkeys);
-            for (uint32_t i = 0; i < r->nkeys; i++) {
-                if (!rec_first_of_hash(r, i)) continue;
-                if (links[i] >= start && links[i] < end) links[i] += delta;
-                shm_key *k = sched_key_find(c, r->hashes[i]);
-                if (k == NULL || k->skipped == 0) continue;
-                if (k->skip_head == pos) k->skip_head = pos + delta;
-                if (k->skip_tail == pos) k->skip_tail = pos + delta;
-            }
-        }
-        if (rlen < REC_HDR) break;
-        pos += rlen;
+/* Where the record that was at pos lies now: moved_to[i] if pos == moved_from[i]. */
+static uint64_t moved_pos(const uint64_t *from, const uint64_t *to, uint32_t n, uint64_t pos) {
+    uint32_t lo = 0, hi = n; /* from[] ascends */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (from[mid] < pos) lo = mid + 1;
+        else hi = mid;
     }
-    if (h->ingest_pos >= start && h->ingest_pos < end) h->ingest_pos += delta;
+    return lo < n && from[lo] == pos ? to[lo] : pos;
+}
+
+static int by_value(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Compaction moved the parked records at from[i] to to[i] (i < n; both ascending, order
+ * kept; ingest_pos already at or before the first copy): point the chains of their keys
+ * at the copies -- each key's first and last position, and the links of the records in
+ * its chain. Each such chain is walked once from its first record; a fifo chain runs in
+ * ring order, so its walk ends past the last copy, while an eager one is walked whole.
+ * O(records in those chains). A chain found broken is left as it is: the next poll that
+ * follows it reports the channel corrupt (parked_at checks every step). */
+void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n) {
+    int fifo = c->cfg.order == SHM_ORDER_FIFO;
+    uint32_t nh = 0;
+    uint64_t *hashes = malloc(sizeof(uint64_t) * ((size_t)n * c->cfg.max_keys + 1));
+    if (hashes == NULL) return; /* the chains point at the fillers: seen as corrupt */
+    for (uint32_t i = 0; i < n; i++) {
+        shm_record *r = rec_at(c, to[i]); /* the copy, checked by compact.c's look */
+        for (uint32_t j = 0; j < r->nkeys && j < c->cfg.max_keys; j++)
+            if (rec_first_of_hash(r, j)) hashes[nh++] = r->hashes[j];
+    }
+    qsort(hashes, nh, sizeof *hashes, by_value);
+    for (uint32_t i = 0; i < nh; i++) {
+        if (i > 0 && hashes[i] == hashes[i - 1]) continue;
+        uint64_t hash = hashes[i];
+        shm_key *k = sched_key_find(c, hash);
+        if (k == NULL || k->skipped == 0) continue; /* eager: not a chain this record is in */
+        k->skip_head = moved_pos(from, to, n, k->skip_head);
+        k->skip_tail = moved_pos(from, to, n, k->skip_tail);
+        uint64_t pos = k->skip_head;
+        for (uint32_t m = 0; m + 1 < k->skipped; m++) {
+            int idx;
+            shm_record *r = parked_at(c, pos, hash, &idx);
+            if (r == NULL) break;
+            uint64_t *link = &rec_links(r, r->nkeys)[idx];
+            *link = moved_pos(from, to, n, *link);
+            if (fifo && pos > to[n - 1]) break; /* the rest of the chain lies further on */
+            pos = *link;
+        }
+    }
+    free(hashes);
 }
 
 /* For the receiver's maintenance: the placeholders and their producers, whose liveness

@@ -128,6 +128,15 @@ def layout_fact(name: str) -> int:
     return int(out[0])
 
 
+def check_core(rx: shmchan.Receiver) -> None:
+    """The C core's own cross-check of the receiver's tables: key lines, parked chains,
+    ready heap (csrc: shm_check_scheduler)."""
+    from shmchan._lib import ffi, lib
+
+    what = ffi.new("uint32_t *")
+    assert lib.shm_check_scheduler(rx._seg.ptr, what) == 0, f"check {what[0]} failed"
+
+
 @contextlib.contextmanager
 def tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, int]]:
     """This process claims the ring's tail and stops there, as a live producer between

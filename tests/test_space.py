@@ -453,9 +453,8 @@ def test_handles_held_next_to_a_pinned_view_do_not_stop_the_channel(make_channel
 
 
 def test_messages_waiting_for_a_held_key_next_to_an_island_do_not_stop_the_channel(make_channel):
-    # Messages parked behind a held key (window.c) move as a block (compact.c); the skip
-    # over an island right after them must not stop that block. (Under order="eager"
-    # parked records never move: README, Known limitations.)
+    # Messages parked behind a held key (window.c) slide forward (compact.c); the skip
+    # over an island right after them must not stop them.
     ch = make_channel(capacity=1 << 20)
     tx, rx = ch.sender(), ch.receiver()
     tx.send(payload(0, 30_000), keys=("a",))
@@ -550,3 +549,155 @@ def test_a_receiver_killed_while_making_an_island_leaves_a_whole_channel(make_ch
     stats = ch.stats()
     assert (stats.inflight, stats.queued) == (0, 0)
     assert stats.used_bytes < 100_000
+
+
+# ---- a held key with its waiting messages scattered through the ring -----------------------
+
+
+def send_or_poll_once(tx: shmchan.Sender, rx: shmchan.Receiver, body: bytes, key: str, keep):
+    """Send without waiting; if the ring is full, let the receiver poll once (whatever it
+    hands out goes to `keep`) and send again: that second try must get in."""
+    try:
+        tx.send(body, keys=(key,), timeout=0)
+        return
+    except shmchan.Full:
+        pass
+    h = rx.try_recv()
+    if h is not None:
+        keep(h)
+    tx.send(body, keys=(key,), timeout=0)  # Full here fails the test
+
+
+def test_a_held_key_with_messages_parked_all_over_the_ring_does_not_fill_it(make_channel):
+    # A 1 MiB channel; the receiver holds the first message it gets and releases every
+    # other one at once; 64-byte messages on keys drawn from 2 000. The ones on the held
+    # key wait (parked, csrc/window.c), one every 2 000 or so, scattered through the ring:
+    # about 20 KB of live data at the end. It used to raise Full for good after about
+    # 123 000 sends (used_bytes 1 048 464, queued 56, inflight 1), whatever the receiver
+    # did, until the one handle was released.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    rng = random.Random(1)
+    held: list[shmchan.Handle] = []
+
+    def keep(h: shmchan.Handle) -> None:
+        if held:
+            h.release()
+        else:
+            held.append(h)
+
+    count = 250_000
+    for i in range(count):
+        send_or_poll_once(tx, rx, i.to_bytes(8, "little") * 8, f"k{rng.randrange(2000)}", keep)
+        while (h := rx.try_recv()) is not None:
+            keep(h)
+    stats = ch.stats()
+    assert stats.inflight == 1 and stats.queued > 50  # the held one and those behind it
+    (first,) = held
+    waiting, keys, last = stats.queued, first.keys, first.seq
+    first.release()
+    got = 0
+    while (h := rx.try_recv()) is not None:  # in order, each after the one before
+        with h:
+            assert h.keys == keys and h.seq > last
+            last = h.seq
+            got += 1
+    assert got == waiting
+    stats = ch.stats()
+    assert (stats.inflight, stats.queued, stats.released) == (0, 0, count)
+
+
+def hold_slow(payload: bytes, keys: tuple, flag: str = "") -> None:
+    """KeyedPool handler: the message marked b"S" on key "slow" runs until `flag` exists
+    (20 s at most); every other one returns at once."""
+    if keys == ("slow",) and payload[:1] == b"S":
+        flag = payload[1:].decode()
+        end = time.monotonic() + 20
+        while time.monotonic() < end and not os.path.exists(flag):
+            time.sleep(0.01)
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_handler_holding_one_key_does_not_stop_producers_on_other_keys(
+    make_channel, tmp_path
+):
+    # KeyedPool: one handler runs for up to 20 s on key "slow"; an outside producer sends
+    # 512-byte messages on other keys, and one in a hundred on "slow", which waits behind
+    # it. The 1 MiB channel used to refuse the producer (Full after about 1 900 sends, with
+    # 10 messages, 6 KB, waiting) until the slow handler returned.
+    ch = make_channel(capacity=1 << 20)
+    tx = ch.sender()
+    flag = tmp_path / "go"
+    rng = random.Random(5)
+    with shmchan.KeyedPool(ch.name, hold_slow, processes=2, mp_context=CTX) as pool:
+        tx.send(b"S" + str(flag).encode(), keys=("slow",), timeout=WAIT)
+        started = time.monotonic()
+        for i in range(6_000):  # 3 MB: three times round the ring
+            key = "slow" if rng.random() < 1 / 100 else f"k{rng.randrange(1000)}"
+            tx.send(i.to_bytes(8, "little") * 64, keys=(key,), timeout=5)  # Full fails it
+        assert time.monotonic() - started < 20  # all before the slow handler gave up
+        assert pool.stats().held_keys >= 1
+        flag.touch()
+    stats = ch.stats()  # the pool stops taking messages at close: the rest wait in the channel
+    assert (stats.inflight, stats.queued + stats.released) == (0, 6_001)
+
+
+def wait_for_flag(flag: str) -> str:
+    end = time.monotonic() + 20
+    while time.monotonic() < end and not os.path.exists(flag):
+        time.sleep(0.01)
+    return "slow"
+
+
+def identity(i: int, pad: bytes) -> int:
+    return i
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_task_does_not_hold_submits_on_other_keys(tmp_path):
+    # KeyedExecutor over a 1 MiB task channel: one task on key "slow" runs until the test
+    # lets it go (20 s at most), and now and then a task on "slow" waits behind it.
+    # Submitting 30 000 tasks on other keys used to block until the slow task gave up.
+    flag = tmp_path / "go"
+    rng = random.Random(5)
+    with shmchan.KeyedExecutor(max_workers=2, capacity=1 << 20) as ex:
+        slow = ex.submit(wait_for_flag, str(flag), keys=("slow",))
+        futures = []
+        for i in range(30_000):
+            key = "slow" if rng.random() < 1 / 200 else f"k{i}"
+            futures.append(ex.submit(identity, i, bytes(400), keys=(key,)))
+        assert not slow.done()  # every submit returned while the slow task still ran
+        flag.touch()
+        assert slow.result(timeout=WAIT) == "slow"
+        assert [f.result(timeout=WAIT) for f in futures] == list(range(30_000))
+
+
+def test_a_refused_send_gets_a_look_at_the_next_poll(make_channel):
+    # After a look for space that found nothing to gain, the receiver waits for records
+    # to finish (or 50 ms) before it looks again: walking a long backlog on every poll
+    # would cost too much. A sender the ring refuses cuts that wait short: the very next
+    # poll looks, and here finds room (the handles released meanwhile freed 48 KB behind
+    # a dead letter, a held handle and 100 messages parked behind it).
+    ch = make_channel(capacity=64 << 10, max_attempts=1)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"x" * 1000, keys=("x",))
+    rx.recv(timeout=WAIT).nack()  # a dead letter at head
+    tx.send(b"k", keys=("a",))
+    held = rx.recv(timeout=WAIT)
+    for _ in range(100):
+        tx.send(bytes(24), keys=("a",))  # parked behind the held key
+    assert rx.try_recv() is None
+    bigs = []
+    with pytest.raises(shmchan.Full):
+        while True:  # handles held until the ring is full
+            tx.send(bytes(3000), keys=(f"b{len(bigs)}",), timeout=0)
+            bigs.append(rx.recv(timeout=WAIT))
+    time.sleep(0.1)  # whatever the receiver did before, its next look is due now
+    assert rx.try_recv() is None  # it looks, finds only live records, and waits
+    for h in bigs[:-1]:
+        h.release()  # 48 KB free behind the head, too few records for another look
+    with pytest.raises(shmchan.Full):
+        tx.send(bytes(3000), keys=("new",), timeout=0)
+    assert rx.try_recv() is None  # one poll
+    tx.send(bytes(3000), keys=("new",), timeout=0)
+    assert held.keys == ("a",) and ch.stats().queued == 101
