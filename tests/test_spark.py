@@ -387,10 +387,10 @@ def test_the_bench_function_counts_each_keys_rows_in_order(
     keys = 13
     df = spark.range(400).select("id", F.concat(F.lit("k"), F.col("id") % keys).alias("key"))
     want = {i: i // keys for i in range(400)}
-    for name, run in (
-        ("keyed", lambda fn: sb._keyed(df, fn)),
-        ("recipe", lambda fn: sb._recipe(df, fn, 3)),
-    ):
+    sides = [("keyed", lambda fn: sb._keyed(df, fn)), ("recipe", lambda fn: sb._recipe(df, fn, 3))]
+    if sb._have_pandas() is None:  # pandas and pyarrow come with the bench extra
+        sides.append(("applyInPandas", lambda fn: sb._pandas(df, fn)))
+    for name, run in sides:
         directory = tmp_path / name
         directory.mkdir()
         assert run(sb.Position(str(directory), keys)) == want, name
