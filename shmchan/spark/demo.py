@@ -157,7 +157,8 @@ def run(args: argparse.Namespace, spark: SparkSession | None = None) -> int:
     print(f"rows:       {n} (accepted {accepted}, rejected {n - accepted})")
     print(
         f"components: {len(sizes)}, the largest {max(sizes, default=0)} rows "
-        f"({info.method}: {info.rounds} rounds, {info.edges} edges, {info.seconds:.2f} s)"
+        f"({info.method}/{info.algorithm}: {info.rounds} rounds, {info.edges} edges, "
+        f"{info.seconds:.2f} s)"
     )
     print(f"throughput: {n / max(processing, 1e-9):,.0f} rows/s in process_keyed")
     for name, seconds in stages:

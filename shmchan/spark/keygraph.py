@@ -6,14 +6,21 @@ JVM). As with shmchan's key hash, a collision can only merge two components, whi
 serialization and never lets conflicting rows apart. Each row contributes a star: an edge
 from each of its keys to its smallest key id. Edges are kept as `(hi, lo)` with hi > lo.
 
-Two ways to label the components, both giving every vertex the smallest id of its
+Three ways to label the components, all giving every vertex the smallest id of its
 component:
 
-* **On the driver** (when the graph has at most `driver_threshold` distinct edges): collect
+* **On the driver** (when the graph has at most `driver_threshold` edges): collect
   the edges and run union-find (union by smaller id, path halving). Reported as 0 rounds.
-* **On Spark**, with DataFrame operations only: the alternating large-star / small-star
-  algorithm of Kiveris et al., "Connected Components in MapReduce and Beyond" (SoCC 2014).
-  One round is one large-star and one small-star step:
+* **Local union-find first** (`algorithm="local"`, the default on Spark): each partition of
+  the edges runs union-find over its own edges, in place (no shuffle), and emits a star
+  per local component: each vertex to the component's smallest id. These forests keep
+  exactly the connectivity of the graph (each local component stays connected through its
+  star). Few forest edges are finished on the driver; up to `task_threshold` of them by
+  union-find in one Spark task (2 rounds in all, whatever the graph's diameter: a long
+  chain costs nothing more); more go through the star rounds below.
+* **Large-star / small-star** (`algorithm="stars"`), with DataFrame operations only: the
+  alternating large-star / small-star algorithm of Kiveris et al., "Connected Components
+  in MapReduce and Beyond" (SoCC 2014). One round is one large-star and one small-star step:
 
       large-star: for every vertex u with neighbourhood N(u), m(u) = min(N(u) + {u});
                   each neighbour v > u is linked to m(u) instead of u.
