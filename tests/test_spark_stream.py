@@ -26,7 +26,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from shmchan import spark as ss
-from tests.procs import child_env
+from tests.procs import child_env, run_shmchan
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -298,13 +298,7 @@ def test_the_streaming_demo_matches_its_serial_replay(
 
 
 def test_demo_stream_needs_spark() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "shmchan", "demo", "--stream"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
+    out = run_shmchan("demo", "--stream", timeout=60)
     assert out.returncode == 2 and "--spark" in out.stderr
 
 

@@ -163,8 +163,13 @@ def run(args: argparse.Namespace, spark: SparkSession | None = None) -> int:
     print(f"throughput: {n / max(processing, 1e-9):,.0f} rows/s in process_keyed")
     for name, seconds in stages:
         print(f"  {name:<22} {seconds:8.2f} s")
+    return _verdict(problems, "the Spark result")
+
+
+def _verdict(problems: list[str], what: str) -> int:
+    """Print whether `what` equals the serial replay; return the exit code."""
     if problems:
-        print("MISMATCH: the Spark result differs from the serial replay in id order:")
+        print(f"MISMATCH: {what} differs from the serial replay in id order:")
         for p in problems:
             print(f"  {p}")
         return EXIT_MISMATCH
@@ -252,13 +257,7 @@ def run_stream(args: argparse.Namespace, spark: SparkSession | None = None) -> i
     accepted = sum(got.values())
     print(f"rows:       {n} (accepted {accepted}, rejected {n - accepted})")
     print(f"throughput: {n / max(elapsed, 1e-9):,.0f} rows/s from the first file to the last row")
-    if problems:
-        print("MISMATCH: the streamed result differs from the serial replay in id order:")
-        for p in problems:
-            print(f"  {p}")
-        return EXIT_MISMATCH
-    print("OK: every decision and the final balances equal the serial replay in id order")
-    return EXIT_OK
+    return _verdict(problems, "the streamed result")
 
 
 def _feed(directory: str, ops: list[tuple[Any, ...]], per_file: int) -> None:

@@ -32,6 +32,7 @@ overwrites the directory of batch N, so it too holds each row once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pyspark import StorageLevel
@@ -187,37 +188,22 @@ def _trigger_options(trigger: str | dict[str, Any] | None) -> dict[str, Any]:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
 class _BatchHandler:
     """foreachBatch's function: one micro-batch through process_keyed, then the sink."""
 
-    def __init__(
-        self,
-        *,
-        keys_col: str,
-        fn: bytes,
-        order_col: str | Sequence[str],
-        fields: list[Any],
-        id_col: str | None,
-        result_type: str | DataType,
-        workers: int,
-        max_attempts: int,
-        task_timeout: float | None,
-        num_partitions: int | None,
-        sink: Sink,
-        sink_format: str,
-    ) -> None:
-        self.keys_col = keys_col
-        self.fn = fn
-        self.order_col = order_col
-        self.fields = fields
-        self.id_col = id_col
-        self.result_type = result_type
-        self.workers = workers
-        self.max_attempts = max_attempts
-        self.task_timeout = task_timeout
-        self.num_partitions = num_partitions
-        self.sink = sink
-        self.sink_format = sink_format
+    keys_col: str
+    fn: bytes
+    order_col: str | Sequence[str]
+    fields: list[Any]
+    id_col: str | None
+    result_type: str | DataType
+    workers: int
+    max_attempts: int
+    task_timeout: float | None
+    num_partitions: int | None
+    sink: Sink
+    sink_format: str
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         # Read once: partition_by_keys reads its input twice (key graph, then labels).
