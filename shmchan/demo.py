@@ -475,6 +475,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and Java 17+; SPARK_MASTER picks the master, default local[*])",
     )
     add(
+        "--stream",
+        action="store_true",
+        help="with --spark: land the transfers as files in a directory that a Structured "
+        "Streaming query processes micro-batch by micro-batch (process_keyed_stream)",
+    )
+    add(
         "--no-keys",
         action="store_true",
         help="control experiment: send without keys, so nothing protects the balances "
@@ -487,7 +493,12 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "spark", False):
         from shmchan.spark import demo as spark_demo
 
+        if getattr(args, "stream", False):
+            return spark_demo.run_stream(args)
         return spark_demo.run(args)
+    if getattr(args, "stream", False):
+        print("--stream runs on Spark: use it with --spark", file=sys.stderr)
+        return 2
     ctx = mp.get_context("spawn")
     name = f"shmchan-demo-{os.getpid()}"
     keys_note = "WITHOUT keys (control experiment)" if args.no_keys else "keys = accounts touched"

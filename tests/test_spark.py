@@ -121,6 +121,33 @@ def test_components_equal_a_union_find(spark: SparkSession, path: str) -> None:
         assert 1 <= info.rounds <= 20  # the 300-row chain must not take ~300 rounds
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "task_threshold", "rounds"),
+    [("local", None, (2, 2)), ("local", 0, (2, 20)), ("stars", None, (1, 20))],
+)
+def test_components_algorithms_label_as_a_union_find(
+    spark: SparkSession, algorithm: str, task_threshold: int | None, rounds: tuple[int, int]
+) -> None:
+    """Both algorithms on Spark, and the local one finished in one task or by star rounds:
+    each vertex labelled with the smallest id of its component, as union-find does."""
+    from shmchan.spark import keygraph
+
+    rows = random_rows(seed=5, n=300, keys=400, chain=120)
+    df = spark.createDataFrame(rows, "id long, keys array<string>").repartition(3)
+    comp = ss.components(
+        df, "keys", driver_threshold=0, algorithm=algorithm, task_threshold=task_threshold
+    )
+    assert (comp.info.method, comp.info.algorithm) == ("spark", algorithm)
+    assert rounds[0] <= comp.info.rounds <= rounds[1]
+    ids = df.select(keygraph.key_ids(df, "keys").alias("ids")).collect()
+    edges = [(k, min(r.ids)) for r in ids for k in r.ids if k != min(r.ids)]
+    want = dict(keygraph._union_find(edges))
+    got = {r[0]: r[1] for r in comp.labels.collect()}
+    assert got == want
+    with pytest.raises(ValueError, match="algorithm"):
+        ss.components(df, "keys", algorithm="nope")
+
+
 def test_partitions_hold_whole_components_in_order(spark: SparkSession) -> None:
     rows = random_rows(seed=3, n=400, keys=300, chain=40)
     df = spark.createDataFrame(rows, "id long, keys array<string>")
@@ -360,10 +387,10 @@ def test_the_bench_function_counts_each_keys_rows_in_order(
     keys = 13
     df = spark.range(400).select("id", F.concat(F.lit("k"), F.col("id") % keys).alias("key"))
     want = {i: i // keys for i in range(400)}
-    for name, run in (
-        ("keyed", lambda fn: sb._keyed(df, fn)),
-        ("recipe", lambda fn: sb._recipe(df, fn, 3)),
-    ):
+    sides = [("keyed", lambda fn: sb._keyed(df, fn)), ("recipe", lambda fn: sb._recipe(df, fn, 3))]
+    if sb._have_pandas() is None:  # pandas and pyarrow come with the bench extra
+        sides.append(("applyInPandas", lambda fn: sb._pandas(df, fn)))
+    for name, run in sides:
         directory = tmp_path / name
         directory.mkdir()
         assert run(sb.Position(str(directory), keys)) == want, name

@@ -17,13 +17,15 @@ Needs the `[spark]` extra and Java 17+; a run without them fails with a clear me
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import mmap
 import os
 import shutil
 import struct
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shmchan.bench.common import SHMCHAN, BenchError
@@ -32,20 +34,41 @@ from shmchan.bench.registry import register
 from shmchan.bench.report import Result, Target, median_ratio
 
 RECIPE = "Spark recipe"
+PANDAS = "applyInPandas"
+STARS = "large-star/small-star"
 SLEEP = 0.002  # seconds of waiting per row: an I/O-bound function
 WORKERS = 8  # workers_per_task
+CHAIN = 300  # rows of the chain added to the components' random graph
+
+ROWS_ENV = "SHMCHAN_BENCH_SPARK_ROWS"  # e.g. "4000,40000": the process_keyed sizes
+GRAPH_ENV = "SHMCHAN_BENCH_SPARK_GRAPH_ROWS"  # e.g. "200000": the components' rows
 
 
 @dataclass(frozen=True)
 class _Sizes:
-    rows: int  # rows of the order-dependent workload
-    keys: int  # distinct keys among them
-    graph_rows: int  # rows of the component computation
+    rows: tuple[int, ...]  # sizes of the order-dependent workload (keys: rows / 5)
+    graph_rows: int  # rows of the component computation (2 keys each) + the chain
     reps: int
 
 
-_QUICK = _Sizes(rows=2_000, keys=400, graph_rows=100_000, reps=1)
-_FULL = _Sizes(rows=40_000, keys=8_000, graph_rows=1_000_000, reps=3)
+_QUICK = _Sizes(rows=(2_000,), graph_rows=20_000, reps=1)
+_FULL = _Sizes(rows=(4_000, 40_000, 400_000), graph_rows=1_000_000, reps=3)
+
+
+def _sizes(quick: bool) -> _Sizes:
+    """The sizes of this run: quick or full, each overridable from the environment (the
+    400 000-row recipe alone waits 800 s of 2 ms sleeps, a lot for a small machine)."""
+    sizes = _QUICK if quick else _FULL
+    rows = os.environ.get(ROWS_ENV)
+    graph = os.environ.get(GRAPH_ENV)
+    try:
+        if rows:
+            sizes = replace(sizes, rows=tuple(int(r) for r in rows.split(",")))
+        if graph:
+            sizes = replace(sizes, graph_rows=int(graph))
+    except ValueError:
+        raise BenchError(f"spark: {ROWS_ENV} / {GRAPH_ENV} must be integers") from None
+    return sizes
 
 
 class Position:
@@ -106,6 +129,37 @@ def _timed(directory: str, keys: int, call: Any) -> tuple[float, dict[int, int]]
     return time.perf_counter() - t0, result
 
 
+def _pandas(df: Any, fn: Position) -> dict[int, int]:
+    """applyInPandas: each key's rows as one pandas frame, sorted by id, run serially."""
+    pd: Any = importlib.import_module("pandas")  # the bench extra; untyped
+
+    def per_key(frame: Any) -> Any:
+        frame = frame.sort_values("id")
+        results = [fn(row) for row in frame.itertuples(index=False)]
+        return pd.DataFrame({"id": frame["id"], "result": results})
+
+    out = df.groupBy("key").applyInPandas(per_key, schema="id long, result int")
+    return {r.id: r.result for r in out.collect()}
+
+
+def _have_pandas() -> str | None:
+    """None if applyInPandas can run here, else why not."""
+    for name in ("pandas", "pyarrow"):
+        if importlib.util.find_spec(name) is None:
+            return f"applyInPandas not run: {name} is not installed (the bench extra has it)"
+    return None
+
+
+def _executor_start(partition: Any) -> Any:
+    """In a Spark task: seconds to start a KeyedExecutor, run one row, and shut it down."""
+    import shmchan
+
+    t0 = time.perf_counter()
+    with shmchan.KeyedExecutor(max_workers=WORKERS) as ex:
+        list(ex.map(abs, [1], keys=lambda x: (x,)))
+    yield time.perf_counter() - t0
+
+
 def _run_spark(run: Run) -> None:
     try:
         from pyspark.sql import functions as F
@@ -113,125 +167,126 @@ def _run_spark(run: Run) -> None:
         from shmchan import spark as ss
     except ImportError as e:
         raise BenchError(f"spark: {e}") from None
-    sizes = _QUICK if run.quick else _FULL
+    sizes = _sizes(run.quick)
     reps = run.sizes.reps if run.sizes.reps < sizes.reps else sizes.reps
+    no_pandas = _have_pandas()
     scratch = tempfile.mkdtemp(prefix="shmchan-bench-spark-")
     spark = ss.session("shmchan-bench")
     try:
         partitions = int(spark.conf.get("spark.sql.shuffle.partitions") or "4")
-        ids = spark.range(sizes.rows)
-        key = F.concat(F.lit("k"), F.pmod(F.xxhash64("id", F.lit(1)), F.lit(sizes.keys)))
-        df = ids.select("id", key.alias("key")).cache()
-        df.count()
         here = os.path.join(scratch, "state")
-        # A discarded warm-up of each: Spark's Python workers start, modules are imported.
-        warm = df.limit(200)
-        _timed(here, sizes.keys, lambda fn: _keyed(warm, fn))
-        _timed(here, sizes.keys, lambda fn: _recipe(warm, fn, partitions))
-        keyed: list[float] = []
-        recipe: list[float] = []
-        for _ in range(reps):  # interleaved, so drift hits both alike
-            t_keyed, by_keyed = _timed(here, sizes.keys, lambda fn: _keyed(df, fn))
-            t_recipe, by_recipe = _timed(here, sizes.keys, lambda fn: _recipe(df, fn, partitions))
-            if by_keyed != by_recipe or len(by_keyed) != sizes.rows:
-                raise BenchError("spark: process_keyed and the recipe gave different results")
-            keyed.append(sizes.rows / t_keyed)
-            recipe.append(sizes.rows / t_recipe)
-        label = f"{sizes.rows:,} rows, 2 ms fn, {sizes.keys:,} keys"
-        note = f"process_keyed, {WORKERS} workers per task, {partitions} partitions"
-        run.results.append(
-            Result(
-                "spark_keyed",
-                label,
-                SHMCHAN,
-                "rows/s",
-                True,
-                keyed,
-                note=note,
-                checked=sizes.rows * reps,
-            )
-        )
-        run.results.append(
-            Result(
-                "spark_keyed",
-                label,
-                RECIPE,
-                "rows/s",
-                True,
-                recipe,
-                note="repartition + sortWithinPartitions + serial mapPartitions",
-                checked=sizes.rows * reps,
-            )
-        )
-        run.progress.step("spark: process_keyed vs the recipe")
+        for rows in sizes.rows:
+            keys = max(rows // 5, 1)
+            key = F.concat(F.lit("k"), F.pmod(F.xxhash64("id", F.lit(1)), F.lit(keys)))
+            df = spark.range(rows).select("id", key.alias("key")).cache()
+            df.count()
+            systems: list[tuple[str, Any, str]] = [
+                (
+                    SHMCHAN,
+                    lambda fn, d=df: _keyed(d, fn),
+                    f"process_keyed, {WORKERS} workers per task",
+                ),
+                (
+                    RECIPE,
+                    lambda fn, d=df: _recipe(d, fn, partitions),
+                    f"repartition({partitions}) + sortWithinPartitions + serial mapPartitions"
+                    + ("" if no_pandas is None else f"; {no_pandas}"),
+                ),
+            ]
+            if no_pandas is None:
+                systems.append(
+                    (PANDAS, lambda fn, d=df: _pandas(d, fn), "groupBy(key).applyInPandas")
+                )
+            if rows == sizes.rows[0]:  # a discarded warm-up: workers start, modules load
+                warm = df.limit(200)
+                _timed(here, keys, lambda fn, w=warm: _keyed(w, fn))
+                _timed(here, keys, lambda fn, w=warm: _recipe(w, fn, partitions))
+                if no_pandas is None:
+                    _timed(here, keys, lambda fn, w=warm: _pandas(w, fn))
+            samples: dict[str, list[float]] = {name: [] for name, _, _ in systems}
+            for _ in range(reps):  # interleaved, so drift hits all alike
+                want = None
+                for name, call, _ in systems:
+                    seconds, got = _timed(here, keys, call)
+                    if len(got) != rows or (want is not None and got != want):
+                        raise BenchError(f"spark: {name} gave different results at {rows} rows")
+                    want = got
+                    samples[name].append(rows / seconds)
+            label = f"{rows:,} rows, 2 ms fn, {keys:,} keys"
+            for name, _, note in systems:
+                run.results.append(
+                    Result(
+                        "spark_keyed" if rows == max(sizes.rows) else f"spark_keyed_{rows}",
+                        label,
+                        name,
+                        "rows/s",
+                        True,
+                        samples[name],
+                        note=note,
+                        checked=rows * reps,
+                    )
+                )
+            df.unpersist()
+        run.progress.step("spark: process_keyed vs the recipe and applyInPandas")
 
-        # One giant component: bridge rows (k_j, k_j+1), last in id order, join every key.
-        bridges = spark.range(sizes.keys - 1).select(
-            (F.col("id") + sizes.rows).alias("id"),
-            F.array(F.concat(F.lit("k"), F.col("id")), F.concat(F.lit("k"), F.col("id") + 1)).alias(
-                "keys"
-            ),
+        # What a Spark task pays to start (and stop) its KeyedExecutor.
+        starts = (
+            spark.sparkContext.parallelize(range(4 * reps), 4 * reps)
+            .mapPartitions(_executor_start)
+            .collect()
         )
-        giant = df.select("id", F.array("key").alias("keys")).unionByName(bridges)
-        giant = giant.withColumn("key", F.col("keys")[0]).cache()
-        giant.count()
-        samples = []
-        for _ in range(reps):
-            directory = os.path.join(scratch, "giant")
-            shutil.rmtree(directory, ignore_errors=True)
-            os.mkdir(directory)
-            t0 = time.perf_counter()
-            out = ss.process_keyed(
-                giant,
-                "keys",
-                Position(directory, sizes.keys),
-                "id",
-                result_type="int",
-                workers_per_task=WORKERS,
-            )
-            n = out.count()
-            samples.append(n / (time.perf_counter() - t0))
         run.results.append(
             Result(
-                "spark_giant",
-                f"the same + {sizes.keys - 1:,} bridge rows: 1 component",
-                SHMCHAN,
-                "rows/s",
-                True,
-                samples,
-                note="everything in one Spark task (one KeyedExecutor)",
-            )
-        )
-        run.progress.step("spark: one giant component")
-
-        # Components of a random multi-key graph, on Spark.
-        n = sizes.graph_rows
-        pick = [
-            F.concat(F.lit("g"), F.pmod(F.xxhash64("id", F.lit(s)), F.lit(n))) for s in (2, 3, 4)
-        ]
-        width = F.pmod(F.xxhash64("id", F.lit(5)), F.lit(3)).cast("int") + 1
-        graph = spark.range(n).select("id", F.slice(F.array(*pick), 1, width).alias("keys"))
-        graph = graph.cache()
-        graph.count()
-        seconds = []
-        infos = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            comp = ss.components(graph, "keys", driver_threshold=0)
-            seconds.append(time.perf_counter() - t0)
-            infos.append(comp.info)
-        info = infos[-1]
-        run.results.append(
-            Result(
-                "spark_components",
-                f"components of {n:,} rows (1-3 random keys)",
+                "spark_executor_start",
+                f"KeyedExecutor({WORKERS} workers) start + 1 row + shutdown in a Spark task",
                 SHMCHAN,
                 "s",
                 False,
-                seconds,
-                note=f"large-star/small-star on Spark: {info.rounds} rounds, {info.edges:,} edges",
+                starts,
+                note="paid once per Spark task (partition) of process_keyed",
             )
         )
+        run.progress.step("spark: executor start-up per task")
+
+        # Components of a random graph (2 keys per row) plus a chain, both algorithms.
+        n = sizes.graph_rows
+        pick = [F.concat(F.lit("g"), F.pmod(F.xxhash64("id", F.lit(s)), F.lit(n))) for s in (2, 3)]
+        chain = spark.range(CHAIN).select(
+            (F.col("id") + n).alias("id"),
+            F.array(F.concat(F.lit("c"), F.col("id")), F.concat(F.lit("c"), F.col("id") + 1)).alias(
+                "keys"
+            ),
+        )
+        graph = spark.range(n).select("id", F.array(*pick).alias("keys")).unionByName(chain)
+        graph = graph.cache()
+        graph.count()
+        timings: dict[str, list[float]] = {"stars": [], "local": []}
+        infos = {}
+        labels = {}
+        for _ in range(reps):
+            for algorithm in ("stars", "local"):
+                t0 = time.perf_counter()
+                comp = ss.components(graph, "keys", driver_threshold=0, algorithm=algorithm)
+                labels[algorithm] = comp.labels.cache()
+                labels[algorithm].count()
+                timings[algorithm].append(time.perf_counter() - t0)
+                infos[algorithm] = comp.info
+        a, b = labels["stars"], labels["local"]
+        if a.exceptAll(b).count() or b.exceptAll(a).count():
+            raise BenchError("spark: the two components algorithms labelled differently")
+        for algorithm, system in (("stars", STARS), ("local", SHMCHAN)):
+            info = infos[algorithm]
+            run.results.append(
+                Result(
+                    "spark_components",
+                    f"components of {n:,} rows (2 random keys) + a {CHAIN}-row chain",
+                    system,
+                    "s",
+                    False,
+                    timings[algorithm],
+                    note=f"algorithm={algorithm!r}: {info.rounds} rounds, {info.edges:,} edges",
+                )
+            )
         run.progress.step("spark: components")
     finally:
         ss.stop(spark)
@@ -240,14 +295,22 @@ def _run_spark(run: Run) -> None:
 
 def _targets(results: list[Result]) -> list[Target]:
     ratio = median_ratio(results, ("spark_keyed", SHMCHAN), ("spark_keyed", RECIPE))
+    components = median_ratio(results, ("spark_components", SHMCHAN), ("spark_components", STARS))
     return [
         Target(
-            "spark: process_keyed / Spark recipe",
+            "spark: process_keyed / Spark recipe (largest size)",
             ratio,
             5.0,
             ">=",
             f"2 ms I/O-bound fn, workers_per_task={WORKERS}, same data and session",
-        )
+        ),
+        Target(
+            "spark: components time, local / large-star+small-star",
+            components,
+            1 / 3,
+            "<=",
+            "same graph and session, labels checked identical",
+        ),
     ]
 
 

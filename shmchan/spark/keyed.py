@@ -39,7 +39,14 @@ from typing import Any, NamedTuple
 from pyspark import TaskContext as _SparkTaskContext
 from pyspark import cloudpickle as _cloudpickle
 from pyspark.sql import DataFrame, Row
-from pyspark.sql.types import DataType, IntegerType, StructField, StructType
+from pyspark.sql.types import (
+    DataType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from ..pool import KeyedExecutor
 from .errors import ColumnError
@@ -52,18 +59,27 @@ cloudpickle: Any = _cloudpickle  # PySpark's copy of cloudpickle has no type ann
 
 RESULT = "result"
 ATTEMPT = "attempt"
+BATCH_ID = "batch_id"
+ROW_ID = "row_id"
 _COMPONENT = "__shmchan_component"
 BATCH_PER_WORKER = 64  # rows per map batch per worker: enough to look past a blocked key
 
 
 class TaskContext(NamedTuple):
-    """Where a row of `process_keyed` runs: its Spark partition and task attempt."""
+    """Where a row of `process_keyed` runs: its Spark partition and task attempt, and on a
+    stream (`process_keyed_stream`) its micro-batch and the row's stable identity."""
 
     partition_id: int
     """The Spark partition (TaskContext.partitionId())."""
     attempt: int
     """The Spark task's attempt: 1 on the first run, 2 on Spark's first retry, ...
     (Spark's TaskContext.attemptNumber() + 1, counted like shmchan's Handle.attempt)."""
+    batch_id: int | None = None
+    """The micro-batch of a streaming query (foreachBatch's batchId); None in a batch job."""
+    row_id: str | None = None
+    """The row's identity on a stream: the same every time this row runs, across Spark task
+    retries and query restarts, and different for every other row of the query (see
+    `process_keyed_stream`); None in a batch job."""
 
 
 _context = threading.local()  # .value: the TaskContext of the row being run, in a worker
@@ -71,12 +87,14 @@ _installed: dict[str, Any] = {}  # "fn": the user's function, in an executor's w
 
 
 def task_context() -> TaskContext:
-    """The `(partition_id, attempt)` of the Spark task whose row `fn` is running.
+    """The `(partition_id, attempt, batch_id, row_id)` of the row `fn` is running.
 
-    Call it inside the `fn` given to `process_keyed` (in any other Spark task it reads
-    PySpark's own TaskContext). A row may run more than once when Spark retries its task
-    (attempt > 1 then): use this to make `fn`'s side effects idempotent.
-    RuntimeError outside a Spark task.
+    Call it inside the `fn` given to `process_keyed` or `process_keyed_stream` (in any
+    other Spark task it reads PySpark's own TaskContext). A row may run more than once
+    when Spark retries its task (attempt > 1 then) or a streaming query restarts: on a
+    stream, `batch_id` and `row_id` are the same every time, so an effect recorded
+    under `row_id` (an insert that ignores a row id it already has) happens once.
+    `batch_id` and `row_id` are None in a batch job. RuntimeError outside a Spark task.
     """
     ctx = getattr(_context, "value", None)
     if ctx is not None:
@@ -132,6 +150,33 @@ def process_keyed(
     that had already run; rows of other partitions do not. Make `fn` idempotent, using
     `task_context()` and the row's own identity.
     """
+    check_options(workers_per_task, max_attempts, num_partitions, fn)
+    for taken in (RESULT, ATTEMPT):
+        if taken in df.columns:
+            raise ColumnError(f"df already has a column {taken!r}, which process_keyed adds")
+    info: ComponentsInfo | None
+    if partitioned_by(df) == (keys_col, order_col):
+        parts = df  # partition_by_keys' own result, unchanged: its partitioning holds
+        info = getattr(df, "components_info", None)
+    else:
+        parts, info = partition_rows(df, keys_col, order_col, num_partitions)
+    plan = Plan(
+        cols=list(df.columns),
+        keys_col=keys_col,
+        fn=_dump_function(fn),
+        workers=workers_per_task,
+        max_attempts=max_attempts,
+        task_timeout=task_timeout,
+    )
+    out = run_plan(parts, plan, list(df.schema.fields), result_type)
+    out.components_info = info  # type: ignore[attr-defined]
+    return out
+
+
+def check_options(
+    workers_per_task: int, max_attempts: int, num_partitions: int | None, fn: object
+) -> None:
+    """Refuse the options process_keyed and process_keyed_stream cannot run with."""
     if workers_per_task < 1:
         raise ValueError(f"workers_per_task must be at least 1, got {workers_per_task}")
     if num_partitions is not None and num_partitions < 1:
@@ -140,43 +185,47 @@ def process_keyed(
         raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    for taken in (RESULT, ATTEMPT):
-        if taken in df.columns:
-            raise ColumnError(f"df already has a column {taken!r}, which process_keyed adds")
-    spark = df.sparkSession
+
+
+def partition_rows(
+    df: DataFrame, keys_col: str, order_col: str | Sequence[str], num_partitions: int | None
+) -> tuple[DataFrame, ComponentsInfo]:
+    """`df` partitioned by key components and sorted by `order_col` within partitions,
+    into `num_partitions` (default: the context's defaultParallelism) partitions."""
+    if num_partitions is None:
+        num_partitions = max(df.sparkSession.sparkContext.defaultParallelism, 1)
+    parts, info = partition(df, keys_col, order_col, _COMPONENT, num_partitions)
+    return parts.drop(_COMPONENT), info
+
+
+def run_plan(
+    parts: DataFrame, plan: Plan, fields: list[StructField], result_type: str | DataType
+) -> DataFrame:
+    """The DataFrame of `fields` + result + attempt (+ batch_id + row_id on a stream) that
+    runs `plan` on every partition of `parts` when an action runs it."""
+    spark = parts.sparkSession
     dtype = spark._parse_ddl(result_type) if isinstance(result_type, str) else result_type
-    cols = list(df.columns)
-    info: ComponentsInfo | None
-    if partitioned_by(df) == (keys_col, order_col):
-        parts = df  # partition_by_keys' own result, unchanged: its partitioning holds
-        info = getattr(df, "components_info", None)
-    else:
-        if num_partitions is None:
-            num_partitions = max(spark.sparkContext.defaultParallelism, 1)
-        parts, info = partition(df, keys_col, order_col, _COMPONENT, num_partitions)
-        parts = parts.drop(_COMPONENT)
-    schema = StructType(
-        [
-            *df.schema.fields,
-            StructField(RESULT, dtype, True),
-            StructField(ATTEMPT, IntegerType(), False),
+    added = [StructField(RESULT, dtype, True), StructField(ATTEMPT, IntegerType(), False)]
+    if plan.batch_id is not None:
+        added += [
+            StructField(BATCH_ID, LongType(), False),
+            StructField(ROW_ID, StringType(), False),
         ]
-    )
-    plan = _Plan(
-        cols=cols,
-        keys_col=keys_col,
-        fn=_dump_function(fn),
-        workers=workers_per_task,
-        max_attempts=max_attempts,
-        task_timeout=task_timeout,
-    )
-    out = spark.createDataFrame(parts.rdd.mapPartitions(plan.run), schema)
-    out.components_info = info  # type: ignore[attr-defined]
-    return out
+    schema = StructType([*fields, *added])
+    return spark.createDataFrame(parts.rdd.mapPartitions(plan.run), schema)
 
 
-class _Plan(NamedTuple):
-    """What every Spark task of one process_keyed call needs (pickled into the task)."""
+def dump_function(fn: Callable[..., Any]) -> bytes:
+    """`fn` pickled for the Spark tasks (see _dump_function)."""
+    return _dump_function(fn)
+
+
+class Plan(NamedTuple):
+    """What every Spark task of one process_keyed call needs (pickled into the task).
+
+    On a stream (`batch_id` set) the rows carry two hidden hash columns after `cols`
+    (or an identity column, `id_col`), from which each row's `row_id` is made (see
+    `RowIds`); the output rows then end with `batch_id` and `row_id` too."""
 
     cols: list[str]
     keys_col: str
@@ -184,6 +233,8 @@ class _Plan(NamedTuple):
     workers: int
     max_attempts: int
     task_timeout: float | None
+    batch_id: int | None = None
+    id_col: str | None = None
 
     def run(self, partition: Iterable[Row]) -> Iterator[tuple[Any, ...]]:
         """One Spark task: the partition's rows through a KeyedExecutor, results in order."""
@@ -197,6 +248,7 @@ class _Plan(NamedTuple):
             if spark_ctx is not None
             else TaskContext(0, 1)
         )
+        ctx = ctx._replace(batch_id=self.batch_id)
         try:
             pickle.loads(self.fn)  # fail here, with the reason, rather than in every worker
         except Exception as e:
@@ -206,9 +258,30 @@ class _Plan(NamedTuple):
                 "pyspark.cloudpickle.register_pickle_by_value()"
             ) from e
         keys_at = self.cols.index(self.keys_col)
+        width = len(self.cols)
+        items: Iterator[Any]
+        if self.batch_id is None:
+            items = (tuple(row) for row in itertools.chain([first], rows))
+            run_one: Callable[[Any], Any] = _run_row
 
-        def keys_of(values: tuple[Any, ...]) -> tuple[Any, ...]:
-            return message_keys(values[keys_at])
+            def keys_of(item: Any) -> tuple[Any, ...]:  # the row's values
+                return message_keys(item[keys_at])
+
+            def joined(item: Any, result: Any) -> tuple[Any, ...]:
+                return (*item, result, ctx.attempt)
+
+        else:
+            ids = RowIds(
+                self.batch_id, None if self.id_col is None else self.cols.index(self.id_col)
+            )
+            items = ids.items(itertools.chain([first], rows), width)
+            run_one = _run_identified_row
+
+            def keys_of(item: Any) -> tuple[Any, ...]:  # (values, row_id)
+                return message_keys(item[0][keys_at])
+
+            def joined(item: Any, result: Any) -> tuple[Any, ...]:
+                return (*item[0], result, ctx.attempt, self.batch_id, item[1])
 
         ex = KeyedExecutor(
             max_workers=self.workers,
@@ -220,29 +293,53 @@ class _Plan(NamedTuple):
         try:
             # Rows go in as batches of `map`, in order; the next batch is submitted before
             # the results of the one before it are awaited, so the workers never run dry.
-            in_flight: deque[tuple[list[tuple[Any, ...]], Iterator[Any]]] = deque()
-            for batch in _batches(itertools.chain([first], rows), BATCH_PER_WORKER * self.workers):
-                in_flight.append((batch, ex.map(_run_row, batch, keys=keys_of)))
+            in_flight: deque[tuple[list[Any], Iterator[Any]]] = deque()
+            for batch in _batches(items, BATCH_PER_WORKER * self.workers):
+                in_flight.append((batch, ex.map(run_one, batch, keys=keys_of)))
                 if len(in_flight) > 1:
-                    yield from _joined(*in_flight.popleft(), ctx.attempt)
+                    batch, results = in_flight.popleft()
+                    yield from map(joined, batch, results)
             while in_flight:
-                yield from _joined(*in_flight.popleft(), ctx.attempt)
+                batch, results = in_flight.popleft()
+                yield from map(joined, batch, results)
         finally:
             ex.shutdown(wait=True, cancel_futures=True)
 
 
-def _batches(rows: Iterator[Row], size: int) -> Iterator[list[tuple[Any, ...]]]:
-    """The rows' values, `size` at a time."""
-    while batch := [tuple(row) for row in itertools.islice(rows, size)]:
+class RowIds:
+    """Each row's `row_id` on a stream, the same every time the micro-batch runs.
+
+    With an identity column: its value, as a string (the user promises it is unique).
+    Otherwise "<batch>-<hash>-<n>": the hash is Spark's xxhash64 and hash (96 bits) of all
+    the row's columns, computed in the JVM as two hidden columns, and n counts the rows
+    of this task with the same hash before it. Identical rows share keys and so a
+    partition; they are interchangeable, so whichever of them gets n = 0, the set of ids
+    of a batch is the same on every run. A micro-batch reads the same input on every run
+    (Spark replays it from the offsets in the checkpoint), so its ids are stable."""
+
+    def __init__(self, batch_id: int, id_at: int | None) -> None:
+        self.batch_id = batch_id
+        self.id_at = id_at
+        self.seen: dict[tuple[int, int], int] = {}
+
+    def items(self, rows: Iterable[Row], width: int) -> Iterator[tuple[tuple[Any, ...], str]]:
+        for row in rows:
+            values = tuple(row)
+            yield values[:width], self.of(values, width)
+
+    def of(self, values: tuple[Any, ...], width: int) -> str:
+        if self.id_at is not None:
+            return str(values[self.id_at])
+        h64, h32 = values[width], values[width + 1]
+        n = self.seen.get((h64, h32), 0)
+        self.seen[(h64, h32)] = n + 1
+        return f"{self.batch_id}-{h64 & 0xFFFFFFFFFFFFFFFF:016x}{h32 & 0xFFFFFFFF:08x}-{n}"
+
+
+def _batches(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    """The items, `size` at a time."""
+    while batch := list(itertools.islice(items, size)):
         yield batch
-
-
-def _joined(
-    batch: list[tuple[Any, ...]], results: Iterator[Any], attempt: int
-) -> Iterator[tuple[Any, ...]]:
-    """Each row's values with its result and the task's attempt."""
-    for values, result in zip(batch, results, strict=True):
-        yield (*values, result, attempt)
 
 
 def _dump_function(fn: Callable[..., Any]) -> bytes:
@@ -303,3 +400,14 @@ def _install(fn: bytes, cols: list[str], ctx: TaskContext) -> None:
 def _run_row(values: tuple[Any, ...]) -> Any:
     """Run the installed function on one row (its task context is set by _install)."""
     return _installed["fn"](_installed["row"](*values))
+
+
+def _run_identified_row(item: tuple[tuple[Any, ...], str]) -> Any:
+    """Run the installed function on one row of a stream, with its row id in the context."""
+    values, row_id = item
+    base = _context.value
+    _context.value = base._replace(row_id=row_id)
+    try:
+        return _installed["fn"](_installed["row"](*values))
+    finally:
+        _context.value = base

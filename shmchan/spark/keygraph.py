@@ -6,14 +6,21 @@ JVM). As with shmchan's key hash, a collision can only merge two components, whi
 serialization and never lets conflicting rows apart. Each row contributes a star: an edge
 from each of its keys to its smallest key id. Edges are kept as `(hi, lo)` with hi > lo.
 
-Two ways to label the components, both giving every vertex the smallest id of its
+Three ways to label the components, all giving every vertex the smallest id of its
 component:
 
-* **On the driver** (when the graph has at most `driver_threshold` distinct edges): collect
+* **On the driver** (when the graph has at most `driver_threshold` edges): collect
   the edges and run union-find (union by smaller id, path halving). Reported as 0 rounds.
-* **On Spark**, with DataFrame operations only: the alternating large-star / small-star
-  algorithm of Kiveris et al., "Connected Components in MapReduce and Beyond" (SoCC 2014).
-  One round is one large-star and one small-star step:
+* **Local union-find first** (`algorithm="local"`, the default on Spark): each partition of
+  the edges runs union-find over its own edges, in place (no shuffle), and emits a star
+  per local component: each vertex to the component's smallest id. These forests keep
+  exactly the connectivity of the graph (each local component stays connected through its
+  star). Few forest edges are finished on the driver; up to `task_threshold` of them by
+  union-find in one Spark task (2 rounds in all, whatever the graph's diameter: a long
+  chain costs nothing more); more go through the star rounds below.
+* **Large-star / small-star** (`algorithm="stars"`), with DataFrame operations only: the
+  alternating large-star / small-star algorithm of Kiveris et al., "Connected Components
+  in MapReduce and Beyond" (SoCC 2014). One round is one large-star and one small-star step:
 
       large-star: for every vertex u with neighbourhood N(u), m(u) = min(N(u) + {u});
                   each neighbour v > u is linked to m(u) instead of u.
@@ -33,8 +40,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -66,6 +74,10 @@ DRIVER_THRESHOLD = 100_000
 """Default `driver_threshold`: key graphs with at most this many distinct edges are labelled
 by union-find on the driver (the environment's SHMCHAN_SPARK_DRIVER_THRESHOLD overrides it)."""
 
+TASK_THRESHOLD = 4_000_000
+"""Default `task_threshold`: local forests of at most this many edges are finished by
+union-find in one Spark task (~0.5 GB of Python objects at most in that task)."""
+
 COMPONENT = "component"
 MAX_ROUNDS = 200  # far beyond O(log^2 n) for any graph that fits a cluster: a bug guard
 
@@ -80,13 +92,19 @@ class ComponentsInfo:
     """How the components of one key graph were computed."""
 
     method: str
-    """"driver" (union-find on the driver) or "spark" (large-star / small-star)."""
+    """"driver" (union-find on the driver) or "spark" (the labels computed by Spark)."""
     rounds: int
-    """Large-star + small-star rounds on Spark (0 on the driver)."""
+    """Rounds of Spark work, each ending in a shuffle or a checkpoint (0 on the driver):
+    with "stars", its large-star + small-star rounds; with "local", the union-find pass
+    over each partition, then the one-task union-find or the star rounds after it."""
     edges: int
-    """Distinct edges of the key graph (each key of a row to the row's smallest key)."""
+    """Edges labelled: the distinct edges of the key graph (each key of a row to the
+    row's smallest key) with "stars", the edges of the local forests with "local"."""
     seconds: float
     """Wall time of the computation, the edges' first pass included."""
+    algorithm: str = "stars"
+    """"local" (union-find inside each partition first) or "stars" (large-star /
+    small-star on all the edges): the `algorithm` argument of `components()`."""
 
 
 @dataclass(frozen=True)
@@ -140,38 +158,50 @@ def _materialize(df: DataFrame) -> DataFrame:
     return df.localCheckpoint(eager=True)
 
 
-def components(df: DataFrame, keys_col: str, *, driver_threshold: int | None = None) -> Components:
+def components(
+    df: DataFrame,
+    keys_col: str,
+    *,
+    driver_threshold: int | None = None,
+    algorithm: str = "local",
+    task_threshold: int | None = None,
+) -> Components:
     """Label the connected components of `df`'s key graph (see the module docstring).
 
     `driver_threshold` (default `DRIVER_THRESHOLD`, or the environment's
-    SHMCHAN_SPARK_DRIVER_THRESHOLD): graphs with at most this many distinct edges are
-    solved on the driver; 0 always uses Spark.
+    SHMCHAN_SPARK_DRIVER_THRESHOLD): graphs with at most this many edges are solved on
+    the driver; 0 always uses Spark. `algorithm`: "local" (union-find inside each
+    partition, then one task or star rounds; the default) or "stars" (large-star /
+    small-star rounds on all the edges). `task_threshold` (default `TASK_THRESHOLD`):
+    with "local", the most local-forest edges finished by union-find in one Spark task;
+    past it the forest goes through large-star / small-star rounds.
     """
+    if algorithm not in ("local", "stars"):
+        raise ValueError(f"algorithm must be 'local' or 'stars', not {algorithm!r}")
     threshold = _threshold(driver_threshold)
+    one_task = TASK_THRESHOLD if task_threshold is None else task_threshold
+    if one_task < 0:
+        raise ValueError(f"task_threshold must be >= 0, got {one_task}")
     started = time.perf_counter()
     ids = df.select(key_ids(df, keys_col).alias("ids")).where(F.size("ids") > 1)
-    edges = ids.select(F.array_min("ids").alias("lo"), F.explode("ids").alias("hi"))
-    # Kept in memory for as long as it takes to count it and, on the driver path, collect
-    # it: one pass over `df` either way, and no checkpoint unless the rounds need one.
-    edges = edges.where("hi != lo").select("hi", "lo").distinct().persist()
-    try:
-        count = edges.count()
-        spark = df.sparkSession
-        schema = f"{_VERTEX} bigint, {_LABEL} bigint"
-        if count <= threshold:
-            pairs = _union_find((row.hi, row.lo) for row in edges.collect())
-            labels = spark.createDataFrame(pairs, schema)
-            info = ComponentsInfo("driver", 0, count, time.perf_counter() - started)
-        else:
-            stars, rounds = _star_rounds(_materialize(edges))
-            labels = stars.toDF(_VERTEX, _LABEL)
-            info = ComponentsInfo("spark", rounds, count, time.perf_counter() - started)
-    finally:
-        edges.unpersist()
+    edges = ids.select(F.explode("ids").alias("hi"), F.array_min("ids").alias("lo"))
+    edges = edges.where("hi != lo")
+    spark = df.sparkSession
+    schema = f"{_VERTEX} bigint, {_LABEL} bigint"
+    if algorithm == "local":
+        labels, info = _local_components(edges, threshold, one_task)
+    else:
+        labels, info = _star_components(edges, threshold)
+    if info.method == "driver":
+        labels = spark.createDataFrame(labels, schema)
+    else:
+        labels = labels.toDF(_VERTEX, _LABEL)
+    info = replace(info, seconds=time.perf_counter() - started)
     log.info(
-        "components of %r: %s, %d edges, %d rounds, %.2f s",
+        "components of %r: %s/%s, %d edges, %d rounds, %.2f s",
         keys_col,
         info.method,
+        info.algorithm,
         info.edges,
         info.rounds,
         info.seconds,
@@ -179,7 +209,60 @@ def components(df: DataFrame, keys_col: str, *, driver_threshold: int | None = N
     return Components(labels, info)
 
 
-def _union_find(edges: object) -> list[tuple[int, int]]:
+def _star_components(edges: DataFrame, threshold: int) -> tuple[Any, ComponentsInfo]:
+    """Distinct edges; union-find on the driver if few, else large-star / small-star."""
+    # Kept in memory for as long as it takes to count it and, on the driver path, collect
+    # it: one pass over `df` either way, and no checkpoint unless the rounds need one.
+    edges = edges.distinct().persist()
+    try:
+        count = edges.count()
+        if count <= threshold:
+            pairs = _union_find((row.hi, row.lo) for row in edges.collect())
+            return pairs, ComponentsInfo("driver", 0, count, 0.0, "stars")
+        stars, rounds = _star_rounds(_materialize(edges))
+        return stars, ComponentsInfo("spark", rounds, count, 0.0, "stars")
+    finally:
+        edges.unpersist()
+
+
+def _local_components(
+    edges: DataFrame, threshold: int, one_task: int
+) -> tuple[Any, ComponentsInfo]:
+    """Union-find inside each partition of `edges` (no shuffle): a forest of stars, each
+    local component linked to its smallest id, with the components of the whole graph.
+    Few forest edges: union-find over them on the driver (one job). Else the forest goes
+    to one Spark task that runs union-find over it (at most `one_task` edges), or
+    through large-star / small-star rounds. Rounds counted: the local pass is one, the
+    one-task finish another, and each star round one more."""
+    spark = edges.sparkSession
+    forest = spark.createDataFrame(
+        edges.rdd.mapPartitions(_forest_of), "hi bigint, lo bigint"
+    ).persist()
+    try:
+        if threshold > 0:
+            few = forest.limit(threshold + 1).collect()
+            if len(few) <= threshold:
+                pairs = _union_find((row.hi, row.lo) for row in few)
+                return pairs, ComponentsInfo("driver", 0, len(few), 0.0, "local")
+        count = forest.count()
+        if count <= one_task:
+            labels = spark.createDataFrame(
+                forest.rdd.coalesce(1).mapPartitions(_forest_of), "hi bigint, lo bigint"
+            )
+            return _materialize(labels), ComponentsInfo("spark", 2, count, 0.0, "local")
+        stars, rounds = _star_rounds(_materialize(forest.distinct()))
+        return stars, ComponentsInfo("spark", 1 + rounds, count, 0.0, "local")
+    finally:
+        forest.unpersist()
+
+
+def _forest_of(edges: Iterable[Any]) -> Iterator[tuple[int, int]]:
+    """Union-find over one partition's (hi, lo) edges: (vertex, smallest id of its local
+    component) for every vertex that is not that id."""
+    return iter(_union_find((e[0], e[1]) for e in edges))
+
+
+def _union_find(edges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """(vertex, smallest id of its component) for every vertex that is not that id."""
     parent: dict[int, int] = {}
 
@@ -190,7 +273,7 @@ def _union_find(edges: object) -> list[tuple[int, int]]:
             root = parent[root]
         return root
 
-    for hi, lo in edges:  # type: ignore[attr-defined]
+    for hi, lo in edges:
         a, b = find(hi), find(lo)
         if a != b:
             parent[max(a, b)] = min(a, b)
