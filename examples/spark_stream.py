@@ -16,7 +16,10 @@ import tempfile
 
 from shmchan import spark as ss
 
-HERE = os.path.join(tempfile.gettempdir(), "shmchan-example-stream")
+# where the watched directory, the checkpoint, the ledger and the results go
+HERE = os.environ.get("SHMCHAN_EXAMPLE_DIR") or os.path.join(
+    tempfile.gettempdir(), "shmchan-example-stream"
+)
 
 
 class Apply:

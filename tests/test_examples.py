@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from procs import child_env
@@ -19,13 +20,15 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def run_example(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def run_example(
+    name: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(EXAMPLES / name)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
     )
 
 
@@ -65,3 +68,15 @@ def test_spark_batch_example_matches_the_serial_replay() -> None:
     result = run_example("spark_batch.py", SPARK_TIMEOUT)
     assert result.returncode == 0, result
     assert "same as the serial replay: True" in result.stdout
+
+
+@pytest.mark.timeout(2 * SPARK_TIMEOUT + 30)
+def test_spark_stream_example_records_each_row_once_across_runs(tmp_path: Any) -> None:
+    pytest.importorskip("pyspark")
+    env = {"SHMCHAN_EXAMPLE_DIR": str(tmp_path)}
+    first = run_example("spark_stream.py", SPARK_TIMEOUT, env=env)
+    assert first.returncode == 0, first
+    assert "ledger: 30 rows" in first.stdout
+    again = run_example("spark_stream.py", SPARK_TIMEOUT, env=env)  # from the checkpoint
+    assert again.returncode == 0, again
+    assert "ledger: 30 rows" in again.stdout
