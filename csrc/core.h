@@ -505,7 +505,7 @@ static inline uint64_t *rec_links(shm_record *r, uint32_t nkeys) { return r->has
 
 /* ---- functions shared between files ---------------------------------------------------- */
 /* commit.c */
-#define KEYTAB_MIN 2048u /* the key table's first size (entries): 24 KiB */
+#define KEYTAB_MIN 2048u /* the key table's first size (entries): 96 KiB */
 int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end);
 int commit_ring(shm_chan *c, uint64_t pos, uint64_t end);
 int commit_slots(shm_chan *c, uint32_t n);
