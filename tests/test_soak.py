@@ -520,40 +520,28 @@ def test_soak_executor_pool_exchange_under_kills(
             choice = rng.random()
             if time.monotonic() - last_recreation > 5:
                 choice = 1.0  # at least one re-creation every 5 s
-            if choice < 0.2:
-                pids = _recent_pids(logdir, "exec.")
-                if pids:
-                    chaos.kill(rng.choice(pids), "executor worker")
-            elif choice < 0.3:
-                pids = _recent_pids(logdir, "exec.")
-                if pids:
-                    chaos.pause(rng.choice(pids), "executor worker")
-            elif choice < 0.45:
-                pids = _recent_pids(logdir, "pool.")
-                if pids:
-                    chaos.kill(rng.choice(pids), "pool worker")
-            elif choice < 0.55:
-                pids = _recent_pids(logdir, "pool.")
-                if pids:
-                    chaos.pause(rng.choice(pids), "pool worker")
-            elif choice < 0.65:
-                live = [p for p in producers if p.is_alive()]
-                if live:
-                    chaos.kill(rng.choice(live).pid, "producer")
-                    start_producer("prod")
-            elif choice < 0.7:
-                live = [p for p in producers if p.is_alive()]
-                if live:
-                    chaos.pause(rng.choice(live).pid, "producer")
-            elif choice < 0.8:
-                live = [p for p in publishers if p.is_alive()]
-                if live:
-                    chaos.kill(rng.choice(live).pid, "publisher")
-                    start_producer("pub")
-            elif choice < 0.95:
-                live = [p for p in publishers if p.is_alive()]
-                if live:
-                    chaos.pause(rng.choice(live).pid, "publisher")
+            # (up to this draw, whom, what): workers are found by the logs they write
+            targets = [
+                (0.2, "exec.", "executor worker", chaos.kill),
+                (0.3, "exec.", "executor worker", chaos.pause),
+                (0.45, "pool.", "pool worker", chaos.kill),
+                (0.55, "pool.", "pool worker", chaos.pause),
+                (0.65, producers, "producer", chaos.kill),
+                (0.7, producers, "producer", chaos.pause),
+                (0.8, publishers, "publisher", chaos.kill),
+                (0.95, publishers, "publisher", chaos.pause),
+            ]
+            for upto, whom, what, act in targets:
+                if choice < upto:
+                    if isinstance(whom, str):
+                        pids = _recent_pids(logdir, whom)
+                    else:
+                        pids = [p.pid for p in whom if p.is_alive()]
+                    if pids:
+                        act(rng.choice(pids), what)
+                        if act == chaos.kill and not isinstance(whom, str):
+                            start_producer("prod" if whom is producers else "pub")
+                    break
             else:
                 recreate[rng.choice(fan)].set()
                 recreations += 1
