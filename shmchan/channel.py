@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
+import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 import posix_ipc
 
 from . import codec, errors, liveness
@@ -1027,7 +1027,7 @@ def list_channels() -> list[str]:
 class Sender(_hot.SenderBase):
     """Sends messages into a channel. Picklable; works after fork, spawn and forkserver.
 
-    `send` is implemented in C (csrc/hotpath.c); it calls `_send_slow` for whatever is
+    `send` is implemented in C (csrc/hot/sender.c); it calls `_send_slow` for whatever is
     not a bytes payload with plain keys on an open channel with room."""
 
     def __init__(self, channel: Channel) -> None:
@@ -1289,7 +1289,7 @@ def _open_sender(name: str, path: str | None) -> Sender:
 class Receiver(_hot.ReceiverBase):
     """The one consumer of a channel: hands out key-locked handles.
 
-    `recv`, `recv_many` and `release_many` are implemented in C (csrc/hotpath.c): one
+    `recv`, `recv_many` and `release_many` are implemented in C (csrc/hot/receiver.c): one
     poll of the core, Handles built in C. Whenever that poll finds nothing, maintenance
     is due or an argument needs checking, they call the `_*_slow` methods below."""
 
@@ -1517,7 +1517,7 @@ class Receiver(_hot.ReceiverBase):
 class Handle(_hot.HandleBase):
     """A message on loan with its keys locked, until released (or nacked).
 
-    The per-message part is implemented in C (csrc/hotpath.c): the fields, `payload`
+    The per-message part is implemented in C (csrc/hot/handle.c): the fields, `payload`
     for bytes, `release` / `ack`, `with`, and releasing on garbage collection in the
     process that holds it."""
 
@@ -1693,7 +1693,7 @@ def _adopt_handle(name: str, path: str | None, slot: int, gen: int, chan_id: int
 
 
 # hand_over()'s bytes: this header, the channel's name and path (UTF-8), then (slot, gen)
-# per handle as two uint32 in this machine's byte order (csrc/hotpath.c).
+# per handle as two uint32 in this machine's byte order (csrc/hot/handover.c).
 _HANDOVER = struct.Struct("<4sQHH")  # magic, chan_id, name length, path length (or _NO_PATH)
 _HANDOVER_MAGIC = b"shHO"
 _NO_PATH = 0xFFFF
@@ -1813,7 +1813,7 @@ class Batch(_hot.BatchBase):
     Handle of its own; `b.held` counts what is still held. `with b:` releases on exit,
     and a batch collected while holding messages releases them (in the receiving
     process). Keys stay locked until each message is released, exactly as with Handles.
-    Implemented in C (csrc/hotpath.c)."""
+    Implemented in C (csrc/hot/batch.c)."""
 
     __slots__ = ()
 

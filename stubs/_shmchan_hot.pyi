@@ -1,4 +1,4 @@
-# Types of the compiled hot path (csrc/hotpath.c). Private to shmchan.channel.
+# Types of the compiled hot path (csrc/hot/). Private to shmchan.channel.
 from collections.abc import Callable, Iterable
 from typing import Any
 
