@@ -18,12 +18,15 @@ from shmchan.bench.common import (
     SEMAPHORE,
     SHMCHAN,
     TIMEOUT,
+    ZEROQ,
+    ZMQ,
     BenchError,
     Sizes,
     no_gc,
     warmup_count,
 )
 from shmchan.bench.endpoints import Endpoint, ShmchanEnd
+from shmchan.bench.fastpeers import ZeroqEnd, ZmqEnd
 from shmchan.bench.peers import NaiveEnd, QueueEnd, SemaphoreEnd
 from shmchan.bench.producers import Job, Producers
 from shmchan.bench.progress import Progress
@@ -47,6 +50,10 @@ def endpoint(run: Run, system: str, mode: str, capacity: int = CAPACITY) -> Endp
         return NaiveEnd(run.ctx)
     if system == SEMAPHORE:
         return SemaphoreEnd(run.ctx)
+    if system == ZEROQ:
+        return ZeroqEnd(mode, run.sizes.batch, capacity)
+    if system == ZMQ:
+        return ZmqEnd(mode, run.sizes.batch, capacity)
     return QueueEnd(system, run.ctx, capacity)
 
 

@@ -17,6 +17,8 @@ from shmchan.bench.common import (
     NAIVE,
     PAYLOAD,
     SHMCHAN,
+    ZEROQ,
+    ZMQ,
     Sizes,
     no_gc,
     unique,
@@ -26,7 +28,7 @@ from shmchan.bench.registry import register
 
 
 def _run_unbatched(run: Run) -> None:
-    systems = [s for s in (SHMCHAN, MPQ, FFIFO, NAIVE) if s in run.systems]
+    systems = [s for s in (SHMCHAN, MPQ, FFIFO, ZEROQ, ZMQ, NAIVE) if s in run.systems]
     for nprod in run.sizes.producers:
         per = run.sizes.messages // nprod
         throughput(
@@ -43,12 +45,13 @@ def _run_unbatched(run: Run) -> None:
             notes={
                 SHMCHAN: "send / recv / payload / release",
                 NAIVE: "over mp.Queue, key bookkeeping",
+                ZMQ: "PUSH / PULL over ipc://",
             },
         )
 
 
 def _run_batched(run: Run) -> None:
-    systems = [s for s in (SHMCHAN, MPQ, FFIFO, NAIVE) if s in run.systems]
+    systems = [s for s in (SHMCHAN, MPQ, FFIFO, ZEROQ, ZMQ, NAIVE) if s in run.systems]
     b = run.sizes.batch
     throughput(
         run,
@@ -65,6 +68,8 @@ def _run_batched(run: Run) -> None:
             SHMCHAN: "send_many / recv_many / payload / release",
             MPQ: f"a list of {b} per put (hand-batched)",
             FFIFO: "put_many / get_many",
+            ZEROQ: "no batch call: put / get per message",
+            ZMQ: f"send_multipart / recv_multipart, {b} frames",
             NAIVE: f"lists of {b} over mp.Queue",
         },
     )
@@ -106,7 +111,7 @@ class CopyCeiling:
 
 
 def _run_mib(run: Run) -> None:
-    systems = [s for s in (SHMCHAN, MPQ, FFIFO) if s in run.systems]
+    systems = [s for s in (SHMCHAN, MPQ, FFIFO, ZEROQ, ZMQ) if s in run.systems]
     ceiling = CopyCeiling(CAPACITY)
     try:
         throughput(
@@ -142,7 +147,7 @@ def _steps_batched(sizes: Sizes, nsys: int) -> int:
 
 
 def _steps_mib(sizes: Sizes, nsys: int) -> int:
-    return 1 + (sizes.reps + 1) * (min(nsys, 3) + 1)
+    return 1 + (sizes.reps + 1) * nsys  # every system but the naive one, and the copy
 
 
 register("unbatched", _run_unbatched, steps=_steps_unbatched, order=10)
