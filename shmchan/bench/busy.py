@@ -44,7 +44,7 @@ def _run_busy(run: Run) -> None:
             throughput(
                 run,
                 workload=PREFIX + case,
-                label=f"{label} (busy machine rows), quiet",
+                label=f"busy machine: {label}",
                 mode=mode,
                 systems=[s for s in can if s in run.systems],
                 nprod=nprod,

@@ -198,7 +198,7 @@ def throughput(
         run.results.append(
             Result(
                 workload,
-                label,
+                label if spinner is None else label + ", quiet",
                 s,
                 unit,
                 True,
