@@ -70,6 +70,8 @@ from shmchan.bench.common import (
     SCHEMA,
     SEMAPHORE,
     SHMCHAN,
+    ZEROQ,
+    ZMQ,
     BenchError,
     Sizes,
 )
@@ -101,6 +103,8 @@ __all__ = [
     "SHMCHAN",
     "MPQ",
     "FFIFO",
+    "ZEROQ",
+    "ZMQ",
     "NAIVE",
     "COPY",
     "SEMAPHORE",
