@@ -41,6 +41,7 @@ from shmchan.bench.common import (
     payload,
     unique,
 )
+from shmchan.bench.endpoints import ShmchanEnd
 from shmchan.bench.harness import Run
 from shmchan.bench.registry import register
 from shmchan.bench.report import Result, Target, best_peer, find_result
@@ -73,9 +74,8 @@ def _loop(n: int) -> float:
 
 class _Shmchan:
     def __init__(self) -> None:
-        self.name = unique("percall")
-        self.ch = shmchan.Channel.create(self.name, CAPACITY)
-        self.tx, self.rx = self.ch.sender(), self.ch.receiver()
+        self.end = ShmchanEnd(CAPACITY)  # its channel, receiver and clean-up
+        self.tx, self.rx = self.end.ch.sender(), self.end.rx
         self.p = payload(0, 0)
 
     def _drain(self) -> None:
@@ -153,11 +153,7 @@ class _Shmchan:
             return time.thread_time_ns() - t0
 
     def close(self) -> None:
-        try:
-            self.rx.close()
-            self.ch.close()
-        finally:
-            shmchan.unlink(self.name)
+        self.end.close()
 
 
 class _Queue:
