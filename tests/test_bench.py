@@ -25,7 +25,7 @@ import shmchan
 from shmchan import bench
 from shmchan.bench import registry
 
-RUN_TIMEOUT = 600  # seconds; a quick run takes 1-2 min on 2 idle cores (6 at load 13): a hang
+RUN_TIMEOUT = 900  # seconds; a quick run takes 1-2 min on 2 idle cores (6 at load 13): a hang
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 30)  # the shared run counts toward one test
 HAS_FASTER_FIFO = importlib.util.find_spec("faster_fifo") is not None
 HAS_ZEROQ = importlib.util.find_spec("zeroq") is not None
@@ -167,7 +167,7 @@ def test_every_workload_ran_through_shmchan_and_its_peers(quick_run: QuickRun) -
     fast = [p for p in (bench.ZEROQ, bench.ZMQ) if p in OPTIONAL]
     for system in [bench.SHMCHAN, bench.COPY, *fast]:
         assert ("batch_api", system) in rows
-    for case in ("unbatched_p1", "batched"):  # what --quick runs busy
+    for case in ("unbatched_p1",):  # what --quick runs busy
         for system in [bench.SHMCHAN, *peers]:
             for suffix in ("", "_busy", "_retained"):
                 assert (f"contention_{case}{suffix}", system) in rows
@@ -247,7 +247,6 @@ def test_every_target_is_measured_with_a_verdict(quick_run: QuickRun) -> None:
         "64 B batched: shmchan / best peer",
         "per call: recv+release / best peer's get",
         "busy machine, 64 B unbatched, 1 producer: kept / best peer's",
-        "busy machine, 64 B batched: kept / best peer's",
         "idle wake-up p99: shmchan / semaphore",
         "full ring: fewest of 2/4/8 producers / 1",
         "big channel / small channel",
