@@ -132,7 +132,7 @@ def test_every_result_row_is_well_formed(quick_run: QuickRun) -> None:
         if row["system"] != bench.SHMCHAN and not row["reference"]
     }
     for row in quick_run.report["results"]:
-        assert row["unit"] in ("msg/s", "MiB/s", "us", "us/msg", "%"), row
+        assert row["unit"] in ("msg/s", "MiB/s", "us", "us/msg", "%", "ns"), row
         assert len(row["samples"]) == bench.QUICK.reps, row
         assert all(_positive(x) for x in row["samples"]), row
         assert row["min"] <= row["median"] <= row["max"], row
