@@ -25,9 +25,21 @@ import shmchan
 from shmchan import bench
 from shmchan.bench import registry
 
-RUN_TIMEOUT = 300  # seconds; a quick run takes ~30 s on 2 cores, this only catches a hang
+RUN_TIMEOUT = 900  # seconds; a quick run takes 1-2 min on 2 idle cores (6 at load 13): a hang
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 30)  # the shared run counts toward one test
 HAS_FASTER_FIFO = importlib.util.find_spec("faster_fifo") is not None
+HAS_ZEROQ = importlib.util.find_spec("zeroq") is not None
+HAS_ZMQ = importlib.util.find_spec("zmq") is not None
+# The optional peers this machine has, as the report names them.
+OPTIONAL = [
+    system
+    for system, present in (
+        (bench.FFIFO, HAS_FASTER_FIFO),
+        (bench.ZEROQ, HAS_ZEROQ),
+        (bench.ZMQ, HAS_ZMQ),
+    )
+    if present
+]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -120,7 +132,7 @@ def test_every_result_row_is_well_formed(quick_run: QuickRun) -> None:
         if row["system"] != bench.SHMCHAN and not row["reference"]
     }
     for row in quick_run.report["results"]:
-        assert row["unit"] in ("msg/s", "MiB/s", "us", "us/msg", "%"), row
+        assert row["unit"] in ("msg/s", "MiB/s", "us", "us/msg", "%", "ns"), row
         assert len(row["samples"]) == bench.QUICK.reps, row
         assert all(_positive(x) for x in row["samples"]), row
         assert row["min"] <= row["median"] <= row["max"], row
@@ -134,7 +146,7 @@ def test_every_result_row_is_well_formed(quick_run: QuickRun) -> None:
 
 def test_every_workload_ran_through_shmchan_and_its_peers(quick_run: QuickRun) -> None:
     rows = {(row["workload"], row["system"]) for row in quick_run.report["results"]}
-    peers = [bench.MPQ] + ([bench.FFIFO] if HAS_FASTER_FIFO else [])
+    peers = [bench.MPQ, *OPTIONAL]
     for n in bench.QUICK.producers:
         for system in [bench.SHMCHAN, bench.NAIVE, *peers]:
             assert (f"unbatched_p{n}", system) in rows
@@ -150,8 +162,19 @@ def test_every_workload_ran_through_shmchan_and_its_peers(quick_run: QuickRun) -
     for n in bench.QUICK.fill_producers:
         for system in [bench.SHMCHAN] + ([bench.FFIFO] if HAS_FASTER_FIFO else []):
             assert (f"fill_p{n}", system) in rows
-    for workload in ("channel_small", "channel_big", "idle_cpu", "batch_api"):
+    for workload in ("channel_small", "channel_big", "idle_cpu"):
         assert (workload, bench.SHMCHAN) in rows
+    fast = [p for p in (bench.ZEROQ, bench.ZMQ) if p in OPTIONAL]
+    for system in [bench.SHMCHAN, bench.COPY, *fast]:
+        assert ("batch_api", system) in rows
+    for case in ("unbatched_p1",):  # what --quick runs busy
+        for system in [bench.SHMCHAN, *peers]:
+            for suffix in ("", "_busy", "_retained"):
+                assert (f"contention_{case}{suffix}", system) in rows
+    for workload in ("percall_send", "percall_recv"):
+        for system in [bench.SHMCHAN, *peers]:
+            assert (workload, system) in rows
+    assert ("percall_floor", "3 trivial C calls") in rows
 
 
 def test_best_peer_of_each_workload_has_ratio_one(quick_run: QuickRun) -> None:
@@ -163,13 +186,56 @@ def test_best_peer_of_each_workload_has_ratio_one(quick_run: QuickRun) -> None:
         assert max(p["vs_best_peer"] for p in peers) == pytest.approx(1.0), workload
 
 
-def test_faster_fifo_is_run_or_skipped_with_a_note(quick_run: QuickRun) -> None:
+def test_each_optional_peer_is_run_or_skipped_with_a_note(quick_run: QuickRun) -> None:
     r = quick_run.report
-    if HAS_FASTER_FIFO:
-        assert bench.FFIFO in r["systems"] and not r["skipped"]
-    else:
-        assert bench.FFIFO not in r["systems"]
-        assert [s["system"] for s in r["skipped"]] == [bench.FFIFO]
+    skipped = {s["system"] for s in r["skipped"]}
+    for system in (bench.FFIFO, bench.ZEROQ, bench.ZMQ):
+        assert (system in r["systems"]) == (system in OPTIONAL)
+        assert (system in skipped) == (system not in OPTIONAL)
+
+
+@pytest.mark.skipif(
+    not (HAS_ZEROQ and HAS_ZMQ), reason="zeroq or pyzmq not installed (pip install .[bench])"
+)
+def test_zeroq_and_pyzmq_are_ranked_as_peers(quick_run: QuickRun) -> None:
+    """With them installed, the best peer of the unbatched case is one of the runs' peers
+    and shmchan's ratio is taken against it, whichever it is."""
+    rows = [r for r in quick_run.report["results"] if r["workload"] == "unbatched_p1"]
+    best = max((r for r in rows if r["system"] != bench.SHMCHAN), key=lambda r: r["median"])
+    shm = next(r for r in rows if r["system"] == bench.SHMCHAN)
+    assert shm["vs_best_peer"] == pytest.approx(shm["median"] / best["median"])
+    target = next(
+        t for t in quick_run.report["targets"] if t["name"] == "64 B unbatched: shmchan / best peer"
+    )
+    assert f"this run: {best['system']}" in target["detail"]
+
+
+def test_the_bench_runs_with_every_optional_peer_missing() -> None:
+    """A machine without faster-fifo, zeroq and pyzmq: their imports fail, the run still
+    completes, names each of them as not installed, and ranks against mp.Queue."""
+    code = (
+        "import sys; sys.modules.update(faster_fifo=None, zeroq=None, zmq=None); "
+        "from shmchan.bench import main; "
+        "raise SystemExit(main(sys.argv[1:]))"
+    )
+    args = [sys.executable, "-c", code, "--quick", "--reps", "1", "--json"]
+    report, pid, _ = _run_json([*args, "--only", "unbatched", "--only", "percall"])
+    assert report["systems"] == [bench.SHMCHAN, bench.MPQ, bench.NAIVE]
+    assert {s["system"]: s["reason"] for s in report["skipped"]} == {
+        system: "not installed (pip install 'shmchan[bench]')"
+        for system in (bench.FFIFO, bench.ZEROQ, bench.ZMQ)
+    }
+    assert {r["system"] for r in report["results"]} <= {
+        bench.SHMCHAN,
+        bench.MPQ,
+        bench.NAIVE,
+        "3 trivial C calls",
+        "empty loop",
+    }
+    text = bench.format_table(report)
+    for system in (bench.FFIFO, bench.ZEROQ, bench.ZMQ):
+        assert f"note: {system} skipped: not installed" in text
+    assert _leftovers(pid) == []
 
 
 def test_every_target_is_measured_with_a_verdict(quick_run: QuickRun) -> None:
@@ -178,6 +244,9 @@ def test_every_target_is_measured_with_a_verdict(quick_run: QuickRun) -> None:
     assert len(names) == len(set(names))
     for name in (
         "64 B unbatched: shmchan / best peer",
+        "64 B batched: shmchan / best peer",
+        "per call: recv+release / best peer's get",
+        "busy machine, 64 B unbatched, 1 producer: kept / best peer's",
         "idle wake-up p99: shmchan / semaphore",
         "full ring: fewest of 2/4/8 producers / 1",
         "big channel / small channel",

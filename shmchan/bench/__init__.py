@@ -1,12 +1,13 @@
 """`python -m shmchan bench`: shmchan side by side with its peers, in one run.
 
 Every workload runs, in one process tree and one run, through shmchan and through its
-peers on the same machine: `multiprocessing.Queue`, `faster-fifo` (optional, skipped
-with a note when it is not installed) and a naive keyed dispatcher -- the obvious design
-that scans its whole backlog for the first message whose keys are free, which is what
-shmchan's per-key wait lines exist to beat. The run ends with a table of absolute
-figures, each row's ratio to the best peer, and shmchan's performance targets with the
-measured ratio and whether it is met.
+peers on the same machine: `multiprocessing.Queue`, `faster-fifo`, `zeroq` (a lock-free
+shared-memory queue of fixed-size slots) and `pyzmq` (PUSH/PULL over ipc://) -- each of
+these three optional, skipped with a note when it is not installed -- and a naive keyed
+dispatcher: the obvious design that scans its whole backlog for the first message whose
+keys are free, which is what shmchan's per-key wait lines exist to beat. The run ends
+with a table of absolute figures, each row's ratio to the best peer of its case, and
+shmchan's performance targets with the measured ratio and whether it is met.
 
 How the numbers are taken (so they can be trusted and reproduced):
 
@@ -36,6 +37,7 @@ The package, one concern per module:
 * producers.py the spawned producer processes
 * endpoints.py a system's receiving end; shmchan's
 * peers.py     mp.Queue, faster-fifo, the naive keyed dispatcher, the bare semaphore
+* fastpeers.py zeroq and pyzmq
 * check.py     the vectorized payload check of batched workloads
 * harness.py   the run's state and the interleaved throughput harness
 * throughput.py, dispatch.py, latency.py, ...  workload groups, one family per module
@@ -68,6 +70,8 @@ from shmchan.bench.common import (
     SCHEMA,
     SEMAPHORE,
     SHMCHAN,
+    ZEROQ,
+    ZMQ,
     BenchError,
     Sizes,
 )
@@ -99,6 +103,8 @@ __all__ = [
     "SHMCHAN",
     "MPQ",
     "FFIFO",
+    "ZEROQ",
+    "ZMQ",
     "NAIVE",
     "COPY",
     "SEMAPHORE",
@@ -116,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m shmchan bench",
         description=(
-            "Measure shmchan against multiprocessing.Queue, faster-fifo and a naive keyed "
-            "dispatcher, side by side in one run, and check the performance targets."
+            "Measure shmchan against multiprocessing.Queue, faster-fifo, zeroq, pyzmq and a "
+            "naive keyed dispatcher, side by side in one run, and check the performance "
+            "targets against the best peer of each case."
         ),
         epilog=(
             "Exit status: 0 the run completed (targets met or not), 1 the run failed, 2 bad usage."

@@ -19,7 +19,7 @@ import shmchan
 from shmchan.bench.common import SHMCHAN, BenchError, Sizes, no_gc, unique
 from shmchan.bench.harness import Run
 from shmchan.bench.registry import register
-from shmchan.bench.report import Result
+from shmchan.bench.report import Result, Target, median_ratio
 
 FANOUTS = (1, 2, 4, 8)
 BY_HAND = "send per channel"
@@ -120,4 +120,16 @@ def _steps(sizes: Sizes, nsys: int) -> int:
     return len(FANOUTS) * (sizes.reps + 1) * 2
 
 
-register("fanout", _run_fanout, steps=_steps, order=60, default=False)
+def _targets(results: list[Result]) -> list[Target]:
+    return [
+        Target(
+            "fan-out to 4: publish / 4 sends",
+            median_ratio(results, ("fanout_4", SHMCHAN), ("fanout_4", BY_HAND)),
+            0.5,
+            ">=",
+            "Exchange.publish to 4 bound channels (all or nothing) vs 4 Sender.send by hand",
+        )
+    ]
+
+
+register("fanout", _run_fanout, steps=_steps, order=60, default=False, targets=_targets)

@@ -17,6 +17,8 @@ from shmchan.bench.common import (
     SEMAPHORE,
     SHMCHAN,
     TIMEOUT,
+    ZEROQ,
+    ZMQ,
     BenchError,
     Sizes,
     no_gc,
@@ -34,7 +36,7 @@ CHUNK = 50  # pings a system takes in one turn
 
 def _run_latency(run: Run) -> None:
     sz = run.sizes
-    systems = [SHMCHAN, SEMAPHORE] + [s for s in (MPQ, FFIFO) if s in run.systems]
+    systems = [SHMCHAN, SEMAPHORE] + [s for s in (MPQ, FFIFO, ZEROQ, ZMQ) if s in run.systems]
     medians: dict[str, list[float]] = {s: [] for s in systems}
     p99s: dict[str, list[float]] = {s: [] for s in systems}
     label = "idle wake-up latency"
@@ -83,6 +85,7 @@ def _run_latency(run: Run) -> None:
     notes = {
         SHMCHAN: "send -> recv, consumer asleep; ping-pong like the floor",
         SEMAPHORE: "post -> wait of a bare posix_ipc semaphore",
+        ZEROQ: "get(timeout) polls with short sleeps",
     }
     for workload, stat, values in (
         ("latency_median", "median", medians),
@@ -105,7 +108,7 @@ def _run_latency(run: Run) -> None:
 
 
 def _steps(sizes: Sizes, nsys: int) -> int:
-    return 1 + (sizes.reps + 1) * (min(nsys, 3) + 1)
+    return 1 + (sizes.reps + 1) * nsys  # every system but the naive one, and the floor
 
 
 def _targets(results: list[Result]) -> list[Target]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shmchan.bench.common import COPY, FFIFO, MPQ, NAIVE, SEMAPHORE, SHMCHAN
+from shmchan.bench.common import COPY, FFIFO, MPQ, NAIVE, SEMAPHORE, SHMCHAN, ZEROQ, ZMQ
 from shmchan.bench.registry import groups
 from shmchan.bench.report import target_text
 
@@ -14,6 +14,8 @@ COLORS = {
     MPQ: "#ff7f0e",
     FFIFO: "#2ca02c",
     NAIVE: "#d62728",
+    ZEROQ: "#9467bd",
+    ZMQ: "#8c564b",
     COPY: "#7f7f7f",
     SEMAPHORE: "#7f7f7f",
 }

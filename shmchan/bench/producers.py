@@ -30,10 +30,13 @@ from shmchan.bench.common import (
     SEMAPHORE,
     SHMCHAN,
     TIMEOUT,
+    ZEROQ,
+    ZMQ,
     BenchError,
     no_gc,
     payload,
 )
+from shmchan.bench.fastpeers import producer_put
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ def _make_producer(job: Job, transport: Any) -> Callable[[int], None]:
     sysname, mode, p = job.system, job.mode, job.producer
     if sysname == SEMAPHORE:
         return _semaphore_pinger(job, transport)
+    put: Callable[[Any, int], None]
     if sysname == SHMCHAN:
         tx = transport
         if mode == "latency":
@@ -109,6 +113,9 @@ def _make_producer(job: Job, transport: Any) -> Callable[[int], None]:
 
             def put(obj: Any, i: int) -> None:
                 q.put(obj, True, TIMEOUT)
+
+    elif sysname in (ZEROQ, ZMQ):
+        put = producer_put(sysname, mode, job.batch, transport)
 
     else:
         raise BenchError(f"unknown system {sysname!r}")
@@ -181,6 +188,16 @@ def _make_producer(job: Job, transport: Any) -> Callable[[int], None]:
             burst_ack.acquire(TIMEOUT)
 
         return send_burst
+
+    if mode == "batchapi" and sysname != SHMCHAN:  # a plain queue: one joined buffer each
+        b = job.batch
+        joined = [b"".join(payloads[i : i + b]) for i in range(0, job.count, b)]
+
+        def send_joined(n: int) -> None:
+            for j in range(n // b):
+                put(joined[j], j)
+
+        return send_joined
 
     if mode == "batchapi":  # shmchan's send_batch: one buffer, its lengths, the keys
         b = job.batch

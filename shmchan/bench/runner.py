@@ -14,7 +14,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import shmchan
-from shmchan.bench.common import FFIFO, FULL, MPQ, NAIVE, QUICK, SCHEMA, SHMCHAN, Sizes
+from shmchan.bench.common import (
+    FFIFO,
+    FULL,
+    MPQ,
+    NAIVE,
+    QUICK,
+    SCHEMA,
+    SHMCHAN,
+    ZEROQ,
+    ZMQ,
+    Sizes,
+)
 from shmchan.bench.harness import Run
 from shmchan.bench.progress import Progress
 from shmchan.bench.registry import default_workloads, groups
@@ -60,7 +71,7 @@ def machine() -> dict[str, Any]:
     except AttributeError:  # pragma: no cover - not Linux
         usable = os.cpu_count() or 0
     versions = {"shmchan": shmchan.__version__}
-    for dist in ("faster-fifo", "posix-ipc", "cffi"):
+    for dist in ("faster-fifo", "zeroq", "pyzmq", "posix-ipc", "cffi"):
         with contextlib.suppress(Exception):
             import importlib.metadata
 
@@ -75,6 +86,32 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "versions": versions,
     }
+
+
+def _importable(module: str) -> bool:
+    """Whether an optional peer imports here (a failing import counts as missing)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def available_systems() -> tuple[list[str], list[dict[str, str]]]:
+    """shmchan and the peers that import here (in report order), and a skipped note for
+    each optional peer that does not."""
+    systems = [SHMCHAN, MPQ]
+    skipped = []
+    for system, module in ((FFIFO, "faster_fifo"), (ZEROQ, "zeroq"), (ZMQ, "zmq")):
+        if _importable(module):
+            systems.append(system)
+        else:
+            why = "not installed (pip install 'shmchan[bench]')"
+            skipped.append({"system": system, "reason": why})
+    if FFIFO in systems:
+        # Importing it lets spawned processes receive faster-fifo queues. No stubs.
+        import faster_fifo_reduction  # type: ignore[import-untyped,unused-ignore]  # noqa: F401
+    return [*systems, NAIVE], skipped
 
 
 def run(
@@ -94,15 +131,7 @@ def run(
     sizes = QUICK if quick else FULL
     if reps is not None:
         sizes = Sizes(**{**sizes.__dict__, "reps": reps})
-    systems = [SHMCHAN, MPQ, NAIVE]
-    skipped = []
-    if importlib.util.find_spec("faster_fifo") is not None:
-        # Importing it lets spawned processes receive faster-fifo queues. No stubs.
-        import faster_fifo_reduction  # type: ignore[import-untyped,unused-ignore]  # noqa: F401
-
-        systems.insert(2, FFIFO)
-    else:
-        skipped.append({"system": FFIFO, "reason": "not installed (pip install 'shmchan[bench]')"})
+    systems, skipped = available_systems()
     started = datetime.datetime.now(datetime.UTC)
     load = [round(x, 2) for x in os.getloadavg()]  # before we add any load of our own
     bar = Progress(sum(g.steps(sizes, len(systems)) for g in selected), progress)

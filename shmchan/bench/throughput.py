@@ -17,6 +17,8 @@ from shmchan.bench.common import (
     NAIVE,
     PAYLOAD,
     SHMCHAN,
+    ZEROQ,
+    ZMQ,
     Sizes,
     no_gc,
     unique,
@@ -26,7 +28,7 @@ from shmchan.bench.registry import register
 
 
 def _run_unbatched(run: Run) -> None:
-    systems = [s for s in (SHMCHAN, MPQ, FFIFO, NAIVE) if s in run.systems]
+    systems = [s for s in (SHMCHAN, MPQ, FFIFO, ZEROQ, ZMQ, NAIVE) if s in run.systems]
     for nprod in run.sizes.producers:
         per = run.sizes.messages // nprod
         throughput(
@@ -43,12 +45,13 @@ def _run_unbatched(run: Run) -> None:
             notes={
                 SHMCHAN: "send / recv / payload / release",
                 NAIVE: "over mp.Queue, key bookkeeping",
+                ZMQ: "PUSH / PULL over ipc://",
             },
         )
 
 
 def _run_batched(run: Run) -> None:
-    systems = [s for s in (SHMCHAN, MPQ, FFIFO, NAIVE) if s in run.systems]
+    systems = [s for s in (SHMCHAN, MPQ, FFIFO, ZEROQ, ZMQ, NAIVE) if s in run.systems]
     b = run.sizes.batch
     throughput(
         run,
@@ -65,15 +68,18 @@ def _run_batched(run: Run) -> None:
             SHMCHAN: "send_many / recv_many / payload / release",
             MPQ: f"a list of {b} per put (hand-batched)",
             FFIFO: "put_many / get_many",
+            ZEROQ: "no batch call: put / get per message",
+            ZMQ: f"send_multipart / recv_multipart, {b} frames",
             NAIVE: f"lists of {b} over mp.Queue",
         },
     )
 
 
 class CopyCeiling:
-    """A shared-memory buffer as large as the channel's ring, filled 1 MiB at a time."""
+    """A shared-memory buffer as large as the channel's ring, filled `chunk` bytes at a
+    time (one C memcpy each: a slice assignment into the mapping)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, chunk: int = MIB) -> None:
         self.name = "/" + unique("copy")
         shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, mode=0o600, size=size)
         try:
@@ -81,20 +87,21 @@ class CopyCeiling:
         finally:
             shm.close_fd()
         self.view = memoryview(self.map)
-        self.src = bytes([FILL]) * MIB
+        self.src = bytes([FILL]) * chunk
         self.size = size
+        self.chunk = chunk
 
     def __call__(self, n: int) -> float:
-        """Copy n MiB; return MiB/s."""
-        view, src, size = self.view, self.src, self.size
+        """Copy n chunks; return chunks per second (MiB/s with the default chunk)."""
+        view, src, size, chunk = self.view, self.src, self.size, self.chunk
         off = 0
         with no_gc():
             t0 = time.perf_counter()
             for _ in range(n):
-                if off + MIB > size:
+                if off + chunk > size:
                     off = 0
-                view[off : off + MIB] = src
-                off += MIB
+                view[off : off + chunk] = src
+                off += chunk
             elapsed = time.perf_counter() - t0
         return n / elapsed
 
@@ -106,7 +113,7 @@ class CopyCeiling:
 
 
 def _run_mib(run: Run) -> None:
-    systems = [s for s in (SHMCHAN, MPQ, FFIFO) if s in run.systems]
+    systems = [s for s in (SHMCHAN, MPQ, FFIFO, ZEROQ, ZMQ) if s in run.systems]
     ceiling = CopyCeiling(CAPACITY)
     try:
         throughput(
@@ -142,7 +149,7 @@ def _steps_batched(sizes: Sizes, nsys: int) -> int:
 
 
 def _steps_mib(sizes: Sizes, nsys: int) -> int:
-    return 1 + (sizes.reps + 1) * (min(nsys, 3) + 1)
+    return 1 + (sizes.reps + 1) * nsys  # every system but the naive one, and the copy
 
 
 register("unbatched", _run_unbatched, steps=_steps_unbatched, order=10)
