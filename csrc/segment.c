@@ -120,7 +120,7 @@ static void bind(shm_chan *c, const layout *L) {
     c->keytab_max = L->keytab_size;
     /* the key table's size in use starts small and grows (sched.c); a receiver takes the
      * current one from the header when it takes its seat (commit_adopt) */
-    c->keytab_size = L->keytab_size < KEYTAB_MIN ? L->keytab_size : KEYTAB_MIN;
+    c->keytab_size = L->keytab_size < keytab_first() ? L->keytab_size : keytab_first();
 }
 
 /* A random non-zero id; getrandom() practically never fails, but if it does the clock,

@@ -491,6 +491,70 @@ def test_a_receiver_killed_while_the_key_table_grows_loses_nothing(chan_name: st
         ch.close()
 
 
+_SMALL_GROW_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rx = shmchan.Channel.open(name).receiver()
+    lib.shm_test_pause_at(lib.SHM_PAUSE_KEY_GROW, notify, wait)
+    while True:  # its first poll takes messages in, and the 16-entry table grows
+        h = rx.try_recv()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_receiver_killed_while_a_small_key_table_grows_loses_nothing(
+    chan_name: str, order: str
+) -> None:
+    # A channel whose key table starts at 16 entries (a test-only setting): its receiver's
+    # first poll takes in messages holding keys and parks others on key chains, the table
+    # grows, and the receiver is killed half way through the rehash. The next receiver
+    # rebuilds the table and hands out every message once, keys and order kept.
+    from shmchan._lib import lib
+    from tests.procs import check_core
+
+    assert lib.shm_test_keytab_first(16) == 0
+    try:
+        ch = shmchan.Channel.create(chan_name, capacity=4 * MiB, order=order)
+    finally:
+        assert lib.shm_test_keytab_first(0) == 0
+    at = layout_fact("header.keys_active")
+    with open(os.path.join(DEV_SHM, f"shmchan.{ch.name}"), "rb") as seg:
+        assert int.from_bytes(os.pread(seg.fileno(), 4, at), "little") == 16
+    try:
+        tx = ch.sender()
+        tx.send(-1, keys=("hot",))
+        n = 600  # evens wait behind "hot", odds go at once: both kinds of entries grow
+        for i in range(n):
+            tx.send(i, keys=("hot", f"u{i}") if i % 2 == 0 else (f"u{i}",))
+        _kill_at_pause(_SMALL_GROW_VICTIM, chan_name, "the key table's growth")
+        rx = take_receiver_seat(ch)
+        check_core(rx)
+        got: list[int] = []
+        hot = None
+        deadline = time.monotonic() + 60
+        while len(got) < n and time.monotonic() < deadline:
+            for h in rx.recv_many(64, timeout=0.5):
+                if h.payload == -1:
+                    hot = h  # held until every odd one is out: evens wait for it
+                else:
+                    got.append(h.payload)
+                    h.release()
+            if hot is not None and len(got) == n // 2:
+                hot.release()
+        check_core(rx)
+        assert hot is not None and sorted(got) == list(range(n))
+        assert got[: n // 2] == list(range(1, n, 2))  # the odds went while "hot" was held
+        assert got[n // 2 :] == list(range(0, n, 2))  # the evens, in line behind "hot"
+        with open(os.path.join(DEV_SHM, f"shmchan.{ch.name}"), "rb") as seg:
+            assert int.from_bytes(os.pread(seg.fileno(), 4, at), "little") >= 512
+        assert ch.stats().held_keys == 0
+    finally:
+        ch.close()
+
+
 # ---- the committed figure in `stat` ---------------------------------------------------------
 
 
