@@ -505,7 +505,7 @@ static inline uint64_t *rec_links(shm_record *r, uint32_t nkeys) { return r->has
 
 /* ---- functions shared between files ---------------------------------------------------- */
 /* commit.c */
-#define KEYTAB_MIN 2048u /* the key table's first size (entries): 96 KiB */
+#define KEYTAB_MIN 512u /* the key table's first size (entries): 24 KiB */
 #define KEYTAB_FLOOR 16u /* the smallest size (a test's first size: shm_test_keytab_first) */
 uint32_t keytab_first(void);
 int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end);

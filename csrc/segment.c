@@ -502,6 +502,8 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.keytab_size", offsetof(shm_header, keytab_size)},
         {"header.keys_active", offsetof(shm_header, keys_active)},
         {"header.keys_committed", offsetof(shm_header, keys_committed)},
+        {"header.slots_committed", offsetof(shm_header, slots_committed)},
+        {"header.nodes_committed", offsetof(shm_header, nodes_committed)},
         {"header.ring_committed", offsetof(shm_header, ring_committed)},
         {"header.segment_size", offsetof(shm_header, segment_size)},
         {"header.max_producers", offsetof(shm_header, cfg) + offsetof(shm_config, max_producers)},

@@ -106,6 +106,53 @@ def _numbers_received(rx: shmchan.Receiver, n: int) -> list[int]:
     return seen
 
 
+def _tables_and_ring(name: str) -> tuple[int, int]:
+    """(bytes of the tables committed, bytes of the ring committed), by the header's marks."""
+    with open(os.path.join(DEV_SHM, f"shmchan.{name}"), "rb") as f:
+
+        def mark(fact: str, width: int) -> int:
+            return int.from_bytes(os.pread(f.fileno(), width, layout_fact(fact)), "little")
+
+        s, n, k = (mark(f"header.{t}_committed", 4) for t in ("slots", "nodes", "keys"))
+        ring = mark("header.ring_committed", 8)
+    pages = lambda b: -(-b // 4096) * 4096  # noqa: E731
+    slot, node, key = (layout_fact(f"{t}.size") for t in ("slot", "node", "key"))
+    return pages(s * slot) + pages(s * 16) + pages(n * node) + pages(k * key), ring
+
+
+# What the tables hold for each message taken in (ready or in flight): its slot, its ready
+# heap entry, a node per key, and two to four key table entries per key (the table doubles
+# when half full). A 1-key message thus costs 248 to 344 bytes of tables, whatever its size:
+# the tables are within a tenth of the ring only for records of about 3.4 KiB and more.
+PER_MESSAGE_1KEY = 112 + 16 + 24 + 4 * 48
+
+
+@pytest.mark.parametrize("payload", [16, 4000])
+def test_the_tables_cost_a_tenth_of_the_ring_idle_and_a_fixed_amount_per_message(
+    chan_name: str, payload: int
+) -> None:
+    ch = shmchan.Channel.create(chan_name)
+    try:
+        tx, rx = ch.sender(), ch.receiver()
+        tables, ring = _tables_and_ring(chan_name)
+        assert tables <= ring // 10, f"idle: {tables} bytes of tables for {ring} of ring"
+        held = []
+        for i in range(3000):
+            tx.send(b"x" * payload, keys=(i,))
+            held.extend(iter(rx.try_recv, None))
+        held.extend(iter(rx.try_recv, None))
+        assert len(held) == 3000
+        tables, ring = _tables_and_ring(chan_name)
+        first = 64 << 10  # the first chunks, committed at create
+        assert tables <= first + 1.15 * len(held) * PER_MESSAGE_1KEY, tables
+        if payload >= 4000:
+            assert tables <= ring // 10, f"{tables} bytes of tables for {ring} of ring"
+        for h in held:
+            h.release()
+    finally:
+        ch.close()
+
+
 def test_the_key_table_grows_with_the_keys_in_use(make_channel: Any) -> None:
     # Many distinct keys waiting at once (parked behind one held key) make the key table
     # grow past its first size; the order on every key is kept through the growth.
