@@ -281,12 +281,29 @@ int commit_adopt(shm_chan *c) {
     (void)commit_slots(c, s ? s : 1);
     (void)commit_nodes(c, n ? n : 1);
     (void)commit_keys(c, k);
+    /* a size is a power of two from KEYTAB_FLOOR on (a first size doubled), or the most */
     uint32_t a = h->keys_active;
-    int ok = a >= 1 && a <= h->keys_committed && (a == c->keytab_max || (a % KEYTAB_MIN == 0 &&
-                                                                         ((a / KEYTAB_MIN) & (a / KEYTAB_MIN - 1)) == 0));
+    int ok = a <= h->keys_committed && (a == c->keytab_max || (a >= KEYTAB_FLOOR && (a & (a - 1)) == 0));
     if (!ok) return 1;
     c->keytab_size = a;
     return 0;
+}
+
+/* The key table's first size for channels this process creates: KEYTAB_MIN, or what a
+ * test set (shm_test_keytab_first), so that growth is exercised in small channels. */
+static uint32_t keytab_first_test; /* 0: KEYTAB_MIN */
+
+uint32_t keytab_first(void) {
+    /* relaxed: set by a test before it creates channels, in the same thread */
+    uint32_t n = __atomic_load_n(&keytab_first_test, __ATOMIC_RELAXED);
+    return n ? n : KEYTAB_MIN;
+}
+
+int shm_test_keytab_first(uint32_t entries) {
+    if (entries != 0 && (entries < KEYTAB_FLOOR || entries > KEYTAB_MIN || (entries & (entries - 1))))
+        return SHM_E_INVALID;
+    __atomic_store_n(&keytab_first_test, entries, __ATOMIC_RELAXED);
+    return SHM_OK;
 }
 
 /* The key table size another process may read now (inspect.c), within what is committed;

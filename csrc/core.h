@@ -505,7 +505,9 @@ static inline uint64_t *rec_links(shm_record *r, uint32_t nkeys) { return r->has
 
 /* ---- functions shared between files ---------------------------------------------------- */
 /* commit.c */
-#define KEYTAB_MIN 2048u /* the key table's first size (entries): 96 KiB */
+#define KEYTAB_MIN 512u /* the key table's first size (entries): 24 KiB */
+#define KEYTAB_FLOOR 16u /* the smallest size (a test's first size: shm_test_keytab_first) */
+uint32_t keytab_first(void);
 int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end);
 int commit_ring(shm_chan *c, uint64_t pos, uint64_t end);
 int commit_slots(shm_chan *c, uint32_t n);
@@ -563,9 +565,9 @@ void window_unlink(shm_chan *c, uint32_t s);
 /* sched.c (for window.c) */
 shm_key *sched_key_find(shm_chan *c, uint64_t hash);
 shm_key *sched_key_get(shm_chan *c, uint64_t hash);
-void sched_key_tidy(shm_chan *c, uint64_t hash);
+void sched_key_tidy(shm_chan *c, shm_key *k);
 int sched_key_room(shm_chan *c, uint32_t n);
-void sched_keys_reset(shm_chan *c);
+int sched_keys_reset(shm_chan *c);
 /* compact.c */
 int compact(shm_chan *c);
 /* islands.c */

@@ -334,7 +334,10 @@ int recovery_rebuild(shm_chan *c) {
     }
 
     /* 2. empty key table and nodes */
-    sched_keys_reset(c);
+    if (sched_keys_reset(c) != SHM_OK) {
+        free(kept);
+        return SHM_FULL;
+    }
     h->free_nodes = NIL; /* every node is free: handed out from the start again */
     STORE_RELAXED(&h->fresh_nodes, 1); /* read by nodes_touched (core.h) */
     h->nodes_used = 0;

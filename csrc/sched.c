@@ -75,16 +75,16 @@ static int64_t key_find(shm_chan *c, uint64_t hash) {
 /* ---- the key table's size: grown with use --------------------------------------------
  * The table's region holds keytab_max entries (segment.c: enough at the most for every
  * node and parked key), but a hashed table touches pages all over its region, so only
- * its first keytab_size entries are in use: KEYTAB_MIN, doubled as keys come (the last
- * step stops at keytab_max). The keys in use are at most nodes_used (a key with a line or
+ * its first keytab_size entries are in use: KEYTAB_MIN (keytab_first), doubled as keys
+ * come (the last step stops at keytab_max). The keys in use are at most nodes_used (a key with a line or
  * a holder has a node) plus skip_keys (chain-only keys, window.c): the table doubles
  * before that bound passes half its size, so probes stay short.
  *
  * Growing is two steps. sched_key_room (from sched_has_room and window.c's park_room,
- * before a message's keys are inserted) commits the next size's entries (commit.c) if
- * the bound says a message's keys may need them; if that fails, the window is full for
- * that moment. key_insert then rehashes (key_grow) when it is about to pass half, if
- * the next size is committed; so inserting never fails for lack of memory, and no entry
+ * before a message's keys are inserted) commits the entries of the size the bound says
+ * a message's keys may need (commit.c); if that fails, the window is full for
+ * that moment. key_insert then rehashes (key_grow) when it is about to pass half, a
+ * doubling at a time as far as is committed; so inserting never fails for lack of memory, and no entry
  * pointer is held across an insert by any caller (sched_key_get's contract).
  *
  * key_grow runs between rx_begin and rx_end like every table change: inspectors retry,
@@ -97,10 +97,18 @@ static uint32_t keys_next_size(shm_chan *c) {
 
 static uint32_t keys_bound(shm_chan *c) { return c->hdr->nodes_used + c->hdr->skip_keys; }
 
+/* The size that keeps the bound at most half the table with n more keys (key_insert
+ * grows to it a doubling at a time). */
+static uint32_t keys_size_for(shm_chan *c, uint32_t n) {
+    uint64_t need = (uint64_t)keys_bound(c) + n, size = c->keytab_size;
+    while (size < c->keytab_max && need > size / 2) size = 2 * size < c->keytab_max ? 2 * size : c->keytab_max;
+    return (uint32_t)size;
+}
+
 int sched_key_room(shm_chan *c, uint32_t n) {
     if (c->keytab_size >= c->keytab_max) return 1; /* sized for the worst case (segment.c) */
-    if (keys_bound(c) + n <= c->keytab_size / 2) return 1;
-    return commit_keys(c, keys_next_size(c)) == SHM_OK;
+    uint32_t size = keys_size_for(c, n);
+    return size == c->keytab_size || commit_keys(c, size) == SHM_OK;
 }
 
 /* Rehash into the next size, in place (the old entries are copied out first). */
@@ -126,27 +134,33 @@ static int key_grow(shm_chan *c) {
     return SHM_OK;
 }
 
-/* Receiver rebuilding its tables (recovery.c): the largest size already committed, empty. */
-void sched_keys_reset(shm_chan *c) {
+/* Receiver rebuilding its tables (recovery.c): empty, at the largest size already
+ * committed that a receiver may have (commit_adopt's rule), at least KEYTAB_FLOOR entries.
+ * SHM_FULL if not even those can be committed (they were at create: only a mark gone bad
+ * gets here, and allocating again what is allocated succeeds). */
+int sched_keys_reset(shm_chan *c) {
     shm_header *h = c->hdr;
-    uint32_t k = h->keys_committed <= c->keytab_max ? h->keys_committed : 0, size = KEYTAB_MIN;
-    if (c->keytab_max <= KEYTAB_MIN || k >= c->keytab_max) size = c->keytab_max;
+    uint32_t k = h->keys_committed <= c->keytab_max ? h->keys_committed : 0, size = KEYTAB_FLOOR;
+    if (k >= c->keytab_max) size = c->keytab_max;
     else
-        while (2ull * size <= k && 2ull * size < c->keytab_max) size *= 2;
-    if (size > k && commit_keys(c, size) != SHM_OK) size = KEYTAB_MIN; /* committed at create */
-    if (size > c->keytab_max) size = c->keytab_max;
+        while (2ull * size <= k) size *= 2;
+    if (size > k && commit_keys(c, size) != SHM_OK) return SHM_FULL;
     c->keytab_size = size;
     STORE_RELAXED(&h->keys_active, size); /* as in key_grow */
     memset(c->keys, 0, sizeof(shm_key) * (size_t)size);
+    return SHM_OK;
 }
 
 /* Index of the entry for hash, created empty-lined if absent; -1 if the table is full
  * (impossible by sizing unless the segment is corrupt). */
 static int64_t key_insert(shm_chan *c, uint64_t hash) {
-    if (UNLIKELY(keys_bound(c) + 1 > c->keytab_size / 2) && c->keytab_size < c->keytab_max &&
-        c->hdr->keys_committed >= keys_next_size(c) && key_find(c, hash) < 0) {
+    /* a doubling at a time, as far as sched_key_room committed (it may take several
+     * when one message brings many keys to a small table) */
+    while (UNLIKELY(keys_bound(c) + 1 > c->keytab_size / 2) && c->keytab_size < c->keytab_max &&
+           c->hdr->keys_committed >= keys_next_size(c) && key_find(c, hash) < 0) {
         int rc = key_grow(c);
         if (rc == SHM_E_NOMEM) return -1;
+        if (rc) break;
     }
     uint32_t i = key_home(c, hash);
     for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
@@ -185,7 +199,8 @@ static void key_delete(shm_chan *c, uint32_t i) {
 
 /* For window.c: the entry of a key (NULL if none), the entry made if absent (NULL only if
  * the table is full), and dropping an entry that no longer holds anything. A pointer is
- * good only until the next deletion (entries shift back). */
+ * good only until the next deletion (entries shift back) or insertion (the table may
+ * grow). Every entry that holds nothing is deleted at once: a probe run has no gaps. */
 shm_key *sched_key_find(shm_chan *c, uint64_t hash) {
     int64_t k = key_find(c, hash);
     return k < 0 ? NULL : &c->keys[k];
@@ -196,9 +211,14 @@ shm_key *sched_key_get(shm_chan *c, uint64_t hash) {
     return k < 0 ? NULL : &c->keys[k];
 }
 
-void sched_key_tidy(shm_chan *c, uint64_t hash) {
-    int64_t k = key_find(c, hash);
-    if (k >= 0 && key_empty(&c->keys[k])) key_delete(c, (uint32_t)k);
+/* k (from sched_key_find or sched_key_get) was just emptied: it leaves the table now.
+ * By its place, not by a lookup: a lookup stops at the first entry that holds nothing,
+ * so it would never find k, and k left in place would be such an entry in the middle of
+ * a probe run, hiding every key placed past it (key_find would say "absent" for a key
+ * that is held: ChannelCorrupted on its release, or worse, its messages let through). */
+void sched_key_tidy(shm_chan *c, shm_key *k) {
+    if (k < c->keys || k >= c->keys + c->keytab_size) return;
+    if (key_empty(k)) key_delete(c, (uint32_t)(k - c->keys));
 }
 
 /* ---- the ready queue: a binary min-heap of slots by seq ---------------------------------
@@ -524,6 +544,16 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     }
     if (rc == SHM_OK && on_list != out) { rc = SHM_E_CORRUPT; *what = 16; }
     if (rc == SHM_OK) rc = window_check(c, what); /* the parked records' chains */
+    /* the key table: no entry that holds nothing is left with a key's hash (a gap in a
+     * probe run, sched_key_tidy), and every key is found from its home */
+    for (uint32_t k = 0; k < c->keytab_size && rc == SHM_OK; k++) {
+        shm_key *key = &c->keys[k];
+        if (key_empty(key)) {
+            if (key->hash != 0) { rc = SHM_E_CORRUPT; *what = 17; }
+        } else if (key_find(c, key->hash) != (int64_t)k) {
+            rc = SHM_E_CORRUPT; *what = 18;
+        }
+    }
     /* every line's nodes belong to live messages, and the line is in seq order */
     for (uint32_t k = 0; k < c->keytab_size && rc == SHM_OK; k++) {
         shm_key *key = &c->keys[k];

@@ -120,7 +120,7 @@ static void bind(shm_chan *c, const layout *L) {
     c->keytab_max = L->keytab_size;
     /* the key table's size in use starts small and grows (sched.c); a receiver takes the
      * current one from the header when it takes its seat (commit_adopt) */
-    c->keytab_size = L->keytab_size < KEYTAB_MIN ? L->keytab_size : KEYTAB_MIN;
+    c->keytab_size = L->keytab_size < keytab_first() ? L->keytab_size : keytab_first();
 }
 
 /* A random non-zero id; getrandom() practically never fails, but if it does the clock,
@@ -502,6 +502,8 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"header.keytab_size", offsetof(shm_header, keytab_size)},
         {"header.keys_active", offsetof(shm_header, keys_active)},
         {"header.keys_committed", offsetof(shm_header, keys_committed)},
+        {"header.slots_committed", offsetof(shm_header, slots_committed)},
+        {"header.nodes_committed", offsetof(shm_header, nodes_committed)},
         {"header.ring_committed", offsetof(shm_header, ring_committed)},
         {"header.segment_size", offsetof(shm_header, segment_size)},
         {"header.max_producers", offsetof(shm_header, cfg) + offsetof(shm_config, max_producers)},

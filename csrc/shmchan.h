@@ -217,6 +217,10 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_KEY_GROW        9   /* the key table's growth, half rehashed             */
 #define SHM_PAUSE_GIVE_BACK      10   /* a give-back of ring memory, holding the tail      */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
+/* Tests only: key tables of channels this process creates from now on start at this many
+ * entries (a power of two from 16 to the default 512; 0 = the default), so that their
+ * growth is exercised by small tests. */
+int  shm_test_keytab_first(uint32_t entries);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */
 int  shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64_t now_ns,

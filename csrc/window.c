@@ -123,7 +123,7 @@ static int chain_pop(shm_chan *c, uint64_t hash, shm_record *r, uint64_t pos) {
     if (k == NULL || i < 0 || k->skipped == 0 || k->skip_head != pos) return SHM_E_CORRUPT;
     if (--k->skipped == 0) {
         c->hdr->skip_keys--;
-        sched_key_tidy(c, hash);
+        sched_key_tidy(c, k);
         return SHM_OK;
     }
     uint64_t next = rec_links(r, r->nkeys)[i];

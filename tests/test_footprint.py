@@ -106,6 +106,53 @@ def _numbers_received(rx: shmchan.Receiver, n: int) -> list[int]:
     return seen
 
 
+def _tables_and_ring(name: str) -> tuple[int, int]:
+    """(bytes of the tables committed, bytes of the ring committed), by the header's marks."""
+    with open(os.path.join(DEV_SHM, f"shmchan.{name}"), "rb") as f:
+
+        def mark(fact: str, width: int) -> int:
+            return int.from_bytes(os.pread(f.fileno(), width, layout_fact(fact)), "little")
+
+        s, n, k = (mark(f"header.{t}_committed", 4) for t in ("slots", "nodes", "keys"))
+        ring = mark("header.ring_committed", 8)
+    pages = lambda b: -(-b // 4096) * 4096  # noqa: E731
+    slot, node, key = (layout_fact(f"{t}.size") for t in ("slot", "node", "key"))
+    return pages(s * slot) + pages(s * 16) + pages(n * node) + pages(k * key), ring
+
+
+# What the tables hold for each message taken in (ready or in flight): its slot, its ready
+# heap entry, a node per key, and two to four key table entries per key (the table doubles
+# when half full). A 1-key message thus costs 248 to 344 bytes of tables, whatever its size:
+# the tables are within a tenth of the ring only for records of about 3.4 KiB and more.
+PER_MESSAGE_1KEY = 112 + 16 + 24 + 4 * 48
+
+
+@pytest.mark.parametrize("payload", [16, 4000])
+def test_the_tables_cost_a_tenth_of_the_ring_idle_and_a_fixed_amount_per_message(
+    chan_name: str, payload: int
+) -> None:
+    ch = shmchan.Channel.create(chan_name)
+    try:
+        tx, rx = ch.sender(), ch.receiver()
+        tables, ring = _tables_and_ring(chan_name)
+        assert tables <= ring // 10, f"idle: {tables} bytes of tables for {ring} of ring"
+        held = []
+        for i in range(3000):
+            tx.send(b"x" * payload, keys=(i,))
+            held.extend(iter(rx.try_recv, None))
+        held.extend(iter(rx.try_recv, None))
+        assert len(held) == 3000
+        tables, ring = _tables_and_ring(chan_name)
+        first = 64 << 10  # the first chunks, committed at create
+        assert tables <= first + 1.15 * len(held) * PER_MESSAGE_1KEY, tables
+        if payload >= 4000:
+            assert tables <= ring // 10, f"{tables} bytes of tables for {ring} of ring"
+        for h in held:
+            h.release()
+    finally:
+        ch.close()
+
+
 def test_the_key_table_grows_with_the_keys_in_use(make_channel: Any) -> None:
     # Many distinct keys waiting at once (parked behind one held key) make the key table
     # grow past its first size; the order on every key is kept through the growth.
@@ -487,6 +534,70 @@ def test_a_receiver_killed_while_the_key_table_grows_loses_nothing(chan_name: st
         assert bytes(hot.data) == b"hot" and hot.attempt in (1, 2)
         hot.release()
         assert _numbers_received(rx, n) == list(range(n))
+    finally:
+        ch.close()
+
+
+_SMALL_GROW_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rx = shmchan.Channel.open(name).receiver()
+    lib.shm_test_pause_at(lib.SHM_PAUSE_KEY_GROW, notify, wait)
+    while True:  # its first poll takes messages in, and the 16-entry table grows
+        h = rx.try_recv()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_receiver_killed_while_a_small_key_table_grows_loses_nothing(
+    chan_name: str, order: str
+) -> None:
+    # A channel whose key table starts at 16 entries (a test-only setting): its receiver's
+    # first poll takes in messages holding keys and parks others on key chains, the table
+    # grows, and the receiver is killed half way through the rehash. The next receiver
+    # rebuilds the table and hands out every message once, keys and order kept.
+    from shmchan._lib import lib
+    from tests.procs import check_core
+
+    assert lib.shm_test_keytab_first(16) == 0
+    try:
+        ch = shmchan.Channel.create(chan_name, capacity=4 * MiB, order=order)
+    finally:
+        assert lib.shm_test_keytab_first(0) == 0
+    at = layout_fact("header.keys_active")
+    with open(os.path.join(DEV_SHM, f"shmchan.{ch.name}"), "rb") as seg:
+        assert int.from_bytes(os.pread(seg.fileno(), 4, at), "little") == 16
+    try:
+        tx = ch.sender()
+        tx.send(-1, keys=("hot",))
+        n = 600  # evens wait behind "hot", odds go at once: both kinds of entries grow
+        for i in range(n):
+            tx.send(i, keys=("hot", f"u{i}") if i % 2 == 0 else (f"u{i}",))
+        _kill_at_pause(_SMALL_GROW_VICTIM, chan_name, "the key table's growth")
+        rx = take_receiver_seat(ch)
+        check_core(rx)
+        got: list[int] = []
+        hot = None
+        deadline = time.monotonic() + 60
+        while len(got) < n and time.monotonic() < deadline:
+            for h in rx.recv_many(64, timeout=0.5):
+                if h.payload == -1:
+                    hot = h  # held until every odd one is out: evens wait for it
+                else:
+                    got.append(h.payload)
+                    h.release()
+            if hot is not None and len(got) == n // 2:
+                hot.release()
+        check_core(rx)
+        assert hot is not None and sorted(got) == list(range(n))
+        assert got[: n // 2] == list(range(1, n, 2))  # the odds went while "hot" was held
+        assert got[n // 2 :] == list(range(0, n, 2))  # the evens, in line behind "hot"
+        with open(os.path.join(DEV_SHM, f"shmchan.{ch.name}"), "rb") as seg:
+            assert int.from_bytes(os.pread(seg.fileno(), 4, at), "little") >= 512
+        assert ch.stats().held_keys == 0
     finally:
         ch.close()
 

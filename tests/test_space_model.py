@@ -13,6 +13,11 @@ record takes in the ring. It checks:
   its keys was released or became a dead letter; under either order no two live handles
   share a key; a handed-out message carries its payload, keys and attempt;
 * views: a kept view reads its message's bytes until its handle goes.
+
+The channels start with the smallest key table (16 entries, a test-only setting), so that
+its growth, and probe runs crowded enough to meet at one home entry, come up in nearly
+every example; the core's self-check after each step verifies the table (no gap in a
+probe run, every key found from its home).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from hypothesis.stateful import (
 from procs import check_core
 
 import shmchan
+from shmchan._lib import lib
 from shmchan.codec import encode_keys
 
 CAPACITY = 16 << 10
@@ -274,4 +280,8 @@ SPACE_SETTINGS = settings(
 @pytest.mark.parametrize("machine", [SpaceMachine, EagerSpaceMachine], ids=["fifo", "eager"])
 def test_space_is_reclaimed_around_whatever_is_held(machine, new_chan_name, monkeypatch):
     monkeypatch.setattr(machine, "names", staticmethod(new_chan_name))
-    run_state_machine_as_test(machine, settings=SPACE_SETTINGS)
+    assert lib.shm_test_keytab_first(16) == 0  # grows 16, 32, 64, ... as keys come
+    try:
+        run_state_machine_as_test(machine, settings=SPACE_SETTINGS)
+    finally:
+        assert lib.shm_test_keytab_first(0) == 0

@@ -11,6 +11,7 @@ import pytest
 import shmchan
 from shmchan import codec
 from shmchan._lib import ffi, lib
+from tests.procs import check_core
 
 BIG_WINDOW = 1 << 20  # max_messages: a slot table of about 100 MiB, nodes about 50 MiB
 
@@ -133,5 +134,46 @@ def test_keys_whose_probe_wraps_past_the_last_entry_keep_their_order(
                 batch[j].release()
         for k in keys:
             assert [p[2] for p in got if p[0] == k] == [0, 1]
+    tx.close()
+    rx.close()
+
+
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_key_left_with_nothing_leaves_the_table_at_once(make_channel: Any, order: str) -> None:
+    # Keys x and y share a home entry, so y is placed just past x. A message on (a, x)
+    # parks behind x; when x is released it moves on (eager: to the chain of a, which is
+    # held), and x's entry then holds nothing. It must leave the table there and then:
+    # left in place it hid y (lookups stop at an entry that holds nothing), and y's
+    # release raised ChannelCorrupted.
+    ch = make_channel(capacity=1 << 20, order=order)
+    tx, rx = ch.sender(), ch.receiver()
+    size = int(ffi.cast("uint32_t *", lib.shm_base(rx._seg.ptr) + _fact("header.keys_active"))[0])
+    x, y = _keys_homed_at(size // 3, size, 2)
+    (a,) = _keys_homed_at(2 * size // 3, size, 1)
+    for payload, keys in (("m1", (x,)), ("m2", (a, x)), ("m3", (y,)), ("m4", (a,))):
+        tx.send(payload, keys=keys)
+    h1, h3 = rx.recv(timeout=5), rx.recv(timeout=5)
+    assert (h1.payload, h3.payload) == ("m1", "m3")
+    h4 = rx.recv(timeout=5) if order == "eager" else None  # fifo: m4 waits behind m2
+    h1.release()
+    h2 = rx.try_recv()  # the poll that moves m2 on
+    assert (h2 is None) == (order == "eager")
+    check_core(rx)
+    h3.release()  # y: found where it is
+    check_core(rx)
+    if order == "eager":
+        assert h4 is not None and h4.payload == "m4"
+        h4.release()
+        h2 = rx.recv(timeout=5)
+    assert h2 is not None and h2.payload == "m2"
+    h2.release()
+    if order == "fifo":
+        h4 = rx.recv(timeout=5)
+        assert h4.payload == "m4"
+        h4.release()
+    with pytest.raises(shmchan.Empty):
+        rx.recv(timeout=0)
+    check_core(rx)
+    assert ch.stats().held_keys == 0
     tx.close()
     rx.close()
