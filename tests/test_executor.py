@@ -25,7 +25,7 @@ from test_pool import (  # noqa: F401 - no_leftovers is autouse
 
 import shmchan
 from shmchan.pool import executor
-from shmchan.pool.workers import _Workers
+from shmchan.pool.workerset import WorkerSet
 
 BOUND = 30  # seconds a test here waits for what the fixed executor does at once
 
@@ -249,16 +249,16 @@ def test_a_task_failed_for_good_does_not_run_again(
     ex = shmchan.KeyedExecutor(2, max_attempts=1)
     executors.append(ex)
     core = ex._core
-    ended = _Workers.ended
+    ended = WorkerSet.ended
 
-    def ended_after_redelivery(self: _Workers) -> list[Any]:
+    def ended_after_redelivery(self: WorkerSet) -> list[Any]:
         out = ended(self)
         if out:
             core.rx_tasks.maintain()  # the dead holder's task is redelivered
             core.wake_tx.send(b"")  # something on the result channel
         return out
 
-    monkeypatch.setattr(_Workers, "ended", ended_after_redelivery)
+    monkeypatch.setattr(WorkerSet, "ended", ended_after_redelivery)
     runs = str(tmp_path / "runs")
     calls: list[concurrent.futures.Future[int]] = []
     fut = ex.submit(count_then_die_first_time, runs, keys=("k",))
@@ -289,17 +289,17 @@ def test_a_timeout_kill_that_lands_on_the_next_task_does_not_count_against_it(
     # task in between. Stage that: the first time the manager looks while the second
     # task runs, it is shown the first task (already done) as running for ages.
     runs = str(tmp_path / "runs")
-    running = _Workers.running
+    running = WorkerSet.running
     staged: list[int] = []
 
-    def stale_running(self: _Workers, w: Any) -> tuple[int, int] | None:
+    def stale_running(self: WorkerSet, w: Any) -> tuple[int, int] | None:
         now = running(self, w)
         if now is not None and not staged and w.process.exitcode is None and Path(runs).exists():
             staged.append(now[0])
             return now[0] - 1, 0  # the task before, started long ago
         return now
 
-    monkeypatch.setattr(_Workers, "running", stale_running)
+    monkeypatch.setattr(WorkerSet, "running", stale_running)
     ex = shmchan.KeyedExecutor(1, max_attempts=1, task_timeout=10)
     executors.append(ex)
     first = ex.submit(square, 4, keys=("k",))

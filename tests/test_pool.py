@@ -637,7 +637,7 @@ def test_chunks_keep_every_keys_items_in_input_order() -> None:
 
 
 def _one_key_chunks_model(raw: list[Any], size: int) -> list[list[int]] | None:
-    """What csrc/chunks.c's one_key_chunks must give, in plain Python."""
+    """What csrc/pool/chunks.c's one_key_chunks must give, in plain Python."""
     if not all(type(k) in (int, str, bytes) for k in raw):
         return None
     groups: dict[tuple[type, Any], list[int]] = {}

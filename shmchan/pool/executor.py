@@ -20,11 +20,31 @@ from typing import Any
 
 from _shmchan_chunks import one_key_chunks, pick, scatter
 
-from .. import _worker, errors, liveness, remote
-from .._worker import (
+from .. import errors, liveness, remote
+from ..channel import Channel, Handle, adopt, split_hand_over
+from .common import (
+    BATCH,
+    CHUNK_BATCH,
+    DEFAULT_CAPACITY,
+    TICK,
+    InitializerFailed,
+    as_keys,
+    check_map_keys,
+    check_submit_keys,
+    exit_status,
+    get_context,
+    name_of,
+    new_channel_stem,
+    pickle_part,
+    reap_dead_executors,
+)
+from .progress import ProgressBar
+from .protocol import (
     CALL,
     CHUNK,
     CHUNK_STAR,
+    EXIT_INIT_FAILED,
+    EXIT_PARENT_GONE,
     ONE,
     RAISED,
     READY,
@@ -33,27 +53,11 @@ from .._worker import (
     SLOT,
     STAR,
     TASK_HEADER,
+    WAKE_TASK,
 )
-from ..channel import Channel, Handle, adopt, split_hand_over
-from .common import (
-    _BATCH,
-    _CAPACITY,
-    _CHUNK_BATCH,
-    _TICK,
-    InitializerFailed,
-    _as_keys,
-    _context,
-    _dumps,
-    _exit_status,
-    _name_of,
-    _names,
-    _reap_dead_executors,
-    check_map_keys,
-    check_submit_keys,
-)
-from .progress import ProgressBar
 from .stats import ExecutorStats
-from .workers import _Worker, _Workers
+from .worker import executor_worker
+from .workerset import WorkerProcess, WorkerSet
 
 _ONE_KEY = frozenset({int, str, bytes})  # the types of a value that is one key
 # New workers that may die in a row, per worker slot, before running any task (killed
@@ -205,7 +209,7 @@ class _Task:
             self.future.set_result(value)
         elif self.batch is None:
             pass
-        elif self.batch.owners is not None:  # a chunk: (values, failed), see _worker.py
+        elif self.batch.owners is not None:  # a chunk: (values, failed), see protocol.py
             values, failed = value
             raised = None
             if failed:
@@ -306,8 +310,8 @@ class _Core:
         self.drained = threading.Condition(self.lock)  # notified when the backlog empties
         self.functions: dict[object, tuple[int, bytes]] = {}  # see pickled()
         self.function_ids = itertools.count(1)
-        _reap_dead_executors()
-        stem = f"kx-{liveness.current_token():x}-{next(_names)}"
+        reap_dead_executors()
+        stem = new_channel_stem()
         # A worker adopts a task only when it starts it (until then the manager can take
         # it back), so a task may wait in a worker's hands behind a long one: the
         # manager, not the hand-over deadline, gives back what a dead worker held.
@@ -326,10 +330,10 @@ class _Core:
             self.wake_tx = self.result_ch.sender()
             self.rx_tasks = self.task_ch.receiver()
             self.rx_results = self.result_ch.receiver()
-            self.workers = _Workers(
+            self.workers = WorkerSet(
                 ctx,
                 max_workers,
-                _worker.executor_worker,
+                executor_worker,
                 (self.result_ch.name, liveness.current_token(), initializer, initargs),
                 max_tasks_per_child,
             )
@@ -352,11 +356,11 @@ class _Core:
     def pickled(self, fn: object) -> tuple[int, bytes]:
         """(the function's id, pickle(fn)); remembered for plain functions, which pickle
         by reference (so their pickle never changes), not for objects, which pickle
-        their state: each of their pickles gets a new id (see _worker.py)."""
+        their state: each of their pickles gets a new id (see protocol.py)."""
         plain = type(fn) in (types.FunctionType, types.BuiltinFunctionType)
         got = self.functions.get(fn) if plain else None
         if got is None:
-            got = (next(self.function_ids), _dumps(fn, "the function", fn))
+            got = (next(self.function_ids), pickle_part(fn, "the function", fn))
             if plain:
                 if len(self.functions) >= 256:
                     self.functions.clear()
@@ -368,8 +372,8 @@ class _Core:
     ) -> Future[Any]:
         """One call: the lean path of KeyedExecutor.submit."""
         fid, blob = self.pickled(fn)
-        body = _dumps((args, kwargs), "the arguments", fn)
-        keys = _as_keys(keys)
+        body = pickle_part((args, kwargs), "the arguments", fn)
+        keys = as_keys(keys)
         future = _Future(self)
         task = future._kx_task = _Task(fn, keys, future)
         with self.lock:
@@ -401,7 +405,7 @@ class _Core:
         batch: _MapBatch,
     ) -> list[_Task]:
         """A map's tasks: fn over each of `args` (the body of a `kind` message, see
-        _worker.py) with keys[i], one send_many per _BATCH of them; task i fills slot i
+        protocol.py) with keys[i], one send_many per BATCH of them; task i fills slot i
         of `batch`, or for a chunk the slots batch.owners[i]."""
         out: list[_Task] = []
         fid, blob = self.pickled(fn)
@@ -410,7 +414,7 @@ class _Core:
         dumps = pickle.dumps
         # Chunks go out a few at a time, so that the workers start on the first ones
         # while the rest are pickled.
-        step = _BATCH if batch.owners is None else _CHUNK_BATCH
+        step = BATCH if batch.owners is None else CHUNK_BATCH
         for start in range(0, len(args), step):
             part = args[start : start + step]
             part_keys = keys[start : start + step]
@@ -418,7 +422,7 @@ class _Core:
                 bodies = [dumps(a, 5) for a in part]
             except Exception:
                 for a in part:  # which one, said as submit says it
-                    _dumps(a, "the arguments", fn)
+                    pickle_part(a, "the arguments", fn)
                 raise
             tasks = [_Task(fn, k, None, batch, i) for i, k in enumerate(part_keys, start)]
             with self.lock:
@@ -456,7 +460,7 @@ class _Core:
         if threading.current_thread() is not self.thread:
             with self.lock:
                 while self.backlog and self.broken is None and self.thread.is_alive():
-                    self.drained.wait(_TICK)
+                    self.drained.wait(TICK)
             return False
         if not self.backlog:
             try:
@@ -575,7 +579,7 @@ class _Core:
         # full task channel needs no wake-up (the manager is busy taking from it). Best
         # effort: without it the manager still notices within its tick.
         with contextlib.suppress(errors.Error):
-            self.tx.send(TASK_HEADER.pack(0, 0, 0, CALL), timeout=0)
+            self.tx.send(WAKE_TASK, timeout=0)
             self.wake()
 
     # -- the manager thread ------------------------------------------------------------
@@ -630,7 +634,7 @@ class _Core:
             self.note_running()
             now = time.monotonic()
             if now >= next_check or self.shutdown_requested:
-                next_check = now + _TICK
+                next_check = now + TICK
                 if self.housekeeping():
                     return
             if busy:
@@ -642,11 +646,11 @@ class _Core:
                 self.sleeping = True
                 try:
                     if not self.dispatch(0):
-                        self.collect(_TICK)
+                        self.collect(TICK)
                 finally:
                     self.sleeping = False
             elif self.workers.capacity():
-                self.dispatch(_TICK)  # only a submit can bring work now
+                self.dispatch(TICK)  # only a submit can bring work now
             else:
                 time.sleep(0.001)  # every worker is being replaced
 
@@ -688,7 +692,7 @@ class _Core:
         """Resolve the futures of the results that arrived; False if none did. With
         `dispatch`, the tasks their results free go to the workers first (see below)."""
         try:
-            b = self.rx_results.recv_batch(_BATCH, timeout=timeout)
+            b = self.rx_results.recv_batch(BATCH, timeout=timeout)
         except errors.Empty:
             return False
         with b:  # results are copied out at once: their space goes back to the workers
@@ -773,7 +777,7 @@ class _Core:
         if room <= 0:
             return False
         try:
-            hs = self.rx_tasks.recv_many(min(room, _BATCH), timeout=timeout)
+            hs = self.rx_tasks.recv_many(min(room, BATCH), timeout=timeout)
         except errors.Empty:
             return False
         if any(h.attempt > 1 for h in hs):
@@ -918,7 +922,7 @@ class _Core:
                     starting.add(first[1])
         self.cancel([t for t in list(self.tasks.values()) if t.tid not in starting])
 
-    def bury(self, w: _Worker, code: int | None, running_seq: int | None) -> None:
+    def bury(self, w: WorkerProcess, code: int | None, running_seq: int | None) -> None:
         """A worker ended: give back what it held; the task it ran counts an attempt.
 
         Its list may hold two copies of one task: the channel may have redelivered the
@@ -931,7 +935,7 @@ class _Core:
         killed_for = self.timeout_kills.pop(w.process.pid, None)
         if killed_for is not None and killed_for != running_seq:
             running_seq = None
-        status = _exit_status(code, w.oom)
+        status = exit_status(code, w.oom)
         give_back: list[Handle] = []
         drop: list[Handle] = []
         counted: set[int] = set()
@@ -988,7 +992,7 @@ class _Core:
             if slot is None:
                 self.workers.start(i)
 
-    def check_start(self, w: _Worker, code: int | None, running_seq: int | None) -> None:
+    def check_start(self, w: WorkerProcess, code: int | None, running_seq: int | None) -> None:
         """A worker ended: if it died before it ran anything, maybe workers cannot start
         at all. Then the manager stops at the top of its loop and run() fails every
         task with InitializerFailed (as a ProcessPoolExecutor breaks): replacing the
@@ -1002,14 +1006,14 @@ class _Core:
         if code == 0 or w.stopping:
             return
         self.early_deaths += 1
-        name = _name_of(self.initializer)
-        status = f"worker pid {w.process.pid} {_exit_status(code, w.oom)}"
+        name = name_of(self.initializer)
+        status = f"worker pid {w.process.pid} {exit_status(code, w.oom)}"
         ready = self.workers.words[SLOT * w.index + READY]
         if (
             not ready
             and code is not None
             and code > 0
-            and code not in (_worker.EXIT_INIT_FAILED, _worker.EXIT_PARENT_GONE)
+            and code not in (EXIT_INIT_FAILED, EXIT_PARENT_GONE)
         ):
             # It exited by itself before it reached its task loop: it could not start
             # (a worker killed by a signal is not this, and is replaced as usual).
@@ -1023,7 +1027,7 @@ class _Core:
                 else ""
             )
             why = f"{status} before it started (the worker's traceback says why){hint}"
-        elif code == _worker.EXIT_INIT_FAILED:
+        elif code == EXIT_INIT_FAILED:
             why = f"the initializer {name}(...) raised ({status}; it logged the traceback)"
         elif self.initializer is not None and self.early_deaths >= _EARLY_DEATHS * self.max_workers:
             why = (
@@ -1041,7 +1045,7 @@ class _Core:
         kind = errors.TaskTimeout if task.timed_out else errors.WorkerDied
         task.set_exception(
             kind(
-                f"{_name_of(task.fn)} with keys {task.keys!r} failed {task.deaths} time(s) "
+                f"{name_of(task.fn)} with keys {task.keys!r} failed {task.deaths} time(s) "
                 f"(max_attempts={self.max_attempts}) because its worker died; "
                 f"last time: {task.last_death}"
             )
@@ -1116,7 +1120,7 @@ def _key_tuples(raw: list[Any]) -> list[tuple[Any, ...]]:
     """Each item's keys as a tuple, from what `keys(item)` gave."""
     if set(map(type, raw)) <= _ONE_KEY:  # the usual case: one key each
         return [(k,) for k in raw]
-    return [_as_keys(k) for k in raw]
+    return [as_keys(k) for k in raw]
 
 
 def _chunks(key_lists: list[tuple[Any, ...]], size: int) -> list[list[int]]:
@@ -1169,7 +1173,7 @@ class KeyedExecutor(Executor):
         task_timeout: float | None = None,
         max_tasks_per_child: int | None = None,
         *,
-        capacity: int = _CAPACITY,
+        capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         if max_workers is None:
             max_workers = len(os.sched_getaffinity(0)) or 1
@@ -1188,7 +1192,7 @@ class KeyedExecutor(Executor):
             )
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be callable")
-        ctx = _context(mp_context)  # (an unpicklable initializer fails in Process.start)
+        ctx = get_context(mp_context)  # (an unpicklable initializer fails in Process.start)
         self._max_workers = max_workers
         self._core = _Core(
             max_workers,
@@ -1264,7 +1268,7 @@ class KeyedExecutor(Executor):
                 if owners is not None:
                     chunk_keys = [(raw[idxs[0]],) for idxs in owners]
                 else:
-                    key_lists = [_as_keys(k) for k in raw]
+                    key_lists = [as_keys(k) for k in raw]
                     owners = _chunks(key_lists, chunksize)
                     chunk_keys = [key_lists[idxs[0]] for idxs in owners]
             args = [pick(items, idxs) for idxs in owners]

@@ -9,15 +9,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import _worker, errors, liveness
-from .._worker import (
-    FINISHED,
-    SLOT,
-)
+from .. import errors, liveness
 from ..channel import Channel, Handle
-from .common import _BATCH, _TICK, InitializerFailed, _context
+from .common import BATCH, TICK, InitializerFailed, get_context
+from .protocol import EXIT_INIT_FAILED, FAILED, FINISHED, SLOT
 from .stats import PoolStats
-from .workers import _Worker, _Workers
+from .worker import pool_worker
+from .workerset import WorkerProcess, WorkerSet
 
 
 class KeyedPool:
@@ -61,7 +59,7 @@ class KeyedPool:
             processes = len(os.sched_getaffinity(0)) or 1
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
             raise ValueError(f"processes must be a positive int, got {processes!r}")
-        ctx = _context(mp_context)  # (an unpicklable handler fails in Process.start)
+        ctx = get_context(mp_context)  # (an unpicklable handler fails in Process.start)
         self._lock = threading.Lock()
         self._closing = False
         self._terminating = False
@@ -79,10 +77,10 @@ class KeyedPool:
         except BaseException:
             self._ch.close()
             raise
-        self._workers = _Workers(
+        self._workers = WorkerSet(
             ctx,
             processes,
-            _worker.pool_worker,
+            pool_worker,
             (handler, liveness.current_token(), initializer, tuple(initargs), self._ch.lease),
             None,
             # One message per worker at a time: a worker that dies gives back what it
@@ -138,7 +136,7 @@ class KeyedPool:
         workers = self._workers.stats()
         finished = self._finished_before + sum(w.finished for w in workers)
         failed = self._failed_before + sum(
-            int(self._workers.words[SLOT * w.index + _worker.FAILED]) for w in self._workers.live()
+            int(self._workers.words[SLOT * w.index + FAILED]) for w in self._workers.live()
         )
         words = self._workers.words
         running = len(self._held) + sum(
@@ -163,7 +161,7 @@ class KeyedPool:
             while not self._terminating:
                 now = time.monotonic()
                 if now >= next_check:
-                    next_check = now + _TICK
+                    next_check = now + TICK
                     self._housekeeping()
                     if self._failure is not None:
                         break
@@ -183,7 +181,7 @@ class KeyedPool:
                     time.sleep(0.0005)
                     continue
                 try:
-                    got = self._rx.recv_many(min(room, _BATCH), timeout=_TICK)
+                    got = self._rx.recv_many(min(room, BATCH), timeout=TICK)
                     self._held.extend(got)
                     if self._owed:
                         self._owed.difference_update(h.seq for h in got)
@@ -215,7 +213,7 @@ class KeyedPool:
                 h.nack()  # a no-op for those already released or revoked
                 self._redelivered += 1
             w.given.clear()
-            if code == _worker.EXIT_INIT_FAILED and self._failure is None:
+            if code == EXIT_INIT_FAILED and self._failure is None:
                 self._failure = InitializerFailed(
                     f"KeyedPool({self._ch.name!r}): the initializer raised in worker pid "
                     f"{w.process.pid} (its traceback is in the worker's log); the pool "
@@ -237,11 +235,11 @@ class KeyedPool:
         if st.queued == 0 and st.inflight <= ours:
             self._owed.clear()
 
-    def _count_ended(self, w: _Worker) -> None:
+    def _count_ended(self, w: WorkerProcess) -> None:
         """Keep the counts of a worker that ended (its replacement starts from 0)."""
         base = SLOT * w.index
         self._finished_before += int(self._workers.words[base + FINISHED])
-        self._failed_before += int(self._workers.words[base + _worker.FAILED])
+        self._failed_before += int(self._workers.words[base + FAILED])
 
     def _stop(self) -> None:
         workers = self._workers
