@@ -424,7 +424,7 @@ def test_every_start_method_works(method: str, tmp_path: Path) -> None:
 def test_an_abandoned_executor_cleans_up() -> None:
     ex = shmchan.KeyedExecutor(1)
     fut = ex.submit(square, 3)
-    manager = ex._core.thread
+    manager = ex._manager.thread
     del ex  # never shut down: its manager finishes the work, then cleans up
     assert fut.result(timeout=WAIT) == 9
     manager.join(WAIT)
@@ -1010,7 +1010,7 @@ def test_a_child_forked_while_an_executors_lock_is_held_exits() -> None:
     import multiprocessing
 
     with shmchan.KeyedExecutor(1) as ex:
-        with held_by_another_thread(ex._core.lock):
+        with held_by_another_thread(ex._manager.lock):
             child = multiprocessing.get_context("fork").Process(target=_nothing)
             child.start()
         child.join(10)
