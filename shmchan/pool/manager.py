@@ -103,7 +103,8 @@ log = logging.getLogger("shmchan.pool")
 class Manager:
     """A KeyedExecutor's bookkeeping, its channels and workers, and the thread (`run`)
     that keeps them. The caller's threads come in only through the entry points below
-    (register, send, cancel, request_shutdown, ...), each under `lock`."""
+    (register, send, cancel, request_shutdown, ...), which take `lock` for what they
+    change; the rest runs in the manager thread."""
 
     def __init__(
         self,
