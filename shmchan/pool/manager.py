@@ -200,7 +200,7 @@ class Manager:
             self.next_tid = first + len(tasks)
             for tid, task in enumerate(tasks, first):
                 task.tid = tid
-                self.tasks[tid] = task
+            self.tasks.update(zip(range(first, first + len(tasks)), tasks, strict=True))
         return first
 
     def forget(self, first: int, n: int) -> None:
