@@ -2,7 +2,7 @@
 #   _shmchan_core    the C core, through cffi (csrc/build_ffi.py)
 #   _shmchan_hot     the per-message calls as CPython types (csrc/hot/); it calls the
 #                    core through function pointers taken from _shmchan_core at import
-#   _shmchan_chunks  KeyedExecutor.map's per-item chunk bookkeeping (csrc/chunks.c)
+#   _shmchan_chunks  KeyedExecutor.map's per-item chunk bookkeeping (csrc/pool/chunks.c)
 from setuptools import Extension, setup
 
 # _shmchan_hot: one file per type, csrc/hot/hot.h shared by all
@@ -22,7 +22,7 @@ setup(
         ),
         Extension(
             "_shmchan_chunks",
-            sources=["csrc/chunks.c"],
+            sources=["csrc/pool/chunks.c"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         ),
     ],

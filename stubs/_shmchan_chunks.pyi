@@ -1,4 +1,4 @@
-# Types of csrc/chunks.c (KeyedExecutor.map's per-item chunk bookkeeping).
+# Types of csrc/pool/chunks.c (KeyedExecutor.map's per-item chunk bookkeeping).
 from typing import Any
 
 def one_key_chunks(keys: list[Any], size: int) -> list[list[int]] | None: ...

@@ -24,8 +24,8 @@ from test_pool import (  # noqa: F401 - no_leftovers is autouse
 )
 
 import shmchan
-from shmchan.pool import executor
-from shmchan.pool.workers import _Workers
+from shmchan.pool import manager
+from shmchan.pool.workerset import WorkerSet
 
 BOUND = 30  # seconds a test here waits for what the fixed executor does at once
 
@@ -37,7 +37,7 @@ def executors() -> Iterator[list[shmchan.KeyedExecutor]]:
     made: list[shmchan.KeyedExecutor] = []
     yield made
     for ex in made:
-        core = ex._core
+        core = ex._manager
         core.request_shutdown(cancel_futures=True)
         core.thread.join(BOUND)
         if core.thread.is_alive():  # the bug under test kept it busy: make it finish
@@ -132,14 +132,14 @@ def test_workers_killed_before_any_task_never_break_an_executor_without_initiali
     executors.append(ex)
     killed: set[int] = set()
     deadline = time.monotonic() + BOUND
-    while len(killed) < 4 * executor._EARLY_DEATHS and time.monotonic() < deadline:
-        for w in list(ex._core.workers.slots):
+    while len(killed) < 4 * manager._EARLY_DEATHS and time.monotonic() < deadline:
+        for w in list(ex._manager.workers.slots):
             if w is not None and w.process.pid not in killed:
                 killed.add(w.process.pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.process.pid, signal.SIGKILL)
         time.sleep(0.001)
-    assert len(killed) >= 4 * executor._EARLY_DEATHS
+    assert len(killed) >= 4 * manager._EARLY_DEATHS
     assert ex.submit(square, 7).result(timeout=BOUND) == 49
 
 
@@ -207,7 +207,7 @@ def test_a_submit_after_a_callbacks_submit_runs_after_it(
 
     def from_callback(fut: concurrent.futures.Future[Any]) -> None:
         ex.submit(append_line, log, line, keys=("log",))
-        backlogged.append(bool(ex._core.backlog))
+        backlogged.append(bool(ex._manager.backlog))
         submitted.set()
 
     first = ex.submit(gated, gate, keys=("gate",))
@@ -221,7 +221,7 @@ def test_a_submit_after_a_callbacks_submit_runs_after_it(
     feeder = threading.Thread(target=fill, daemon=True)
     feeder.start()
     deadline = time.monotonic() + BOUND
-    while (st := ex._core.task_ch.stats()).capacity - st.used_bytes >= 1600:
+    while (st := ex._manager.task_ch.stats()).capacity - st.used_bytes >= 1600:
         assert time.monotonic() < deadline, "the task channel never filled"
         time.sleep(0.01)
     Path(gate).touch()
@@ -248,17 +248,17 @@ def test_a_task_failed_for_good_does_not_run_again(
     # task is about to fail with WorkerDied, and then it must not run.
     ex = shmchan.KeyedExecutor(2, max_attempts=1)
     executors.append(ex)
-    core = ex._core
-    ended = _Workers.ended
+    core = ex._manager
+    ended = WorkerSet.ended
 
-    def ended_after_redelivery(self: _Workers) -> list[Any]:
+    def ended_after_redelivery(self: WorkerSet) -> list[Any]:
         out = ended(self)
         if out:
             core.rx_tasks.maintain()  # the dead holder's task is redelivered
             core.wake_tx.send(b"")  # something on the result channel
         return out
 
-    monkeypatch.setattr(_Workers, "ended", ended_after_redelivery)
+    monkeypatch.setattr(WorkerSet, "ended", ended_after_redelivery)
     runs = str(tmp_path / "runs")
     calls: list[concurrent.futures.Future[int]] = []
     fut = ex.submit(count_then_die_first_time, runs, keys=("k",))
@@ -289,17 +289,17 @@ def test_a_timeout_kill_that_lands_on_the_next_task_does_not_count_against_it(
     # task in between. Stage that: the first time the manager looks while the second
     # task runs, it is shown the first task (already done) as running for ages.
     runs = str(tmp_path / "runs")
-    running = _Workers.running
+    running = WorkerSet.running
     staged: list[int] = []
 
-    def stale_running(self: _Workers, w: Any) -> tuple[int, int] | None:
+    def stale_running(self: WorkerSet, w: Any) -> tuple[int, int] | None:
         now = running(self, w)
         if now is not None and not staged and w.process.exitcode is None and Path(runs).exists():
             staged.append(now[0])
             return now[0] - 1, 0  # the task before, started long ago
         return now
 
-    monkeypatch.setattr(_Workers, "running", stale_running)
+    monkeypatch.setattr(WorkerSet, "running", stale_running)
     ex = shmchan.KeyedExecutor(1, max_attempts=1, task_timeout=10)
     executors.append(ex)
     first = ex.submit(square, 4, keys=("k",))
@@ -377,7 +377,7 @@ def test_a_manager_that_dies_fails_every_pending_future(
     ex = shmchan.KeyedExecutor(2)
     executors.append(ex)
     assert ex.submit(square, 2).result(timeout=BOUND) == 4
-    monkeypatch.setattr(executor._Core, "settle", broken)
+    monkeypatch.setattr(manager.Manager, "settle", broken)
     fs = [ex.submit(square, i) for i in range(20)]
     done, pending = concurrent.futures.wait(fs, timeout=BOUND)
     assert not pending

@@ -23,7 +23,7 @@ import pytest
 from test_pool import WAIT, _until, gated, no_leftovers  # noqa: F401 - no_leftovers is autouse
 
 import shmchan
-from shmchan.pool import executor
+from shmchan.pool import manager
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,7 @@ def test_a_task_waiting_in_a_workers_hands_is_not_running_and_cancels(
     _until(blocker.running)
     # The manager hands tasks to a worker ahead of time: these wait there, behind the
     # blocker, not started.
-    _until(lambda: ex._core.workers.outstanding() == 9)
+    _until(lambda: ex._manager.workers.outstanding() == 9)
     assert not any(f.running() for f in behind)
     assert ex.stats().running == 1
     assert all(f.cancel() for f in behind)
@@ -80,18 +80,18 @@ def test_a_cancel_that_loses_to_the_worker_says_so_and_the_task_runs(
     # Stage the race the other way: the worker adopts the task (starts it) just before
     # cancel() tries to take it back. Either side may win; the loser must know it.
     log, gate = str(tmp_path / "log"), str(tmp_path / "gate")
-    real = executor._Core.take_back
+    real = manager.Manager.take_back
 
     def late(data: bytes, i: int) -> shmchan.Handle | None:
         Path(gate).touch()  # the blocker ends: the worker goes on to the task
         _until(lambda: _ran(log) == 1)  # it has run it
         return real(data, i)
 
-    monkeypatch.setattr(executor._Core, "take_back", staticmethod(late))
+    monkeypatch.setattr(manager.Manager, "take_back", staticmethod(late))
     blocker = ex.submit(gated, gate, "blocker")
     task = ex.submit(logged_sleep, log, 1, 0)
     _until(blocker.running)
-    _until(lambda: ex._core.workers.outstanding() == 2)
+    _until(lambda: ex._manager.workers.outstanding() == 2)
     assert task.cancel() is False
     assert task.result(timeout=WAIT) == 1
     assert not task.cancelled()
@@ -273,7 +273,7 @@ def test_tasks_waiting_behind_a_long_task_move_to_an_idle_worker(tmp_path: Path)
         _until(slow.running)
         fs = [e.submit(logged_sleep, str(tmp_path / "log"), i, 0.01, keys=i % 8) for i in range(40)]
         done, pending = concurrent.futures.wait(fs, timeout=WAIT)
-        stolen = getattr(e._core, "stolen", "-")
+        stolen = getattr(e._manager, "stolen", "-")
         print(f"done beside a long task: {len(done)} of 40, taken over: {stolen}")
         assert not pending and not slow.done()
     finally:

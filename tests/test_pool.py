@@ -379,6 +379,10 @@ def test_shutdown_cancel_futures_cancels_what_has_not_started(tmp_path: Path) ->
     rest = [ex.submit(square, i, keys=("k",)) for i in range(20)]
     _until(first.running)
     ex.shutdown(wait=False, cancel_futures=True)
+    # The manager cancels at its next look; only then may `first` end (were the gate
+    # opened at once, an idle worker could be taking up rest[0] by then, and that one
+    # runs, as with ProcessPoolExecutor).
+    _until(lambda: all(f.cancelled() for f in rest))
     Path(gate).touch()
     ex.shutdown(wait=True)
     assert first.result(timeout=0) == "first"
@@ -424,7 +428,7 @@ def test_every_start_method_works(method: str, tmp_path: Path) -> None:
 def test_an_abandoned_executor_cleans_up() -> None:
     ex = shmchan.KeyedExecutor(1)
     fut = ex.submit(square, 3)
-    manager = ex._core.thread
+    manager = ex._manager.thread
     del ex  # never shut down: its manager finishes the work, then cleans up
     assert fut.result(timeout=WAIT) == 9
     manager.join(WAIT)
@@ -637,7 +641,7 @@ def test_chunks_keep_every_keys_items_in_input_order() -> None:
 
 
 def _one_key_chunks_model(raw: list[Any], size: int) -> list[list[int]] | None:
-    """What csrc/chunks.c's one_key_chunks must give, in plain Python."""
+    """What csrc/pool/chunks.c's one_key_chunks must give, in plain Python."""
     if not all(type(k) in (int, str, bytes) for k in raw):
         return None
     groups: dict[tuple[type, Any], list[int]] = {}
@@ -1010,7 +1014,7 @@ def test_a_child_forked_while_an_executors_lock_is_held_exits() -> None:
     import multiprocessing
 
     with shmchan.KeyedExecutor(1) as ex:
-        with held_by_another_thread(ex._core.lock):
+        with held_by_another_thread(ex._manager.lock):
             child = multiprocessing.get_context("fork").Process(target=_nothing)
             child.start()
         child.join(10)

@@ -15,14 +15,15 @@ from typing import Any
 from .. import errors, liveness
 from ..channel import list_channels, unlink
 
-_TICK = 0.05  # the manager's longest sleep: deaths and timeouts are noticed this fast
-_BATCH = 256  # handles taken from a channel per call
-_CHUNK_BATCH = 8  # map chunks sent per call
-_PREFETCH = 32  # handles a worker may have in hand (running and waiting) at once
-_STOP_GRACE = 5.0  # seconds a stopped worker gets to exit before it is killed
-_CAPACITY = 32 << 20  # default bytes of each of an executor's two channels
+TICK = 0.05  # the manager's longest sleep: deaths and timeouts are noticed this fast
+BATCH = 256  # handles taken from a channel per call
+CHUNK_BATCH = 8  # map chunks sent per call
+PREFETCH = 32  # handles a worker may have in hand (running and waiting) at once
+STOP_GRACE = 5.0  # seconds a stopped worker gets to exit before it is killed
+DEFAULT_CAPACITY = 32 << 20  # default bytes of each of an executor's two channels
+# An executor's channels: kx-<its creator's liveness token, hex>-<n>-tasks|results
 _NAME_RE = re.compile(r"kx-([0-9a-f]+)-(\d+)-(tasks|results)")
-_names = itertools.count()
+_numbers = itertools.count()
 
 
 class InitializerFailed(errors.Error, concurrent.futures.BrokenExecutor):
@@ -34,7 +35,7 @@ class InitializerFailed(errors.Error, concurrent.futures.BrokenExecutor):
     stops, and its join() raises this."""
 
 
-def _as_keys(keys: object) -> tuple[Any, ...]:
+def as_keys(keys: object) -> tuple[Any, ...]:
     """A task's keys as a tuple: one str / bytes / int is one key, None is none."""
     if keys is None:
         return ()
@@ -56,7 +57,7 @@ def check_submit_keys(keys: object) -> None:
     if callable(keys) and not isinstance(keys, (str, bytes, int, tuple, list)):
         raise errors.UnsupportedType(
             "submit(fn, *args, keys=...) takes the task's keys themselves: a str, bytes or "
-            f"int, or a tuple or list of them; not a function ({_name_of(keys)}). A function "
+            f"int, or a tuple or list of them; not a function ({name_of(keys)}). A function "
             "of one item is what map(fn, items, keys=...) takes. (If fn itself has a "
             "parameter named keys, bind it first: submit(functools.partial(fn, keys=...), "
             "*args, keys=task_keys).)"
@@ -75,7 +76,7 @@ def check_map_keys(keys: object) -> None:
         )
 
 
-def _name_of(fn: object) -> str:
+def name_of(fn: object) -> str:
     mod = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if name is None:
@@ -83,19 +84,19 @@ def _name_of(fn: object) -> str:
     return f"{mod}.{name}" if mod else str(name)
 
 
-def _dumps(obj: object, what: str, fn: object) -> bytes:
+def pickle_part(obj: object, what: str, fn: object) -> bytes:
     try:
         return pickle.dumps(obj, protocol=5)
     except Exception as e:
         raise errors.TaskNotPicklable(
-            f"{what} of the task {_name_of(fn)}(...) cannot be pickled, and tasks travel "
+            f"{what} of the task {name_of(fn)}(...) cannot be pickled, and tasks travel "
             f"to the worker processes by "
             f"pickling ({type(e).__name__}: {e}); use a function defined at module level "
             "and picklable arguments"
         ) from e
 
 
-def _context(mp_context: Any) -> Any:
+def get_context(mp_context: Any) -> Any:
     if mp_context is None:
         return multiprocessing.get_context()
     if isinstance(mp_context, str):
@@ -103,7 +104,7 @@ def _context(mp_context: Any) -> Any:
     return mp_context
 
 
-def _oom_kills() -> tuple[int, int]:
+def oom_kills() -> tuple[int, int]:
     """(the cgroup's oom_kill count, the kernel's), -1 where unreadable."""
     cgroup = kernel = -1
     try:
@@ -127,7 +128,7 @@ def _oom_kills() -> tuple[int, int]:
     return cgroup, kernel
 
 
-def _exit_status(exitcode: int | None, oom_before: tuple[int, int]) -> str:
+def exit_status(exitcode: int | None, oom_before: tuple[int, int]) -> str:
     """How a worker process ended, for an error message."""
     if exitcode is None:
         return "vanished"
@@ -139,7 +140,7 @@ def _exit_status(exitcode: int | None, oom_before: tuple[int, int]) -> str:
         name = str(-exitcode)
     text = f"was killed by signal {name}"
     if -exitcode == signal.SIGKILL:
-        after = _oom_kills()
+        after = oom_kills()
         raised = [
             what
             for what, b, a in zip(("cgroup", "kernel"), oom_before, after, strict=True)
@@ -150,7 +151,12 @@ def _exit_status(exitcode: int | None, oom_before: tuple[int, int]) -> str:
     return text
 
 
-def _reap_dead_executors() -> None:
+def new_channel_stem() -> str:
+    """The start of a new executor's channel names (see reap_dead_executors)."""
+    return f"kx-{liveness.current_token():x}-{next(_numbers)}"
+
+
+def reap_dead_executors() -> None:
     """Unlink channels left behind by executors whose process died."""
     for name in list_channels():
         m = _NAME_RE.fullmatch(name)

@@ -215,7 +215,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_shmchan_chunks",
-    "KeyedExecutor.map's per-item chunk bookkeeping (see csrc/chunks.c).", -1, methods,
+    "KeyedExecutor.map's per-item chunk bookkeeping (see csrc/pool/chunks.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__shmchan_chunks(void) { return PyModule_Create(&module); }

@@ -1,5 +1,6 @@
 """The worker processes as their manager sees them (shared by KeyedExecutor and
-KeyedPool): starting, feeding (hand_over through a pipe), watching and stopping them."""
+KeyedPool): starting, feeding (hand_over through a pipe), watching and stopping them.
+What runs inside a worker is worker.py; the words it publishes are in protocol.py."""
 
 from __future__ import annotations
 
@@ -8,19 +9,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._worker import (
+from ..channel import Handle, hand_over
+from .common import PREFETCH, STOP_GRACE, oom_kills
+from .protocol import (
     FINISHED,
     READY,
     RUNNING,
     SLOT,
     STARTED,
 )
-from ..channel import Handle, hand_over
-from .common import _PREFETCH, _STOP_GRACE, _oom_kills
 from .stats import WorkerStats
 
 
-class _Worker:
+class WorkerProcess:
     """One worker process as its manager sees it."""
 
     __slots__ = (
@@ -44,7 +45,7 @@ class _Worker:
         self.given: collections.deque[list[Any]] = collections.deque()
         self.taken = 0  # handles given, ever
         self.finished = 0  # of those, finished (the worker's FINISHED word, or results)
-        self.oom = _oom_kills()
+        self.oom = oom_kills()
         self.stopping = False
         self.ready = False  # its initializer returned (the READY word, seen once)
 
@@ -59,7 +60,7 @@ class _Worker:
             self.finished = min(finished, self.taken)
 
 
-class _Workers:
+class WorkerSet:
     """The worker processes: start, hand out, notice deaths, replace, stop."""
 
     def __init__(
@@ -69,7 +70,7 @@ class _Workers:
         target: Callable[..., None],
         args: tuple[Any, ...],
         max_tasks: int | None,
-        prefetch: int = _PREFETCH,
+        prefetch: int = PREFETCH,
         ready_first: bool = False,
     ) -> None:
         self.ctx = ctx
@@ -81,10 +82,10 @@ class _Workers:
         # a worker whose initializer fails was given would be charged an attempt.
         self.ready_first = ready_first
         self.words = ctx.RawArray("q", SLOT * size)
-        self.slots: list[_Worker | None] = [None] * size
-        self.by_pid: dict[int, _Worker] = {}
+        self.slots: list[WorkerProcess | None] = [None] * size
+        self.by_pid: dict[int, WorkerProcess] = {}
 
-    def start(self, index: int) -> _Worker:
+    def start(self, index: int) -> WorkerProcess:
         base = SLOT * index
         for k in range(SLOT):
             self.words[base + k] = 0
@@ -98,7 +99,7 @@ class _Workers:
             p.start()
         finally:
             reader.close()
-        w = _Worker(index, p, writer)
+        w = WorkerProcess(index, p, writer)
         self.slots[index] = w
         self.by_pid[p.pid] = w
         return w
@@ -107,10 +108,10 @@ class _Workers:
         for i in range(len(self.slots)):
             self.start(i)
 
-    def live(self) -> list[_Worker]:
+    def live(self) -> list[WorkerProcess]:
         return [w for w in self.slots if w is not None]
 
-    def budget(self, w: _Worker) -> int:
+    def budget(self, w: WorkerProcess) -> int:
         """How many more handles `w` may be given now."""
         if w.stopping:
             return 0
@@ -167,7 +168,7 @@ class _Workers:
 
     def _send(
         self,
-        w: _Worker,
+        w: WorkerProcess,
         items: list[Any],
         record: Callable[[list[list[Any]], bytes], None] | None,
     ) -> None:
@@ -183,7 +184,7 @@ class _Workers:
         if self.max_tasks is not None and w.taken >= self.max_tasks:
             self.stop(w)
 
-    def stop(self, w: _Worker) -> None:
+    def stop(self, w: WorkerProcess) -> None:
         """Ask `w` to exit once it has finished what it holds."""
         if not w.stopping:
             w.stopping = True
@@ -192,7 +193,7 @@ class _Workers:
             except OSError:
                 pass
 
-    def running(self, w: _Worker) -> tuple[int, int] | None:
+    def running(self, w: WorkerProcess) -> tuple[int, int] | None:
         """(seq, started ns) of the handle `w` is running, or None."""
         base = SLOT * w.index
         seq = self.words[base + RUNNING]
@@ -201,7 +202,7 @@ class _Workers:
             return None
         return seq - 1, started
 
-    def ended(self) -> list[tuple[_Worker, int | None, int | None]]:
+    def ended(self) -> list[tuple[WorkerProcess, int | None, int | None]]:
         """Workers that exited since the last call: (worker, exitcode, seq it was running)."""
         out = []
         for w in self.slots:
@@ -224,12 +225,12 @@ class _Workers:
                 w.process.kill()
             else:
                 self.stop(w)
-        deadline = time.monotonic() + _STOP_GRACE
+        deadline = time.monotonic() + STOP_GRACE
         for w in workers:
             w.process.join(max(deadline - time.monotonic(), 0))
             if w.process.exitcode is None:
                 w.process.kill()
-                w.process.join(_STOP_GRACE)
+                w.process.join(STOP_GRACE)
             w.conn.close()
 
     def stats(self) -> tuple[WorkerStats, ...]:

@@ -1,4 +1,4 @@
-"""The worker processes of KeyedExecutor and KeyedPool (shmchan/pool/).
+"""The main loop of a KeyedExecutor or KeyedPool worker process.
 
 A worker is handed key-locked handles by its manager (the pool's process, which is the
 channel's receiver). The handles travel by pickling through a pipe that carries nothing
@@ -10,7 +10,7 @@ memory through the handle.
     main thread: take a handle, run it, [executor: send the result into the result
     channel], release the handle  <--------------------------'
 
-A watcher thread checks every _PARENT_CHECK_SECONDS, from before the initializer to
+A watcher thread checks every PARENT_CHECK_SECONDS, from before the initializer to
 the worker's end, that the manager's process lives (its liveness token: pid and start
 time), and exits the worker once it does not: nobody wants its results any more, and
 what it holds goes back to the channel as a dead holder's handles do. Every blocking
@@ -31,21 +31,9 @@ held itself, so the executor's task channel has a long hand-over time. A handle 
 released only after its result was sent, so a worker that dies never loses a task: it
 runs again.
 
-The manager follows each worker through a few int64 words in shared memory (a
-multiprocessing RawArray, written only by the worker):
-
-    words[SLOT * i + RUNNING]   seq + 1 of the handle being run, 0 between handles
-    words[SLOT * i + STARTED]   CLOCK_MONOTONIC ns when that run started
-    words[SLOT * i + FINISHED]  handles taken from the inbox and finished, ever
-    words[SLOT * i + FAILED]    of those, handler calls that raised (KeyedPool)
-    words[SLOT * i + READY]     1 once the initializer returned (KeyedPool hands out
-                                nothing before: a worker whose initializer fails never
-                                held a message, so none is charged an attempt; a
-                                KeyedExecutor worker that exits before it is set never
-                                started, which breaks the executor)
-
-Handles are finished in the order they were handed over, so the manager knows from
-FINISHED which of the handles it gave this worker are still in its hands.
+The messages, the words a worker publishes about itself (RUNNING, STARTED, FINISHED,
+FAILED, READY) and the exit statuses are in protocol.py; this module is what runs in
+the worker process (the manager's side of it is workerset.py).
 """
 
 from __future__ import annotations
@@ -55,63 +43,37 @@ import logging
 import os
 import pickle
 import signal
-import struct
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import delivery, errors, liveness, remote
-from .channel import Sender, adopt, split_hand_over
+from .. import delivery, errors, liveness, remote
+from ..channel import Sender, adopt, split_hand_over
+from .protocol import (
+    CALL,
+    CHUNK_STAR,
+    EXIT_INIT_FAILED,
+    EXIT_PARENT_GONE,
+    FAILED,
+    FINISHED,
+    OK,
+    ONE,
+    PARENT_CHECK_SECONDS,
+    RAISED,
+    READY,
+    RESULT_HEADER,
+    RUNNING,
+    SLOT,
+    STAR,
+    STARTED,
+    TASK_HEADER,
+)
 
-__all__ = [
-    "SLOT",
-    "RUNNING",
-    "STARTED",
-    "FINISHED",
-    "FAILED",
-    "READY",
-    "TASK_HEADER",
-    "CALL",
-    "ONE",
-    "STAR",
-    "CHUNK",
-    "CHUNK_STAR",
-    "RESULT_HEADER",
-    "OK",
-    "RAISED",
-    "executor_worker",
-    "pool_worker",
-]
+__all__ = ["executor_worker", "pool_worker"]
 
-SLOT, RUNNING, STARTED, FINISHED, FAILED, READY = 5, 0, 1, 2, 3, 4
-
-# A task message: TASK_HEADER (the executor's task id, the function's id, n, kind) +
-# pickle(fn) (n bytes) + the body, by kind:
-#     CALL        pickle((args, kwargs))   fn(*args, **kwargs)        (submit)
-#     ONE         pickle(x)                fn(x)                      (map of one iterable)
-#     STAR        pickle(args)             fn(*args)                  (map of several)
-#     CHUNK       pickle([x, ...])         [fn(x), ...]               (map in chunks)
-#     CHUNK_STAR  pickle([args, ...])      [fn(*args), ...]
-# The function is pickled apart with an id, so that a worker unpickles each function
-# once: the executor keeps one id per function whose pickle cannot change (a plain
-# function pickles by reference) and gives every other pickle a new one.
-TASK_HEADER = struct.Struct("<QQIB")
-CALL, ONE, STAR, CHUNK, CHUNK_STAR = 0, 1, 2, 3, 4
 _FUNCTIONS = 64  # unpickled functions a worker keeps
-# A result message: RESULT_HEADER (task id, seq of the task's message, worker pid,
-# FINISHED including this one, OK | RAISED) + pickle(value), or the exception as
-# remote.pack makes it. A chunk's value is (values, failed): values[i] is item i's
-# result, or its exception packed by remote.pack where failed (None, or a set of
-# indices) says so.
-RESULT_HEADER = struct.Struct("<QQIQB")
-OK, RAISED = 0, 1
-
-_PARENT_CHECK_SECONDS = 1.0  # how often a worker checks that its manager lives
-EXIT_PARENT_GONE = 70  # the manager's process died: nobody wants our results any more
-EXIT_INIT_FAILED = 71  # the initializer raised
-
 log = logging.getLogger("shmchan.pool")
 
 
@@ -163,19 +125,19 @@ class _Inbox:
 
 def _watch_parent(parent_token: int) -> None:
     """Exit this worker once its manager's process has died (checked every
-    _PARENT_CHECK_SECONDS), whatever the other threads are doing."""
+    PARENT_CHECK_SECONDS), whatever the other threads are doing."""
     while True:
-        time.sleep(_PARENT_CHECK_SECONDS)
+        time.sleep(PARENT_CHECK_SECONDS)
         if not liveness.is_alive(parent_token):
             os._exit(EXIT_PARENT_GONE)
 
 
 def _send(tx: Sender, data: bytes, parent_token: int) -> None:
-    """tx.send(data), waiting for room at most _PARENT_CHECK_SECONDS at a time: a
+    """tx.send(data), waiting for room at most PARENT_CHECK_SECONDS at a time: a
     worker whose manager died exits rather than wait for room nobody will make."""
     while True:
         try:
-            tx.send(data, timeout=_PARENT_CHECK_SECONDS)
+            tx.send(data, timeout=PARENT_CHECK_SECONDS)
             return
         except errors.Full:
             if not liveness.is_alive(parent_token):
