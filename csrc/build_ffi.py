@@ -15,6 +15,7 @@ SOURCES = [
     "handles.c",
     "window.c",
     "recovery.c",
+    "rebuild.c",
     "compact.c",
     "islands.c",
     "segment.c",

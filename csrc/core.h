@@ -584,7 +584,7 @@ int handles_rx_asleep(shm_chan *c); /* a release in the receiver's process: wake
 void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
-/* recovery.c */
+/* rebuild.c */
 int recovery_rebuild(shm_chan *c);
 /* hash.c */
 uint64_t hash_bytes(const uint8_t *p, uint64_t n);

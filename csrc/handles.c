@@ -72,7 +72,7 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
      * could have set calls for a rebuild, as a death mid-operation does. */
     if (commit_adopt(c)) STORE_RELAXED(&c->hdr->dirty, 1);
     if (LOAD_RELAXED(&c->hdr->dirty)) {
-        /* The previous receiver died inside an operation: rebuild (recovery.c). */
+        /* The previous receiver died inside an operation: rebuild (rebuild.c). */
         pthread_mutex_lock(&c->rx_mu);
         rx_begin(c);
         int rc = recovery_rebuild(c);
