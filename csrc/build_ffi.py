@@ -9,18 +9,20 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-SOURCES = [
-    "ring.c",
-    "sched.c",
-    "handles.c",
-    "window.c",
-    "recovery.c",
-    "compact.c",
-    "islands.c",
-    "segment.c",
-    "commit.c",
+SOURCES = [  # by layer, lowest first (core.h)
+    "pause.c",
     "hash.c",
     "crc32c.c",
+    "commit.c",
+    "ring.c",
+    "sched.c",
+    "window.c",
+    "islands.c",
+    "compact.c",
+    "handles.c",
+    "recovery.c",
+    "rebuild.c",
+    "segment.c",
     "inspect.c",
     "exchange.c",
 ]

@@ -270,7 +270,7 @@ int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end) {
  * allocate below them again (a no-op where allocated: the marks are raised only after
  * success, but they are read from shared memory), and take the key table's size from the
  * header. 0 if all is well, 1 if the size is not one the receiver can have set: the
- * caller then rebuilds the tables (recovery.c), which picks a size again. */
+ * caller then rebuilds the tables (rebuild.c), which picks a size again. */
 int commit_adopt(shm_chan *c) {
     shm_header *h = c->hdr;
     if (h->slots_committed > c->cfg.max_messages + 1 || h->slots_committed < 1) h->slots_committed = 0;

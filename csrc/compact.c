@@ -77,7 +77,7 @@
  * parked record, and every slot's pos on a whole copy: a moved message's old copy is
  * either still in the chain (then recovery skips it as stale: its slot points at the
  * other copy) or inside a filler. The chains, the links in parked records and ingest_pos
- * are receiver state that a rebuild makes anew from the ring (recovery.c). An island
+ * are receiver state that a rebuild makes anew from the ring (rebuild.c). An island
  * entry written before the fillers is kept by the rebuild (its slot is a live handle) and
  * passed by head as any island.
  *
@@ -132,7 +132,7 @@ static int classify(shm_chan *c, uint64_t pos, uint64_t len, uint32_t *slot) {
     if (s > c->cfg.max_messages) return E_HARD;
     shm_slot *sl = &c->slots[s];
     if (LOAD_RELAXED(&sl->pos) != pos || sl->seq != r->seq) return E_HARD;
-    if (island_find(c, pos) >= 0) return E_ISLAND; /* made before head passed it (recovery.c) */
+    if (island_find(c, pos) >= 0) return E_ISLAND; /* made before head passed it (rebuild.c) */
     uint32_t state = SLOT_STATE(LOAD_ACQUIRE(&sl->state)); /* pairs with holders' CAS */
     *slot = s;
     if (state == SLOT_INFLIGHT) /* acquire: pairs with the holder's CAS in shm_handle_view */

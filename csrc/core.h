@@ -31,6 +31,30 @@
  *                 and the release stack
  * Cross-process words are accessed only with the atomics below; each use names its
  * ordering and the access it pairs with.
+ *
+ * Layers, lowest first: a file calls into its own layer and the layers below it only,
+ * except for the back-edges listed after.
+ *   0  pause.c hash.c crc32c.c   tests' pause points; the key hash; checksums
+ *   1  commit.c                  committing memory to the regions as they grow
+ *   2  ring.c                    the intake ring: claims, commits, head, rewinds
+ *   3  sched.c                   the key table and the key lines, the ready heap
+ *   4  window.c                  taking records in from the ring; parked records
+ *   5  islands.c                 records pinned behind head
+ *   6  compact.c                 sliding long-lived records forward
+ *   7  handles.c                 the receiver's poll, handles, releases, hand-over
+ *   8  recovery.c rebuild.c      upkeep after deaths; the rebuild after the receiver's
+ *   9  segment.c inspect.c exchange.c   opening and attaching; the operators' view;
+ *                                exchanges
+ * Back-edges, kept because each is a part of one mechanism that lives in the lower
+ * file's protocol, not a helper that could move down:
+ *   ring -> islands   (island_skip, island_find, island_remove): the ring's free-space
+ *                     count and head advance must step over pinned records
+ *   ring -> window    (window_is_writing, window_discard): repairing a dead producer's
+ *                     claim drops the receiver's placeholder for that record
+ *   sched -> window   (window_link, window_wake_push, window_check): a message taken in
+ *                     joins the window's seq list, a freed key wakes its parked records
+ *   handles -> rebuild (recovery_rebuild): taking the receiver's seat rebuilds first
+ *                     when the previous receiver died inside an operation
  */
 #ifndef SHMCHAN_CORE_H
 #define SHMCHAN_CORE_H
@@ -577,8 +601,9 @@ int island_add(shm_chan *c, uint64_t pos, uint64_t len);
 void island_remove(shm_chan *c, int i);
 int island_make_at_head(shm_chan *c, uint64_t head, int viewed);
 int island_rebuild(shm_chan *c, const uint64_t *kept_pos, uint32_t nkept);
-/* handles.c */
+/* pause.c */
 void test_pause(int point); /* a test's pause point (shmchan.h): one load unless armed */
+/* handles.c */
 int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m);
 int handles_drain(shm_chan *c);
 int handles_finish(shm_chan *c, uint32_t s);
@@ -586,7 +611,7 @@ int handles_rx_asleep(shm_chan *c); /* a release in the receiver's process: wake
 void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
-/* recovery.c */
+/* rebuild.c */
 int recovery_rebuild(shm_chan *c);
 /* hash.c */
 uint64_t hash_bytes(const uint8_t *p, uint64_t n);

@@ -72,7 +72,7 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
      * could have set calls for a rebuild, as a death mid-operation does. */
     if (commit_adopt(c)) STORE_RELAXED(&c->hdr->dirty, 1);
     if (LOAD_RELAXED(&c->hdr->dirty)) {
-        /* The previous receiver died inside an operation: rebuild (recovery.c). */
+        /* The previous receiver died inside an operation: rebuild (rebuild.c). */
         pthread_mutex_lock(&c->rx_mu);
         rx_begin(c);
         int rc = recovery_rebuild(c);
@@ -606,32 +606,6 @@ int shm_unmoved(shm_chan *c, uint32_t s, uint64_t word, uint64_t pos) {
     shm_slot *sl = &c->slots[s];
     if (LOAD_RELAXED(&sl->pos) != pos || LOAD_RELAXED(&sl->state) != word) return SHM_STALE;
     return SHM_OK;
-}
-
-/* ---- test pause points (shmchan.h) -------------------------------------------------------
- * Process-local: a test arms one point, and the first thread to reach it stops there until
- * the test lets it go, so that a race can be staged instruction by instruction. */
-static int pause_point, pause_notify = -1, pause_wait = -1;
-
-int shm_test_pause_at(int point, int notify_fd, int wait_fd) {
-    pause_notify = notify_fd;
-    pause_wait = wait_fd;
-    /* release: pairs with the acquire CAS in test_pause (the fds above are visible). */
-    __atomic_store_n(&pause_point, point, __ATOMIC_RELEASE);
-    return SHM_OK;
-}
-
-void test_pause(int point) {
-    /* relaxed: a stale read only delays a test's pause to the next call; the CAS below
-     * decides. */
-    if (LIKELY(__atomic_load_n(&pause_point, __ATOMIC_RELAXED) != point)) return;
-    int p = point;
-    /* acquire: pairs with the release store in shm_test_pause_at; one pause per arming. */
-    if (!__atomic_compare_exchange_n(&pause_point, &p, 0, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
-        return;
-    char b = 0;
-    if (write(pause_notify, &b, 1) != 1) return;
-    if (read(pause_wait, &b, 1) != 1) return;
 }
 
 /* ---- hand-over: a handle pickled to another process ----------------------------------

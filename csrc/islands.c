@@ -54,10 +54,10 @@
  *
  * Receiver killed: while making an island (entry written, head not yet past it), while
  * removing one, or between a release and freeing the slot -- the next receiver's rebuild
- * (recovery.c, island_rebuild) keeps the entries whose record is still a message (a
+ * (rebuild.c, island_rebuild) keeps the entries whose record is still a message (a
  * handle holds it, or, behind head, it waits for its redelivery and is taken in again),
  * drops the rest, and recounts island_count and the byte counts. A dead viewer is a dead
- * holder: its message is redelivered from its island (recovery.c), and the island goes
+ * holder: its message is redelivered from its island (rebuild.c), and the island goes
  * once that delivery is released.
  *
  * Accounting: stats' used_bytes counts live bytes -- head to tail, less the SKIP records
@@ -204,7 +204,7 @@ int island_make_at_head(shm_chan *c, uint64_t head, int viewed) {
     return ring_advance_head(c); /* passes it: island_find says so */
 }
 
-/* Receiver's rebuild (recovery.c), after it kept the handed-out slots (kept_pos: their
+/* Receiver's rebuild (rebuild.c), after it kept the handed-out slots (kept_pos: their
  * records' positions) and before it looks at the ring from head. Entries whose record
  * belongs to a kept slot stay. An entry behind head that no kept slot owns is a message
  * waiting for its redelivery (nacked, or its holder died): it is taken in again, here,

@@ -94,7 +94,7 @@
  * any record. Receiver killed mid-rewind: after its claim and before publishing the SKIP,
  * a CLAIMED record naming a dead claimant, repaired like a producer's (shm_repair_claim:
  * a discard record; the receiver checked room for one); after publishing it, a finished
- * record that the next receiver's rebuild passes from head (recovery.c), whatever of
+ * record that the next receiver's rebuild passes from head (rebuild.c), whatever of
  * scan_pos, ingest_pos and head it had moved.
  */
 #include <errno.h>

@@ -89,7 +89,7 @@ static int64_t key_find(shm_chan *c, uint64_t hash) {
  *
  * key_grow runs between rx_begin and rx_end like every table change: inspectors retry,
  * and a receiver killed in the middle leaves dirty set, so the next one rebuilds the
- * table (recovery.c, sched_keys_reset) from the message table and the ring. */
+ * table (rebuild.c, sched_keys_reset) from the message table and the ring. */
 static uint32_t keys_next_size(shm_chan *c) {
     uint64_t n = 2ull * c->keytab_size;
     return n > c->keytab_max ? c->keytab_max : (uint32_t)n;
@@ -134,11 +134,16 @@ static int key_grow(shm_chan *c) {
     return SHM_OK;
 }
 
+<<<<<<< HEAD
 /* Receiver rebuilding its tables (recovery.c): empty, at the largest size already
  * committed that a receiver may have (commit_adopt's rule), at least KEYTAB_FLOOR entries.
  * SHM_FULL if not even those can be committed (they were at create: only a mark gone bad
  * gets here, and allocating again what is allocated succeeds). */
 int sched_keys_reset(shm_chan *c) {
+=======
+/* Receiver rebuilding its tables (rebuild.c): the largest size already committed, empty. */
+void sched_keys_reset(shm_chan *c) {
+>>>>>>> 9f182df0635e15145c0c1def150db09093c71be7
     shm_header *h = c->hdr;
     uint32_t k = h->keys_committed <= c->keytab_max ? h->keys_committed : 0, size = KEYTAB_FLOOR;
     if (k >= c->keytab_max) size = c->keytab_max;
@@ -381,7 +386,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     } else {
         /* never used: its state word is SLOT_WORD(0, SLOT_FREE). The mark moves before the
          * slot's state is published (ready_push's release store), so a receiver's rebuild
-         * (recovery.c), which looks only below the mark, sees every slot in use. */
+         * (rebuild.c), which looks only below the mark, sees every slot in use. */
         s = h->fresh_slots;
         if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
         STORE_RELAXED(&h->fresh_slots, s + 1); /* read by slots_touched (core.h) */
@@ -402,7 +407,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     h->ingested++;
     /* The record is ours now (compaction finds its slot through it). Last, and a release
      * store so the count above comes first: a receiver's rebuild takes a record with a
-     * slot as counted in `ingested` (recovery.c). Pairs with nothing across processes. */
+     * slot as counted in `ingested` (rebuild.c). Pairs with nothing across processes. */
     STORE_RELEASE(&r->slot, s);
     *slot_out = s;
     /* Only a message free to go is taken in (window.c): first in all its lines (fifo),

@@ -462,7 +462,7 @@ static int walk_ingest(shm_chan *c) {
     return SHM_OK;
 }
 
-/* Recovery (recovery.c) hands records over in ring order, as the scan would. */
+/* The rebuild (rebuild.c) hands records over in ring order, as the scan would. */
 int window_admit(shm_chan *c, shm_record *r, uint64_t pos) {
     uint64_t blocker = 0;
     int d = decide(c, r, &blocker);
@@ -560,7 +560,7 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
 }
 
 /* Is the committed record r at pos already in the window? Only after a receiver's
- * rebuild (recovery.c) can the scan meet one: a message handed out before the crash. */
+ * rebuild (rebuild.c) can the scan meet one: a message handed out before the crash. */
 int window_taken(shm_chan *c, shm_record *r, uint64_t pos) {
     uint32_t s = r->slot;
     if (s == NIL || s > c->cfg.max_messages) return 0;

@@ -2,7 +2,7 @@
 
 A receiver process may be SIGKILLed at any instruction, inside a C call included; the
 next process to ask for the receiver carries on (rebuilding the scheduler's state if
-the dead one was in the middle of an operation: csrc/recovery.c). No accepted message
+the dead one was in the middle of an operation: csrc/rebuild.c). No accepted message
 is lost, every message is delivered exactly once except those in flight at the death
 (which come back with attempt + 1), per-key order holds among released handles, two live
 handles never share a key, and handles held by live workers stay valid.
@@ -362,7 +362,7 @@ def consume_two_and_hold(name: str, results) -> None:
 @pytest.mark.timeout(60)
 def test_rebuild_with_a_full_window_hands_out_each_message_once(make_channel):
     """A message taken in out of order (past a window full of waiting ones) and handed out
-    must stay one message when a successor rebuilds (recovery.c) and its window fills up
+    must stay one message when a successor rebuilds (rebuild.c) and its window fills up
     before it reaches that record again."""
     ch = make_channel(max_messages=16)
     with ch.sender() as tx:
@@ -474,7 +474,7 @@ def test_consumers_killed_at_random_moments_lose_nothing_and_keep_order(make_cha
     time a new consumer process takes over. A third of the kills land at random moments
     while it consumes, a third while it starts (maybe inside the rebuild of its dead
     predecessor's state), a third inside a receiver operation (frozen with SIGSTOP when its
-    dirty flag is up, then killed), which makes the next consumer rebuild (recovery.c).
+    dirty flag is up, then killed), which makes the next consumer rebuild (rebuild.c).
     Then this process drains. The logs of every consumer must show: each accepted message
     delivered, exactly once unless it was in flight at a death (then again with a higher
     attempt), per-key seq order among hand-outs and releases, no key shared by two live

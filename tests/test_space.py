@@ -321,7 +321,7 @@ def feed(name: str, start: int, stop: int) -> None:
 def test_islands_survive_a_receiver_that_dies_inside_an_update(make_channel, nack):
     # The receiver dies with an island in the ring (held by its own view, or nacked and
     # waiting behind head for its redelivery) and its dirty flag up, so its successor
-    # rebuilds (recovery.c, islands.c): the message comes back once, from its island.
+    # rebuilds (rebuild.c, islands.c): the message comes back once, from its island.
     from test_crash import mark_dirty
 
     ch = make_channel(capacity=1 << 20)
@@ -342,7 +342,7 @@ def test_islands_survive_a_receiver_that_dies_inside_an_update(make_channel, nac
     with running(producer):
         h = rx.recv(timeout=WAIT)
         # held: the dead receiver's handle, revoked (attempt 2). nacked: a rebuild takes
-        # every message no handle holds in afresh (recovery.c), so its count starts again.
+        # every message no handle holds in afresh (rebuild.c), so its count starts again.
         assert (h.seq, h.attempt) == (1, 1 if nack else 2) and h.data == payload(0, 100_000)
         drain_in_key_order(rx, producer, 61, first=31)  # 3 MB more flow past it
         producer.join(WAIT)

@@ -23,7 +23,9 @@
  * Files, one per type: segment.c (SegmentBase, and the two named semaphores),
  * handle.c (HandleBase), batch.c (BatchBase), receiver.c (ReceiverBase), sender.c
  * (SenderBase), handover.c (hand_over / adopt_many), module.c (bind, module init).
- * Names shared between files start with hot_ (types: <Name>Type); all else is static.
+ * Names defined in one file and used in another start with hot_ (the type objects are
+ * <Name>Type); the three small helpers of the per-message path are static inline here,
+ * so each call still inlines; everything else is static to its file.
  */
 #ifndef SHMCHAN_HOT_H
 #define SHMCHAN_HOT_H
