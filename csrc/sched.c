@@ -134,16 +134,11 @@ static int key_grow(shm_chan *c) {
     return SHM_OK;
 }
 
-<<<<<<< HEAD
-/* Receiver rebuilding its tables (recovery.c): empty, at the largest size already
+/* Receiver rebuilding its tables (rebuild.c): empty, at the largest size already
  * committed that a receiver may have (commit_adopt's rule), at least KEYTAB_FLOOR entries.
  * SHM_FULL if not even those can be committed (they were at create: only a mark gone bad
  * gets here, and allocating again what is allocated succeeds). */
 int sched_keys_reset(shm_chan *c) {
-=======
-/* Receiver rebuilding its tables (rebuild.c): the largest size already committed, empty. */
-void sched_keys_reset(shm_chan *c) {
->>>>>>> 9f182df0635e15145c0c1def150db09093c71be7
     shm_header *h = c->hdr;
     uint32_t k = h->keys_committed <= c->keytab_max ? h->keys_committed : 0, size = KEYTAB_FLOOR;
     if (k >= c->keytab_max) size = c->keytab_max;
