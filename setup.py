@@ -6,7 +6,7 @@
 from setuptools import Extension, setup
 
 # _shmchan_hot: one file per type, csrc/hot/hot.h shared by all
-HOT_SOURCES = ["module", "segment", "handle", "batch", "receiver", "sender", "handover"]
+HOT_SOURCES = ["module", "segment", "wake", "handle", "batch", "receiver", "sender", "handover"]
 
 setup(
     cffi_modules=["csrc/build_ffi.py:ffi"],
@@ -15,7 +15,7 @@ setup(
             "_shmchan_hot",
             sources=[f"csrc/hot/{name}.c" for name in HOT_SOURCES],
             include_dirs=["csrc", "csrc/hot"],
-            depends=["csrc/shmchan.h", "csrc/hot/hot.h"],
+            depends=["csrc/shmchan.h", "csrc/core.h", "csrc/hot/hot.h", "csrc/hot/wake.h"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers", "-Wno-cast-function-type",
                                 "-fvisibility=hidden"],

@@ -187,6 +187,14 @@ typedef struct {
     uint32_t refusals; /* claims that found the ring full, ever, wrapping: a hint to the
                         * receiver that a look for space to compact is wanted (compact.c) */
 
+    /* -- futex words of the asyncio waiters (wake.c): + 1 per wake-up request of their
+     *    side while async_waiters > 0; a waiter waits for its word to change -- */
+    _Alignas(SHM_CACHELINE) uint32_t rx_wake_seq; /* the receiver's side (wraps)           */
+    uint32_t tx_wake_seq;   /* the senders' side (wraps)                                  */
+    uint32_t async_waiters; /* asyncio waits under way, all processes; a waiter killed
+                             * while counted leaves it high: a futex call per request */
+    uint32_t pad_wake;
+
     /* -- holders -> consumer: released slots, a push-only stack (handles.c) -- */
     _Alignas(SHM_CACHELINE) uint64_t release_stack; /* slot index of the top, NIL = empty */
 

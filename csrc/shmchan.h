@@ -41,7 +41,7 @@
 #define SHM_CFG_DURABLE     2   /* file-backed: records carry a CRC-32C (crc32c.c) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  14
+#define SHM_LAYOUT_VERSION  15
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {

@@ -60,7 +60,7 @@ static int batch_finish_core(BatchObject *b, const Py_ssize_t *idx, Py_ssize_t k
         if (cnt == 0) {         /* out of memory above */
             int r = hot_core.release(seg->c, (uint32_t)b->msgs[i].slot, (uint32_t)b->msgs[i].gen,
                                      nack);
-            if (r > 0) hot_post_wakeups(seg, r);
+            if (r > 0) wake_requests(&seg->wk, r);
             else if (r < 0) rc = r;
             continue;
         }
@@ -71,12 +71,12 @@ static int batch_finish_core(BatchObject *b, const Py_ssize_t *idx, Py_ssize_t k
     if (m && !nack) {
         int wake = 0;
         rc = hot_core.release_many(seg->c, slots, gens, m, &wake);
-        if (wake & 1) hot_post_n(seg->rx_sem, 1);
-        if (wake & 2) hot_wake_sender(seg);
+        if (wake & 1) wake_post(&seg->wk, WAKE_RX, 1);
+        if (wake & 2) wake_sender(&seg->wk);
     } else if (m) { /* nacks, one core call each (rare: a batch given back) */
         for (uint32_t j = 0; j < m; j++) {
             int r = hot_core.release(seg->c, slots[j], gens[j], 1);
-            if (r > 0) hot_post_wakeups(seg, r);
+            if (r > 0) wake_requests(&seg->wk, r);
             else if (r < 0) rc = r;
         }
     }

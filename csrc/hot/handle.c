@@ -39,7 +39,7 @@ int hot_release_core(HandleObject *h, int nack) {
     if (seg == NULL || seg_detached(seg)) return SHM_STALE; /* the mapping went first */
     int r = hot_core.release(seg->c, h->slot, h->gen, nack);
     if (r <= 0) return r;
-    hot_post_wakeups(seg, r);
+    wake_requests(&seg->wk, r);
     return r & 0xFF;
 }
 
@@ -284,7 +284,7 @@ PyObject *hot_handles_from(PyObject *mod, PyObject *args) {
         }
         int r = hot_core.release(((SegmentObject *)seg)->c, (uint32_t)m[i].slot,
                                  (uint32_t)m[i].gen, 1);
-        if (r > 0) hot_post_wakeups((SegmentObject *)seg, r);
+        if (r > 0) wake_requests(&((SegmentObject *)seg)->wk, r);
     }
     Py_XDECREF(out);
     return NULL;

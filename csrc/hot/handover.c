@@ -126,7 +126,7 @@ out:
             if (list != NULL && PyList_GET_ITEM(list, i) != NULL)
                 ((HandleObject *)PyList_GET_ITEM(list, i))->done = 1;
             int r = hot_core.release(sg->c, sl[i], gn[i], 1);
-            if (r > 0) hot_post_wakeups(sg, r);
+            if (r > 0) wake_requests(&sg->wk, r);
         }
     }
     Py_XDECREF(list);

@@ -42,6 +42,7 @@
 #include <time.h>
 
 #include "shmchan.h"
+#include "wake.h"
 
 /* ---------------------------------------------------------------------------------
  * the core's entry points, set once by bind() (module.c) from the loaded cffi module
@@ -114,9 +115,7 @@ typedef struct {
     long pid;             /* the process this attachment belongs to (fork check)   */
     PyObject *detached;   /* list [bool], True once the mapping is gone             */
     PyObject *mem;        /* read-only memoryview of the whole mapping (its owner)   */
-    sem_t *rx_sem;        /* the receiver's semaphore, posted when a send wakes it  */
-    sem_t *tx_sem;        /* the senders' semaphore (waiting for space)             */
-    unsigned long long tx_posts; /* posts of tx_sem by wake_sender: a count for tests  */
+    wake_ends wk;         /* its wake-ups: semaphores and futex words (wake.c)      */
 } SegmentObject;
 
 /* HandleBase (handle.c): a message on loan */
@@ -201,11 +200,6 @@ int hot_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs,
                    PyObject *kwnames, const char *const *names, int nreq, int nmax,
                    PyObject **out);
 
-/* segment.c: the wake-ups and the waits on the channel's two named semaphores */
-void hot_post_n(sem_t *sem, unsigned n);
-void hot_wake_sender(SegmentObject *seg);
-void hot_post_wakeups(SegmentObject *seg, int r);
-int hot_sem_sleep(sem_t *sem, double deadline);
 /* segment.c: getter and setter of Sender._seg, Receiver._seg and Handle._seg */
 int hot_set_seg(SegmentObject **slot, PyObject *v);
 PyObject *hot_get_seg(SegmentObject *s);

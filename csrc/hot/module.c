@@ -153,6 +153,10 @@ PyMODINIT_FUNC PyInit__shmchan_hot(void) {
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
+    if (PyModule_AddFunctions(m, wake_module_methods) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     for (int i = 0; i < 5; i++) {
         if (PyModule_AddObjectRef(m, tnames[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(m);

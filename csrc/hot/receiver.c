@@ -30,7 +30,7 @@ static int ensure_msgs(ReceiverObject *r, uint32_t n) {
 static void give_back(SegmentObject *seg, const shm_msg *msgs, uint32_t from, uint32_t got) {
     for (uint32_t i = from; i < got; i++) {
         int r = hot_core.release(seg->c, (uint32_t)msgs[i].slot, (uint32_t)msgs[i].gen, 1);
-        if (r > 0) hot_post_wakeups(seg, r);
+        if (r > 0) wake_requests(&seg->wk, r);
     }
 }
 
@@ -43,7 +43,7 @@ static PyObject *poll_fast(ReceiverObject *self, SegmentObject *seg, uint32_t n,
     uint32_t got = 0, wake = 0;
     shm_stall stall;
     *rc = hot_core.recv(seg->c, self->msgs, n, &got, arm, &stall, &wake);
-    if (wake) hot_wake_sender(seg);
+    if (wake) wake_sender(&seg->wk);
     PyObject *out = PyList_New(got);
     if (out == NULL) {
         give_back(seg, self->msgs, 0, got);
@@ -71,7 +71,7 @@ static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int
     uint32_t got = 0, wake = 0;
     shm_stall stall;
     *rc = hot_core.recv(seg->c, self->msgs, 1, &got, arm, &stall, &wake);
-    if (wake) hot_wake_sender(seg);
+    if (wake) wake_sender(&seg->wk);
     if (!got) return NULL;
     PyObject *h = hot_make_handle(seg, &self->msgs[0]);
     if (h == NULL) give_back(seg, self->msgs, 0, 1);
@@ -98,7 +98,7 @@ static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int
  * when Receiver._poll must take over (any other status, closed, or time is up). */
 static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
     SegmentObject *seg = self->seg;
-    if (seg == NULL || seg->rx_sem == NULL) return NULL;
+    if (seg == NULL || seg->wk.sem[WAKE_RX] == NULL) return NULL;
     Py_INCREF(seg);
     double spin_until = monotonic() + self->spin, stall_until = 0.0;
     int arm = 0, rc;
@@ -152,7 +152,7 @@ static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
             }
             continue;
         }
-        if (hot_sem_sleep(seg->rx_sem, fmin(deadline, self->next_maintenance)) < 0) break;
+        if (wake_sleep(&seg->wk, WAKE_RX, fmin(deadline, self->next_maintenance)) < 0) break;
         if (monotonic() - now < SPIN_SECONDS) self->spin = SPIN_SECONDS; /* woken soon */
     }
     Py_DECREF(seg);
@@ -282,8 +282,8 @@ static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) 
         PyMem_Free(slots);
         PyMem_Free(gens);
     }
-    if (wake & 1) hot_post_n(seg->rx_sem, 1);
-    if (wake & 2) hot_wake_sender(seg);
+    if (wake & 1) wake_post(&seg->wk, WAKE_RX, 1);
+    if (wake & 2) wake_sender(&seg->wk);
     Py_DECREF(seg);
     Py_DECREF(seq);
     if (rc >= 0) Py_RETURN_NONE;
@@ -332,7 +332,7 @@ static PyObject *Receiver_recv_batch(ReceiverObject *self, PyObject *const *args
         uint32_t got = 0, wake = 0;
         shm_stall stall;
         (void)hot_core.recv(seg->c, self->msgs, want, &got, 0, &stall, &wake);
-        if (wake) hot_wake_sender(seg);
+        if (wake) wake_sender(&seg->wk);
         if (got) {
             PyObject *b = hot_batch_new(seg, self->msgs, got);
             if (b == NULL) give_back(seg, self->msgs, 0, got);

@@ -114,7 +114,7 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
         int rc = hot_core.send(seg->c, SHM_PAYLOAD_RAW, data, (uint64_t)len, (const char *)kb.buf,
                                kb.len, kb.n, &seq, &stall, &wake);
         if (rc == SHM_OK) {
-            if (wake) hot_post_n(seg->rx_sem, 1); /* the receiver sleeps */
+            if (wake) wake_post(&seg->wk, WAKE_RX, 1); /* the receiver sleeps */
             return PyLong_FromUnsignedLongLong(seq);
         }
         /* full, stalled or an error: nothing was sent; the slow path waits or raises */
@@ -346,7 +346,7 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
                                 p.blob.p ? p.blob.p : "", p.blob.len,
                                 (const uint32_t *)p.klens.p, (const uint32_t *)p.nkeys.p, sq,
                                 &done, &stall, &wake);
-    if (wake) hot_post_n(seg->rx_sem, 1); /* the receiver sleeps */
+    if (wake) wake_post(&seg->wk, WAKE_RX, 1); /* the receiver sleeps */
     if (rc == SHM_OK) {
         res = PyList_New(p.n);
         for (Py_ssize_t i = 0; res != NULL && i < p.n; i++) {
@@ -468,7 +468,7 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
                                 p.blob.p ? p.blob.p : "", p.blob.len,
                                 (const uint32_t *)p.klens.p, (const uint32_t *)p.nkeys.p,
                                 (uint64_t *)PyByteArray_AS_STRING(seqs), &done, &stall, &wake);
-        if (wake) hot_post_n(seg->rx_sem, 1); /* the receiver sleeps */
+        if (wake) wake_post(&seg->wk, WAKE_RX, 1); /* the receiver sleeps */
     }
     if (rc == SHM_OK || p.n == 0) {
         PyObject *mv = PyMemoryView_FromObject(seqs);
