@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,3 +45,52 @@ def test_pool_stats_keep_the_counts_of_replaced_workers(
     chan = ch.stats()  # the channel's own account agrees
     assert (chan.released, chan.dead_letters) == (st.handled, 20)
     assert chan.delivered == st.handled + st.failed + st.redelivered
+
+
+def note_payload(directory: str, payload: Any, keys: tuple[Any, ...]) -> None:
+    with open(Path(directory, "seen"), "a") as f:
+        f.write(f"{payload}\n")
+
+
+def test_pool_is_awaited_from_an_event_loop_without_blocking_it(
+    make_channel: Callable[..., shmchan.Channel], tmp_path: Path
+) -> None:
+    """join_async waits for the pool's end on the loop (a heartbeat keeps beating), times
+    out with False while the pool runs, a cancelled one leaves the pool running, and
+    `async with` closes and awaits the end."""
+    ch = make_channel()
+    tx = ch.sender()
+
+    async def main() -> tuple[bool, float, bool]:
+        gaps: list[float] = []
+
+        async def heartbeat() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.create_task(heartbeat())
+        async with shmchan.KeyedPool(
+            ch.name, _Handler(note_payload, str(tmp_path)), processes=2
+        ) as pool:
+            early = await pool.join_async(timeout=0.2)  # running: not ended
+            waiter = asyncio.create_task(pool.join_async())
+            await asyncio.sleep(0.05)
+            waiter.cancel()  # a cancelled await leaves the pool serving
+            for i in range(200):
+                await tx.send_async(i, keys=(f"k{i % 7}",), timeout=WAIT)
+            ch.shutdown()
+            ended = await pool.join_async(timeout=WAIT)
+        beat.cancel()
+        return early, max(gaps), ended
+
+    early, worst_gap, ended = asyncio.run(asyncio.wait_for(main(), 2 * WAIT))
+    assert early is False
+    assert ended is True
+    seen = sorted(int(x) for x in Path(tmp_path, "seen").read_text().split())
+    assert seen == list(range(200))
+    # the loop never waited on the pool: generous bound, far below the time join takes
+    assert worst_gap < 5.0, worst_gap

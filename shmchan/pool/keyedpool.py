@@ -3,6 +3,7 @@ it (its manager thread is keyedpool_manager.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,10 @@ class KeyedPool:
     every message outside producers send to it. A return releases the message's handle,
     an exception is logged and nacks it (the channel's max_attempts / dead letters
     apply), a worker that dies is replaced and its messages are redelivered.
+
+    From an event loop: `await pool.join_async(timeout)` and `async with pool:` wait for
+    the end without blocking the loop (constructing the pool starts its processes: from
+    a loop that must not pause for that, `await asyncio.to_thread(KeyedPool, ...)`).
 
     `close()` stops taking messages and lets the workers finish what the pool holds
     (a message whose worker dies meanwhile goes back to the channel and is taken again,
@@ -106,6 +111,30 @@ class KeyedPool:
         if self._manager.failure is not None:
             raise self._manager.failure
         return True
+
+    async def join_async(self, timeout: float | None = None) -> bool:
+        """join() for an event loop: awaits the pool's end without blocking the loop and
+        without a thread of its own (the pool's manager thread resolves the await as it
+        ends); True if it has ended, False after `timeout` seconds. Cancelling the await
+        leaves the pool running."""
+        fut = self._manager.await_end()
+        if fut is not None:
+            try:
+                await asyncio.wait_for(fut, timeout)
+            except TimeoutError:
+                return False
+        self._manager.thread.join()  # it has returned (or is returning) from run()
+        if self._manager.failure is not None:
+            raise self._manager.failure
+        return True
+
+    async def __aenter__(self) -> KeyedPool:
+        return self
+
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        """close(), then await the workers' end (as the synchronous `with` does)."""
+        self.close()
+        await self.join_async()
 
     def __enter__(self) -> KeyedPool:
         return self

@@ -11,12 +11,15 @@ the workers, notices deaths, and stops the pool.
     before it stops.
 
 KeyedPool (keyedpool.py) is the caller's side: it sets `closing` / `terminating`, joins
-the thread, reads `failure` and stats().
+the thread (or, from an event loop, awaits a future this thread resolves as it ends),
+reads `failure` and stats().
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import threading
 import time
 
@@ -28,6 +31,11 @@ from .stats import PoolStats
 from .workerset import WorkerProcess, WorkerSet
 
 __all__ = ["PoolManager"]
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():  # (a cancelled join_async left it cancelled)
+        fut.set_result(None)
 
 
 class PoolManager:
@@ -48,6 +56,10 @@ class PoolManager:
         self.failure: BaseException | None = None  # join() raises it
         # seqs of messages a worker died with after close(): taken again before the end
         self.owed: set[int] = set()
+        # join_async() awaiters: (loop, future), resolved from this thread once it ends
+        self.awaiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.ended = False  # under awaiters_lock: run() has returned
+        self.awaiters_lock = threading.Lock()
         self.thread = threading.Thread(target=self.run, name="shmchan-KeyedPool", daemon=True)
         self.thread.start()
 
@@ -119,7 +131,29 @@ class PoolManager:
                     else:
                         time.sleep(0.005)
         finally:
-            self.stop()
+            try:
+                self.stop()
+            finally:
+                self.wake_awaiters()
+
+    def await_end(self) -> asyncio.Future[None] | None:
+        """The event loop's side of KeyedPool.join_async: a future this thread resolves
+        once it ends, or None if it has already ended."""
+        loop = asyncio.get_running_loop()
+        with self.awaiters_lock:
+            if self.ended:
+                return None
+            fut: asyncio.Future[None] = loop.create_future()
+            self.awaiters.append((loop, fut))
+            return fut
+
+    def wake_awaiters(self) -> None:
+        with self.awaiters_lock:
+            self.ended = True
+            awaiters, self.awaiters = self.awaiters, []
+        for loop, fut in awaiters:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody awaits
+                loop.call_soon_threadsafe(_resolve, fut)
 
     def give(self) -> None:
         room = self.workers.capacity()
