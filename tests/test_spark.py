@@ -1,4 +1,4 @@
-"""shmchan.spark on a local[2] SparkSession (one per module: a JVM takes seconds to start).
+"""shmchan.spark on a local[2] SparkSession (one per test run: a JVM takes seconds to start).
 
 Components are checked against a union-find over the same rows in Python; process_keyed
 against a serial replay of an order-dependent workload; send_partitions against a consumer
@@ -17,7 +17,6 @@ import threading
 import time
 import types
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,13 +33,20 @@ from tests.procs import child_env
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
+def shared_session(config: pytest.Config) -> SparkSession:
+    """The local[2] session of this test run, shared by the Spark test modules (each JVM
+    start costs 5-30 s): started by the first module that asks, stopped when the run ends."""
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
     s = ss.session("shmchan-tests", master="local[2]")
-    try:
-        yield s
-    finally:
-        ss.stop(s)
+    config.add_cleanup(lambda: ss.stop(s))
+    return s
+
+
+@pytest.fixture(scope="module")
+def spark(pytestconfig: pytest.Config) -> SparkSession:
+    return shared_session(pytestconfig)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -534,8 +540,8 @@ def test_a_failed_task_does_not_hand_its_executor_on(spark: SparkSession, tmp_pa
 
 
 def test_process_keyed_runs_one_partition_per_core_unless_told(spark: SparkSession) -> None:
-    """Each partition is a Spark task that starts its own worker processes: by default
-    as many as Spark has cores (defaultParallelism), not spark.sql.shuffle.partitions."""
+    """Each partition is a Spark task: by default as many as Spark has cores
+    (defaultParallelism), not spark.sql.shuffle.partitions."""
     df = spark.range(60).selectExpr("id", "concat('k', id % 7) as k")
     before = spark.conf.get("spark.sql.shuffle.partitions")
     spark.conf.set("spark.sql.shuffle.partitions", "50")

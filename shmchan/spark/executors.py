@@ -9,7 +9,8 @@ for `workers_per_task` process starts and stops.
     task runs:    its rows, each carrying the number of the task's plan (`post`): a
                   worker that has not loaded that plan yet reads it from the executor's
                   plan directory (function, column names, task context), once
-    task ends:    every row ran and returned, nothing queued or running -> idle again;
+    task ends:    every row ran and returned, nothing queued or running, and the Python
+                  worker runs further tasks (Spark says so in its environment) -> idle;
                   an exception, or a task Spark stopped reading early -> shut down,
                   so a retried task never meets a busy or broken executor
     idle for IDLE_SECONDS -> shut down by a reaper thread (Spark kills a Python worker
@@ -44,6 +45,9 @@ from ..pool import KeyedExecutor
 
 IDLE_SECONDS = 45.0  # an idle executor lives this long (Spark kills idle workers at 60 s)
 MAX_IDLE = 2  # idle executors kept per Python worker, the least recently used go first
+# Set by Spark in its Python workers' environment when they run task after task
+# (spark.python.worker.reuse): a worker that runs one task and exits keeps nothing.
+REUSE_ENV = "SPARK_REUSE_WORKER"
 
 # The channels of a KeyedExecutor: kx-<its creator's liveness token, hex>-<n>-tasks|results.
 _EXECUTOR_CHANNEL = re.compile(r"kx-([0-9a-f]+)-\d+-(?:tasks|results)")
@@ -118,6 +122,9 @@ def borrowed(config: Config, install: Callable[[str], None]) -> Iterator[Lent]:
     task's `with` block ended normally and the executor has nothing left to run."""
     global starts
     lent = _take(config)
+    if lent is not None and not _usable(lent):
+        lent.close()
+        lent = None
     if lent is None:
         lent = Lent(config, install)
         starts += 1
@@ -128,10 +135,17 @@ def borrowed(config: Config, install: Callable[[str], None]) -> Iterator[Lent]:
         yield lent
         clean = True
     finally:
-        if clean and lent.idle():
+        if clean and os.environ.get(REUSE_ENV) and _usable(lent):
             _give_back(lent)
         else:
             lent.close()
+
+
+def _usable(lent: Lent) -> bool:
+    try:
+        return lent.idle()
+    except Exception:  # its manager failed: not for another task
+        return False
 
 
 def _take(config: Config) -> Lent | None:
