@@ -8,6 +8,9 @@ Both run, on the same cached data and session, an I/O-bound function (a 2 ms sle
 result depends on the order: the row's position among the rows of its key, counted in a
 shared file of counters. The two results must be identical (else the run fails).
 
+The 400 000-row size runs once (ONCE_FROM) and without applyInPandas (PANDAS_UP_TO),
+which would take half an hour there; SHMCHAN_BENCH_SPARK_ROWS picks other sizes.
+
 Also measured: the key-graph components of 1 M rows (100 k quick) on Spark
 (large-star / small-star, forced with driver_threshold=0) with their rounds, and the cost
 of one giant component: the same rows plus bridge rows that join every key into one
@@ -153,7 +156,8 @@ def _have_pandas() -> str | None:
 
 
 def _executor_start(partition: Any) -> Any:
-    """In a Spark task: seconds to start a KeyedExecutor, run one row, and shut it down."""
+    """In a Spark task: seconds to start a KeyedExecutor, run one row, and shut it down
+    (what process_keyed pays in the first task a Python worker runs)."""
     import shmchan
 
     t0 = time.perf_counter()
@@ -245,7 +249,8 @@ def _run_spark(run: Run) -> None:
                 "s",
                 False,
                 starts,
-                note="paid once per Spark task (partition) of process_keyed",
+                note="paid by a Spark Python worker's first process_keyed task: its later "
+                "tasks reuse the executor",
             )
         )
         run.progress.step("spark: executor start-up per task")
