@@ -22,7 +22,9 @@ of its own queued or running, so two tasks' rows never share its key locks.
 
 Reusing an executor starts no executor, and so does not sweep the channels that killed
 executors left behind (a new executor does that): `borrow` sweeps them itself when it
-reuses one, so what a killed task left is gone once the next task on the node starts.
+reuses one, so what a killed task left is gone once the next task on the node starts
+(the plan file of a task killed while it ran too: plan files are named after their
+creator's liveness token).
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import itertools
 import os
 import pickle
 import re
-import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -43,6 +45,7 @@ from typing import Any, NamedTuple
 from .. import ChannelNotFound, list_channels, liveness, unlink
 from ..pool import KeyedExecutor
 
+PLANS_DIR = os.path.join(tempfile.gettempdir(), "shmchan-spark-plans")
 IDLE_SECONDS = 45.0  # an idle executor lives this long (Spark kills idle workers at 60 s)
 MAX_IDLE = 2  # idle executors kept per Python worker, the least recently used go first
 # Set by Spark in its Python workers' environment when they run task after task
@@ -62,29 +65,29 @@ class Config(NamedTuple):
 
 
 class Lent:
-    """A KeyedExecutor and the directory its tasks' plans are posted in."""
+    """A KeyedExecutor and where its tasks' plans are posted (files `<plans><number>`,
+    each removed when its task ends)."""
 
     def __init__(self, config: Config, install: Callable[[str], None]) -> None:
         self.config = config
-        self.plans = tempfile.mkdtemp(prefix=f"shmchan-spark-{os.getpid()}-")
+        # One directory for every process's plans, none per executor: a Python worker
+        # killed while idle (as Spark stops idle ones) leaves nothing behind in it.
+        os.makedirs(PLANS_DIR, exist_ok=True)
+        creator = f"{liveness.current_token():x}"
+        self.plans = os.path.join(PLANS_DIR, f"{creator}-{uuid.uuid4().hex[:12]}-")
         self.numbers = itertools.count(1)
-        self.started_at = time.monotonic()
-        try:
-            self.executor = KeyedExecutor(
-                max_workers=config.workers,
-                initializer=install,
-                initargs=(self.plans,),
-                max_attempts=config.max_attempts,
-                task_timeout=config.task_timeout,
-            )
-        except BaseException:
-            shutil.rmtree(self.plans, ignore_errors=True)
-            raise
+        self.executor = KeyedExecutor(
+            max_workers=config.workers,
+            initializer=install,
+            initargs=(self.plans,),
+            max_attempts=config.max_attempts,
+            task_timeout=config.task_timeout,
+        )
 
     def post(self, plan: Any) -> int:
         """Write `plan` for the workers to load; its number, which the rows carry."""
         number = next(self.numbers)
-        path = os.path.join(self.plans, str(number))
+        path = self.plans + str(number)
         with open(path + ".tmp", "wb") as f:
             pickle.dump(plan, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(path + ".tmp", path)  # a worker sees all of it or nothing
@@ -92,7 +95,7 @@ class Lent:
 
     def withdraw(self, number: int) -> None:
         try:
-            os.unlink(os.path.join(self.plans, str(number)))
+            os.unlink(self.plans + str(number))
         except FileNotFoundError:
             pass
 
@@ -102,10 +105,7 @@ class Lent:
         return s.queued == 0 and s.running == 0
 
     def close(self) -> None:
-        try:
-            self.executor.shutdown(wait=True, cancel_futures=True)
-        finally:
-            shutil.rmtree(self.plans, ignore_errors=True)
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 _lock = threading.Lock()
@@ -126,10 +126,11 @@ def borrowed(config: Config, install: Callable[[str], None]) -> Iterator[Lent]:
         lent.close()
         lent = None
     if lent is None:
-        lent = Lent(config, install)
+        lent = Lent(config, install)  # (a new executor sweeps dead executors' channels)
         starts += 1
     else:
         _sweep_dead_executors()
+    _sweep_dead_plans()
     clean = False
     try:
         yield lent
@@ -202,6 +203,25 @@ def _sweep_dead_executors() -> None:
             try:
                 unlink(name)
             except ChannelNotFound:
+                pass  # another process removed it first
+
+
+def _sweep_dead_plans() -> None:
+    """Remove the plan files of tasks whose process died (killed mid-task)."""
+    try:
+        names = os.listdir(PLANS_DIR)
+    except FileNotFoundError:
+        return
+    for name in names:
+        creator = name.partition("-")[0]
+        try:
+            dead = not liveness.is_alive(int(creator, 16))
+        except ValueError:
+            continue  # not a plan file
+        if dead:
+            try:
+                os.unlink(os.path.join(PLANS_DIR, name))
+            except FileNotFoundError:
                 pass  # another process removed it first
 
 

@@ -390,7 +390,8 @@ def _on_worker_path(module: types.ModuleType) -> bool:
 
 
 def _install(plans: str) -> None:
-    """The executor's initializer: where this worker finds the plans of its tasks."""
+    """The executor's initializer: where this worker finds the plans of its tasks (the
+    path they share, their number appended)."""
     _installed["plans"] = plans
     _installed["number"] = None
 
@@ -398,7 +399,7 @@ def _install(plans: str) -> None:
 def _load(number: int) -> None:
     """Install the plan of task `number` in this worker: its function, its row type and
     its task context (each task of a reused executor posts its own)."""
-    with open(os.path.join(_installed["plans"], str(number)), "rb") as f:
+    with open(_installed["plans"] + str(number), "rb") as f:
         fn, cols, ctx = pickle.load(f)
     _installed["fn"] = pickle.loads(fn)
     _installed["row"] = Row(*cols)
