@@ -7,8 +7,8 @@ for `workers_per_task` process starts and stops.
 
     task starts:  borrow(config) -> an idle executor of that configuration, else a new one
     task runs:    its rows, each carrying the number of the task's plan (`post`): a
-                  worker that has not loaded that plan yet reads it from the executor's
-                  plan directory (function, column names, task context), once
+                  worker that has not loaded that plan yet reads it from its file in
+                  PLANS_DIR (function, column names, task context), once
     task ends:    every row ran and returned, nothing queued or running, and the Python
                   worker runs further tasks (Spark says so in its environment) -> idle;
                   an exception, or a task Spark stopped reading early -> shut down,
