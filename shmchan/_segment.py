@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
+import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 import posix_ipc
 
 from . import errors, liveness
@@ -646,7 +646,7 @@ def list_names() -> list[str]:
 
 
 # hand_over()'s bytes: this header, the channel's name and path (UTF-8), then (slot, gen)
-# per handle as two uint32 in this machine's byte order (csrc/hotpath.c).
+# per handle as two uint32 in this machine's byte order (csrc/hot/handover.c).
 HANDOVER = struct.Struct("<4sQHH")  # magic, chan_id, name length, path length (or NO_PATH)
 HANDOVER_MAGIC = b"shHO"
 NO_PATH = 0xFFFF

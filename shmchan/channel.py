@@ -1,7 +1,7 @@
 """Channel and Stats: a named channel, created once and opened from any process, and
 the public face of the package's per-type modules.
 
-Each public type lives in its own module, named like its C half in csrc/hotpath.c:
+Each public type lives in its own module, named like its C half in csrc/hot/:
 `Sender` (shmchan.sender), `Receiver` (shmchan.receiver), `Handle`, `Batch`,
 `DeadLetter`, `hand_over`, `split_hand_over` and `adopt` (shmchan.handle); they are
 importable from here too. Opening and naming segments is `shmchan._segment`'s.

@@ -1,6 +1,6 @@
-"""Handle, Batch and DeadLetter: messages on loan (the Python half of csrc/hotpath.c's
-HandleBase and BatchBase), and handing handles over between processes (`hand_over`,
-`split_hand_over`, `adopt`).
+"""Handle, Batch and DeadLetter: messages on loan (the Python halves of csrc/hot/handle.c's
+HandleBase and csrc/hot/batch.c's BatchBase), and handing handles over between processes
+(`hand_over`, `split_hand_over`, `adopt`; csrc/hot/handover.c).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
+import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
 from . import codec, errors, liveness
 from ._lib import ffi, lib, raise_for
@@ -36,7 +36,7 @@ __all__ = ["Handle", "Batch", "DeadLetter", "hand_over", "split_hand_over", "ado
 class Handle(_hot.HandleBase):
     """A message on loan with its keys locked, until released (or nacked).
 
-    The per-message part is implemented in C (csrc/hotpath.c): the fields, `payload`
+    The per-message part is implemented in C (csrc/hot/handle.c): the fields, `payload`
     for bytes, `release` / `ack`, `with`, and releasing on garbage collection in the
     process that holds it."""
 
@@ -292,7 +292,7 @@ class Batch(_hot.BatchBase):
     Handle of its own; `b.held` counts what is still held. `with b:` releases on exit,
     and a batch collected while holding messages releases them (in the receiving
     process). Keys stay locked until each message is released, exactly as with Handles.
-    Implemented in C (csrc/hotpath.c)."""
+    Implemented in C (csrc/hot/batch.c)."""
 
     __slots__ = ()
 

@@ -1,4 +1,4 @@
-"""Receiver: the one consumer of a channel (the Python half of csrc/hotpath.c's
+"""Receiver: the one consumer of a channel (the Python half of csrc/hot/receiver.c's
 ReceiverBase).
 
 `recv`, `recv_many`, `recv_batch` and `release_many` are implemented in C; Python is
@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import NoReturn
 
-import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
+import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
 from . import _segment, errors, liveness
 from ._lib import ffi, lib, raise_for
@@ -44,7 +44,7 @@ def _settle_gate(seg: Segment, pos: int, owner: int) -> object:
 class Receiver(_hot.ReceiverBase):
     """The one consumer of a channel: hands out key-locked handles.
 
-    `recv`, `recv_many` and `release_many` are implemented in C (csrc/hotpath.c): one
+    `recv`, `recv_many` and `release_many` are implemented in C (csrc/hot/receiver.c): one
     poll of the core, Handles built in C. Whenever that poll finds nothing, maintenance
     is due or an argument needs checking, they call the `_*_slow` methods below."""
 

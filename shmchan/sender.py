@@ -1,4 +1,4 @@
-"""Sender: puts messages into a channel (the Python half of csrc/hotpath.c's SenderBase).
+"""Sender: puts messages into a channel (the Python half of csrc/hot/sender.c's SenderBase).
 
 `send`, `send_many` and `send_batch` are one C call each; what the C fast path leaves to
 Python comes to the `_*_slow` methods here: payloads to pickle, keys to encode, a full
@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-import _shmchan_hot as _hot  # the per-message calls (csrc/hotpath.c)
+import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
 from . import codec, errors
 from ._lib import ffi, lib, raise_for
@@ -23,7 +23,7 @@ __all__ = ["Sender"]
 class Sender(_hot.SenderBase):
     """Sends messages into a channel. Picklable; works after fork, spawn and forkserver.
 
-    `send` is implemented in C (csrc/hotpath.c); it calls `_send_slow` for whatever is
+    `send` is implemented in C (csrc/hot/sender.c); it calls `_send_slow` for whatever is
     not a bytes payload with plain keys on an open channel with room."""
 
     def __init__(self, channel: Attachment) -> None:

@@ -1,4 +1,5 @@
-# Types of the compiled hot path (csrc/hotpath.c). Private to shmchan.channel.
+# Types of the compiled hot path (csrc/hot/). Private to shmchan: its _segment, sender,
+# receiver and handle modules.
 from collections.abc import Callable, Iterable
 from typing import Any
 

@@ -1,4 +1,4 @@
-"""The C hot path (csrc/hotpath.c) against the Python definitions it replaces.
+"""The C hot path (csrc/hot/) against the Python definitions it replaces.
 
 `_shmchan_hot` re-implements send, send_many's packing, recv, recv_many, release,
 release_many, payload and release-on-collection in C, and hands everything else to the

@@ -1,0 +1,376 @@
+/* receiver.c -- ReceiverBase: recv, recv_many, recv_batch and release_many, the
+ * per-message half of shmchan.Receiver.
+ *
+ * A receive polls the core once (shm_recv) and turns what it hands out into Handles;
+ * messages the core handed out that cannot become Handles (out of memory) are given back
+ * at once, so nothing stays held by this process unseen. When the channel is empty the
+ * plain case waits here, in C (wait_for: spin, arm the eventcount, sleep on the
+ * receiver's semaphore), running the receiver's upkeep (Receiver.maintain) in place
+ * when it is due; anything else -- a timeout of another type, a closed receiver, a
+ * stall that outlasts the spin, an error status -- goes to Receiver._poll in Python.
+ */
+#include "hot.h"
+
+static int ensure_msgs(ReceiverObject *r, uint32_t n) {
+    if (n <= r->nmsgs) return 0;
+    shm_msg *m = PyMem_Realloc(r->msgs, (size_t)n * sizeof(shm_msg));
+    if (m == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->msgs = m;
+    r->nmsgs = n;
+    return 0;
+}
+
+
+/* The core handed out msgs[from..got) but they cannot become Handles (out of memory):
+ * give them back (as a nack: they are redelivered with attempt + 1) rather than leave
+ * them held by this process, where nothing would ever release them. */
+static void give_back(SegmentObject *seg, const shm_msg *msgs, uint32_t from, uint32_t got) {
+    for (uint32_t i = from; i < got; i++) {
+        int r = hot_core.release(seg->c, (uint32_t)msgs[i].slot, (uint32_t)msgs[i].gen, 1);
+        if (r > 0) hot_post_wakeups(seg, r);
+    }
+}
+
+/* One non-blocking poll of seg (the receiver's segment, referenced by the caller) for
+ * up to n messages. Returns a new list (possibly empty) or NULL with an exception; on
+ * failure nothing stays handed out. */
+static PyObject *poll_fast(ReceiverObject *self, SegmentObject *seg, uint32_t n, int arm,
+                           int *rc) {
+    if (ensure_msgs(self, n) < 0) return NULL;
+    uint32_t got = 0, wake = 0;
+    shm_stall stall;
+    *rc = hot_core.recv(seg->c, self->msgs, n, &got, arm, &stall, &wake);
+    if (wake) hot_wake_sender(seg);
+    PyObject *out = PyList_New(got);
+    if (out == NULL) {
+        give_back(seg, self->msgs, 0, got);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < got; i++) {
+        PyObject *h = hot_make_handle(seg, &self->msgs[i]);
+        if (h == NULL) {
+            give_back(seg, self->msgs, i, got);
+            for (uint32_t j = 0; j < i; j++) /* made already: nack them too, then drop */
+                hot_release_core((HandleObject *)PyList_GET_ITEM(out, j), 1);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, h);
+    }
+    return out;
+}
+
+/* poll_fast for one message, without the list (a list per call would also feed the
+ * cyclic garbage collector's allocation count). Returns a new Handle, or NULL: with
+ * an exception set on error, without one if nothing was ready (*rc says why). */
+static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int *rc) {
+    if (ensure_msgs(self, 1) < 0) return NULL;
+    uint32_t got = 0, wake = 0;
+    shm_stall stall;
+    *rc = hot_core.recv(seg->c, self->msgs, 1, &got, arm, &stall, &wake);
+    if (wake) hot_wake_sender(seg);
+    if (!got) return NULL;
+    PyObject *h = hot_make_handle(seg, &self->msgs[0]);
+    if (h == NULL) give_back(seg, self->msgs, 0, 1);
+    return h;
+}
+
+/* recv's (and recv_many's) wait for the plain case, so that an idle receiver wakes
+ * straight into C: the channel is empty (SHM_EMPTY) or upkeep is due before the first
+ * poll (it runs first, below), and the deadline is not due. Same
+ * protocol as Receiver._poll: spin a little, arm the eventcount (shm_recv with arm_sleep
+ * re-checks after announcing the sleep), then sleep on the semaphore, until a post, the
+ * deadline or the next maintenance; maintenance runs in place (Receiver.maintain) and
+ * the wait goes on, so the wake-up after it is as quick as any. The GIL is released
+ * while spinning and sleeping; the segment is held by a reference of our own, and if
+ * another thread closed the receiver meanwhile, Receiver._poll takes over (and says so).
+ *
+ * The spin adapts, as adaptive mutexes do: it is worth its CPU only when messages come
+ * within it. A spin that runs out halves the next one (down to none); a sleep that is
+ * woken within SPIN_SECONDS restores it. So a busy receiver spins instead of paying a
+ * wake-up per message, and a receiver idle between rare messages sleeps at once --
+ * which also leaves its CPU free for the sender it is waiting for.
+ * Returns a new Handle (for recv: n == 0) or a non-empty list of at most n of them (for
+ * recv_many); or NULL with an exception (a signal handler raised); or NULL without one
+ * when Receiver._poll must take over (any other status, closed, or time is up). */
+static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
+    SegmentObject *seg = self->seg;
+    if (seg == NULL || seg->rx_sem == NULL) return NULL;
+    Py_INCREF(seg);
+    double spin_until = monotonic() + self->spin, stall_until = 0.0;
+    int arm = 0, rc;
+    PyObject *h = NULL;
+    for (;;) {
+        double now = monotonic();
+        if (self->seg != seg || now >= deadline) break;
+        if (now >= self->next_maintenance) {
+            /* Upkeep in place (Receiver.maintain), then back to waiting here: a message
+             * that comes after it is still handed out by this path, not Python's. */
+            PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, hot_s_maintain);
+            if (r == NULL) break; /* its exception is ours */
+            Py_DECREF(r);
+            if (self->seg != seg || monotonic() >= self->next_maintenance) break;
+            continue;
+        }
+        if (n == 0) {
+            h = poll_one(self, seg, arm, &rc);
+        } else {
+            h = poll_fast(self, seg, n, arm, &rc);
+            if (h != NULL && PyList_GET_SIZE(h) == 0) Py_CLEAR(h);
+        }
+        if (h != NULL || PyErr_Occurred()) break;
+        if (rc == SHM_AGAIN) continue; /* records arrived meanwhile: look at them first */
+        if (rc == SHM_STALLED && !arm) {
+            /* Stalled on a record being claimed: its producer is most likely a few
+             * instructions from committing it, so spin through the stall, for up to
+             * SPIN_SECONDS from its start whatever the adaptive spin says (it may be
+             * down to none).
+             * Slept on instead, the commit had to post us: a receiver that kept up
+             * with its producer ran at half the rate of one that lagged.
+             * A stall that outlasts the spin goes to Receiver._poll, which sleeps on
+             * it and sees to a dead claimant. */
+            if (stall_until == 0.0) stall_until = now + SPIN_SECONDS;
+            if (now >= stall_until) break;
+            Py_BEGIN_ALLOW_THREADS
+            hot_core.rx_spin(seg->c, SPIN_PAUSES);
+            Py_END_ALLOW_THREADS
+            continue;
+        }
+        if (rc != SHM_EMPTY) break; /* else: still empty */
+        stall_until = 0.0;          /* a later stall gets its own spin */
+        if (!arm) {
+            if (now < spin_until) {
+                Py_BEGIN_ALLOW_THREADS
+                hot_core.rx_spin(seg->c, SPIN_PAUSES);
+                Py_END_ALLOW_THREADS
+            } else {
+                self->spin = self->spin < 2e-6 ? 0.0 : self->spin / 2; /* it did not pay */
+                arm = 1; /* poll once more with the sleep announced */
+            }
+            continue;
+        }
+        if (hot_sem_sleep(seg->rx_sem, fmin(deadline, self->next_maintenance)) < 0) break;
+        if (monotonic() - now < SPIN_SECONDS) self->spin = SPIN_SECONDS; /* woken soon */
+    }
+    Py_DECREF(seg);
+    return h;
+}
+
+/* Is the one-poll fast path allowed: open, and maintenance not due? The coarse clock
+ * (a few ms behind, no TSC read) is precise enough for a deadline 0.1 s away. */
+static int fast_ok(ReceiverObject *self) {
+    if (self->seg == NULL) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9 < self->next_maintenance;
+}
+
+static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames) {
+    static const char *const names[] = {"timeout"};
+    PyObject *a[1] = {Py_None};
+    if (hot_parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) return NULL;
+    PyObject *timeout = a[0];
+    if (timeout_plain(timeout) && self->seg != NULL) {
+        /* With upkeep due, no poll here: wait_for runs it first (its redeliveries go
+         * before newer messages), then polls. The first recv after a pause longer than
+         * the upkeep period so still wakes in C, not in Receiver._poll. */
+        int rc = SHM_EMPTY;
+        if (fast_ok(self)) {
+            PyObject *h = poll_one(self, self->seg, 0, &rc);
+            if (h != NULL || PyErr_Occurred()) return h;
+            if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
+        }
+        double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred()) return NULL;
+        if (rc == SHM_EMPTY && t > 0) {
+            double deadline = monotonic() + t;
+            PyObject *h = wait_for(self, 0, deadline);
+            if (h != NULL || PyErr_Occurred()) return h;
+            if (timeout != Py_None) /* the slow path gets what is left of the timeout */
+                return PyObject_CallMethod((PyObject *)self, "_recv_slow", "d",
+                                           fmax(0.0, deadline - monotonic()));
+        }
+    }
+    return PyObject_CallMethodOneArg((PyObject *)self, hot_s_recv_slow, timeout);
+}
+
+static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
+                                    Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"max_items", "timeout"};
+    PyObject *a[2] = {NULL, Py_None};
+    if (hot_parse_args("recv_many", args, nargs, kwnames, names, 0, 2, a) < 0) return NULL;
+    if (a[0] == NULL) a[0] = PyLong_FromLong(256);
+    else Py_INCREF(a[0]);
+    if (a[0] == NULL) return NULL;
+    PyObject *res = NULL, *timeout = a[1];
+    long n = PyLong_CheckExact(a[0]) ? PyLong_AsLong(a[0]) : -1;
+    if (n == -1 && PyErr_Occurred()) PyErr_Clear(); /* huge: the slow path says why */
+    if (n >= 1 && timeout_plain(timeout) && self->seg != NULL) {
+        uint32_t want = n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n;
+        int rc = SHM_EMPTY;
+        if (fast_ok(self)) { /* with upkeep due, wait_for runs it first (as in recv) */
+            res = poll_fast(self, self->seg, want, 0, &rc);
+            if (res == NULL || PyList_GET_SIZE(res)) goto out;
+            Py_CLEAR(res);
+            if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
+        }
+        double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred()) goto out;
+        if (rc == SHM_EMPTY && t > 0) {
+            double deadline = monotonic() + t;
+            res = wait_for(self, want, deadline);
+            if (res != NULL || PyErr_Occurred()) goto out;
+            if (timeout != Py_None) { /* the slow path gets what is left of the timeout */
+                res = PyObject_CallMethod((PyObject *)self, "_recv_many_slow", "Od", a[0],
+                                          fmax(0.0, deadline - monotonic()));
+                goto out;
+            }
+        }
+    }
+    res = PyObject_CallMethodObjArgs((PyObject *)self, hot_s_recv_many_slow, a[0], timeout, NULL);
+out:
+    Py_DECREF(a[0]);
+    return res;
+}
+
+static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) {
+    PyObject *seq = PySequence_Fast(handles, "release_many() takes an iterable of handles");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int fast = self->seg != NULL && !seg_detached(self->seg) && n <= (Py_ssize_t)MAX_BATCH;
+    for (Py_ssize_t i = 0; fast && i < n; i++)
+        fast = Py_TYPE(items[i]) == hot_handle_type &&
+               ((HandleObject *)items[i])->seg == self->seg;
+    if (!fast) {
+        PyObject *res = PyObject_CallMethodOneArg((PyObject *)self, hot_s_release_many_slow, seq);
+        Py_DECREF(seq);
+        return res;
+    }
+    /* Our own reference: dropping seq below may free handles whose payloads run Python
+     * code (__del__), which could close the receiver. */
+    SegmentObject *seg = (SegmentObject *)Py_NewRef(self->seg);
+    uint32_t stack_slots[256], stack_gens[256];
+    uint32_t *slots = stack_slots, *gens = stack_gens;
+    if (n > 256) {
+        slots = PyMem_Malloc((size_t)n * sizeof(uint32_t));
+        gens = PyMem_Malloc((size_t)n * sizeof(uint32_t));
+        if (slots == NULL || gens == NULL) {
+            PyMem_Free(slots == stack_slots ? NULL : slots);
+            PyMem_Free(gens == stack_gens ? NULL : gens);
+            Py_DECREF(seq);
+            Py_DECREF(seg);
+            return PyErr_NoMemory();
+        }
+    }
+    uint32_t k = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        HandleObject *h = (HandleObject *)items[i];
+        if (h->done) continue;
+        h->done = 1; /* each exactly once, also when a handle appears twice in the list */
+        slots[k] = h->slot;
+        gens[k] = h->gen;
+        k++;
+    }
+    int wake = 0, rc = SHM_OK;
+    if (k) rc = hot_core.release_many(seg->c, slots, gens, k, &wake);
+    if (slots != stack_slots) {
+        PyMem_Free(slots);
+        PyMem_Free(gens);
+    }
+    if (wake & 1) hot_post_n(seg->rx_sem, 1);
+    if (wake & 2) hot_wake_sender(seg);
+    Py_DECREF(seg);
+    Py_DECREF(seq);
+    if (rc >= 0) Py_RETURN_NONE;
+    return PyObject_CallMethod((PyObject *)self, "_released_many", "i", rc);
+}
+
+static void Receiver_dealloc(ReceiverObject *self) {
+    PyMem_Free(self->msgs);
+    Py_CLEAR(self->seg);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Receiver_get_seg(ReceiverObject *r, void *c) { return hot_get_seg(r->seg); }
+static int Receiver_set_seg(ReceiverObject *r, PyObject *v, void *c) {
+    return hot_set_seg(&r->seg, v);
+}
+
+static PyGetSetDef Receiver_getset[] = {
+    {"_seg", (getter)Receiver_get_seg, (setter)Receiver_set_seg, "None once closed", NULL},
+    {NULL},
+};
+
+static PyMemberDef Receiver_members[] = {
+    {"_next_maintenance", T_DOUBLE, offsetof(ReceiverObject, next_maintenance), 0,
+     "time.monotonic() at which recv() runs maintain() again"},
+    {NULL},
+};
+
+/* recv_batch(max_items=256, timeout=None) -> Batch: like recv_many, but the messages
+ * come as one Batch object instead of a Handle each. The one-poll path is here; waiting
+ * goes through Receiver._recv_batch_slow (recv_many, then the Handles become a Batch). */
+static PyObject *Receiver_recv_batch(ReceiverObject *self, PyObject *const *args,
+                                     Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"max_items", "timeout"};
+    PyObject *a[2] = {NULL, Py_None};
+    if (hot_parse_args("recv_batch", args, nargs, kwnames, names, 0, 2, a) < 0) return NULL;
+    long n = 256;
+    if (a[0] != NULL) {
+        n = PyLong_CheckExact(a[0]) ? PyLong_AsLong(a[0]) : -1;
+        if (n == -1 && PyErr_Occurred()) PyErr_Clear(); /* huge: the slow path says why */
+    }
+    if (n >= 1 && timeout_plain(a[1]) && fast_ok(self)) {
+        uint32_t want = n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n;
+        SegmentObject *seg = self->seg;
+        if (ensure_msgs(self, want) < 0) return NULL;
+        uint32_t got = 0, wake = 0;
+        shm_stall stall;
+        (void)hot_core.recv(seg->c, self->msgs, want, &got, 0, &stall, &wake);
+        if (wake) hot_wake_sender(seg);
+        if (got) {
+            PyObject *b = hot_batch_new(seg, self->msgs, got);
+            if (b == NULL) give_back(seg, self->msgs, 0, got);
+            return b;
+        }
+    }
+    PyObject *mi = a[0] ? Py_NewRef(a[0]) : PyLong_FromLong(256);
+    if (mi == NULL) return NULL;
+    PyObject *res = PyObject_CallMethod((PyObject *)self, "_recv_batch_slow", "OO", mi, a[1]);
+    Py_DECREF(mi);
+    return res;
+}
+
+static PyMethodDef Receiver_methods[] = {
+    {"recv", (PyCFunction)(void (*)(void))Receiver_recv, METH_FASTCALL | METH_KEYWORDS,
+     "recv(timeout=None) -> Handle: the next message free to go; blocks.\n\n"
+     "Raises Empty on timeout, Closed once the channel is shut down and drained."},
+    {"recv_many", (PyCFunction)(void (*)(void))Receiver_recv_many,
+     METH_FASTCALL | METH_KEYWORDS,
+     "recv_many(max_items=256, timeout=None) -> list[Handle]: up to max_items handles\n"
+     "with one C call; at least one unless it raises Empty."},
+    {"release_many", (PyCFunction)Receiver_release_many, METH_O,
+     "release_many(handles): release several handles with one C call (each exactly once)."},
+    {"recv_batch", (PyCFunction)(void (*)(void))Receiver_recv_batch,
+     METH_FASTCALL | METH_KEYWORDS,
+     "recv_batch(max_items=256, timeout=None) -> Batch: up to max_items messages as one\n"
+     "object, no Python object per message; at least one unless it raises Empty."},
+    {NULL},
+};
+
+PyTypeObject ReceiverType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_shmchan_hot.ReceiverBase",
+    .tp_basicsize = sizeof(ReceiverObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "The per-message half of shmchan.Receiver.",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)Receiver_dealloc,
+    .tp_methods = Receiver_methods,
+    .tp_members = Receiver_members,
+    .tp_getset = Receiver_getset,
+};
