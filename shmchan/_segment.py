@@ -12,9 +12,10 @@ module; it builds on the C core (`_lib`, `_shmchan_hot`), `codec`, `errors` and
   out-parameters), `Attachment` (what a Channel
   object is before its API: the segment, until closed), `shared_attachment` (one per
   process for objects that re-open by name), `attachment_of` (for hand-overs), `address`;
-* time: `check_seconds`, `deadline_of`, `remaining`, and the periods every blocking
-  loop shares: `SPIN_SECONDS`, `SPIN_PAUSES`, `MAINTENANCE_SECONDS`,
-  `STALL_CHECK_SECONDS`, `STALL_NAP_SECONDS`, `SWEEP_SECONDS`, `NAME_CHECK_SECONDS`;
+* time: `check_seconds`, `deadline_of`, `remaining`, and the periods the Python side
+  of the waits uses: `MAINTENANCE_SECONDS`, `STALL_CHECK_SECONDS`, `STALL_NAP_SECONDS`,
+  `SWEEP_SECONDS`, `NAME_CHECK_SECONDS` (the receive loop's spin is C's own:
+  csrc/hot/hot.h);
 * waiting: `SpaceWait` (the senders' one wait: Sender and Exchange alike);
 * repair: `reap_dead_producers`, `resolve_stall`, `HOLDER_REVOKED`;
 * space: `space_advice`, `full_message`;
@@ -65,8 +66,6 @@ __all__ = [
     "check_seconds",
     "deadline_of",
     "remaining",
-    "SPIN_SECONDS",
-    "SPIN_PAUSES",
     "MAINTENANCE_SECONDS",
     "STALL_CHECK_SECONDS",
     "STALL_NAP_SECONDS",
@@ -87,8 +86,6 @@ __all__ = [
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 PREFIX = "shmchan."
 SHM_DIR = "/dev/shm"
-SPIN_SECONDS = 50e-6  # poll this long before sleeping on the semaphore
-SPIN_PAUSES = 500  # CPU pause instructions per spin round (a few microseconds)
 MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least this often
 STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
 STALL_NAP_SECONDS = 0.0002  # a sender's first sleep behind a stuck claim; doubles each time
@@ -288,7 +285,7 @@ class Segment(_hot.SegmentBase):
 class Scratch:
     """Per-thread out-parameters, allocated once (ffi.new is not free)."""
 
-    __slots__ = ("seq", "stall", "wake", "pass_on", "got", "waiters", "msgs", "nmsgs", "writing")
+    __slots__ = ("seq", "stall", "wake", "pass_on", "got", "msgs", "nmsgs", "writing")
 
     def __init__(self) -> None:
         self.seq = ffi.new("uint64_t *")
@@ -296,7 +293,6 @@ class Scratch:
         self.wake = ffi.new("int *")
         self.pass_on = ffi.new("int *")  # shm_space_wait's: wake the next waiting sender
         self.got = ffi.new("uint32_t *")
-        self.waiters = ffi.new("uint32_t *")
         self.msgs = ffi.new("shm_msg[]", 1)
         self.nmsgs = 1
         self.writing: tuple[Any, Any] | None = None  # Receiver._discard_dead_writers
@@ -636,13 +632,14 @@ def _unlink_sems(name: str, post: bool) -> None:
             sem.close()
 
 
-def list_names() -> list[str]:
-    """Names of the channels in /dev/shm (file-backed channels are not listed)."""
+def list_names(prefix: str = PREFIX) -> list[str]:
+    """Names of the objects in /dev/shm whose files start with `prefix` (the channels by
+    default; file-backed channels are not listed)."""
     try:
         entries = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
-    return sorted(e[len(PREFIX) :] for e in entries if e.startswith(PREFIX))
+    return sorted(e[len(prefix) :] for e in entries if e.startswith(prefix))
 
 
 # hand_over()'s bytes: this header, the channel's name and path (UTF-8), then (slot, gen)

@@ -505,11 +505,7 @@ def segment_path(name: str) -> str:
 
 def list_exchanges() -> list[str]:
     """Names of the exchanges in /dev/shm."""
-    try:
-        entries = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    return sorted(e[len(_PREFIX) :] for e in entries if e.startswith(_PREFIX))
+    return list_names(_PREFIX)
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,14 +19,11 @@ import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 from . import _segment, errors, liveness
 from ._lib import ffi, lib, raise_for
 from ._segment import (
-    RX,
     TX,
     Attachment,
     Segment,
-    address,
     deadline_of,
     reap_dead_producers,
-    remaining,
     resolve_stall,
 )
 from .handle import Batch, Handle
@@ -44,9 +41,10 @@ def _settle_gate(seg: Segment, pos: int, owner: int) -> object:
 class Receiver(_hot.ReceiverBase):
     """The one consumer of a channel: hands out key-locked handles.
 
-    `recv`, `recv_many` and `release_many` are implemented in C (csrc/hot/receiver.c): one
-    poll of the core, Handles built in C. Whenever that poll finds nothing, maintenance
-    is due or an argument needs checking, they call the `_*_slow` methods below."""
+    `recv`, `recv_many`, `recv_batch` and `release_many` are implemented in C
+    (csrc/hot/receiver.c): one poll of the core, Handles built in C, and the one receive
+    loop (spin, sleep, upkeep). Arguments C does not take as they are go to the `_*_slow`
+    methods below, which check them and call that loop (`_receive`)."""
 
     def __init__(self, channel: Attachment, seg: Segment) -> None:
         self._channel = channel
@@ -129,73 +127,53 @@ class Receiver(_hot.ReceiverBase):
             )
         return seg
 
-    def _poll(self, seg: Segment, n: int, deadline: float | None, block: bool) -> list[Handle]:
-        s = seg.scratch()
-        msgs = s.msg_array(n)
-        spin_until = time.monotonic() + _segment.SPIN_SECONDS if block else 0.0
-        arm = 0
-        while True:
-            if time.monotonic() >= self._next_maintenance:
-                self.maintain()
-            rc = lib.shm_recv(seg.ptr, msgs, n, s.got, arm, s.stall, s.waiters)
-            if s.waiters[0]:
-                seg.wake_sender()  # one sender, rationed (csrc/ring.c)
-            got = s.got[0]
-            if got:
-                handles: list[Handle] = _hot.handles_from(seg, address(msgs), got)
-                return handles
-            if rc == lib.SHM_CLOSED:
-                how = "removed" if lib.shm_removed(seg.ptr) else "shut down"
-                raise errors.Closed(f"channel {seg.name!r} is {how} and drained")
-            if rc == lib.SHM_AGAIN:
-                # Records arrived while the core looked at those that came before the
-                # call: a blocking receive looks at them before it may sleep.
-                if block:
-                    continue
-                rc = lib.SHM_EMPTY
-            if rc == lib.SHM_STALLED:
-                # Remembered across calls, so that try_recv() polling also gets a dead
-                # producer's claim repaired.
-                now = time.monotonic()
-                key = (int(s.stall.pos), int(s.stall.owner))
-                if self._stall is None or self._stall[:2] != key:
-                    self._stall = (*key, now)
-                elif now - self._stall[2] > _segment.STALL_CHECK_SECONDS:
-                    resolve_stall(seg, s.stall, consumer=True, settle_gate=_settle_gate)
-                    self._stall = (*key, now)
-            elif rc != lib.SHM_EMPTY:
-                torn = " (a record failed its checksum or validation: torn by a power loss?)"
-                raise_for(rc, "recv", torn if rc == lib.SHM_E_CORRUPT and seg.path else "")
-            else:
-                self._stall = None
-            if not block:
-                return []
-            left = remaining(deadline)
-            if left is not None and left <= 0:
-                raise errors.Empty(f"recv: nothing arrived on {seg.name!r} in time")
-            if not arm:
-                # (a stall is spun through too: its claimant is mostly about to commit)
-                if rc in (lib.SHM_EMPTY, lib.SHM_STALLED) and time.monotonic() < spin_until:
-                    lib.shm_rx_spin(seg.ptr, _segment.SPIN_PAUSES)
-                    continue
-                arm = 1
-                continue  # poll once more with the sleep flag armed
-            wait = _segment.MAINTENANCE_SECONDS if rc == lib.SHM_EMPTY else 0.002
-            seg.wait(RX, wait if left is None else min(wait, left))  # as in _wait_and_retry
+    # The receive loop is C's (csrc/hot/receiver.c, receive); these are its calls back
+    # into Python, for what must be Python.
+
+    def _stalled(self, pos: int, owner: int) -> None:
+        """The core is stuck on a claim at ring position `pos` by `owner`, past the spin
+        (C calls this). Remembered across calls, so that try_recv() polling also gets a
+        dead producer's claim repaired: its owner is checked once the same claim has
+        stalled us for STALL_CHECK_SECONDS, and again as often while it lasts."""
+        now = time.monotonic()
+        if self._stall is None or self._stall[:2] != (pos, owner):
+            self._stall = (pos, owner, now)
+        elif now - self._stall[2] > _segment.STALL_CHECK_SECONDS:
+            stall = ffi.new("shm_stall *")
+            stall.pos, stall.owner = pos, owner
+            resolve_stall(self._live(), stall, consumer=True, settle_gate=_settle_gate)
+            self._stall = (pos, owner, now)
+
+    def _nothing(self, rc: int) -> NoReturn:
+        """Raise for a receive that ends with nothing, with the core's status rc (C
+        calls this): EMPTY once time is up, CLOSED once shut down or removed and
+        drained, else the status's error."""
+        seg = self._live()
+        if rc == lib.SHM_EMPTY:
+            raise errors.Empty(f"recv: nothing arrived on {seg.name!r} in time")
+        if rc == lib.SHM_CLOSED:
+            how = "removed" if lib.shm_removed(seg.ptr) else "shut down"
+            raise errors.Closed(f"channel {seg.name!r} is {how} and drained")
+        torn = " (a record failed its checksum or validation: torn by a power loss?)"
+        raise_for(rc, "recv", torn if rc == lib.SHM_E_CORRUPT and seg.path else "")
 
     def _recv_slow(self, timeout: float | None) -> Handle:
-        return self._poll(self._live(), 1, deadline_of(timeout), True)[0]
+        """recv() with a timeout C leaves to Python to check."""
+        handle: Handle = self._receive(0, deadline_of(timeout), True)
+        return handle
 
     def try_recv(self) -> Handle | None:
         """The next message free to go, or None right away."""
-        seg = self._live()
-        got = self._poll(seg, 1, None, False)
-        return got[0] if got else None
+        handle: Handle | None = self._receive(0, None, False)
+        return handle
 
     def _recv_many_slow(self, max_items: object, timeout: float | None) -> list[Handle]:
+        """recv_many() with arguments C leaves to Python to check."""
         if type(max_items) is not int or max_items < 1:
             raise errors.InvalidArgument(f"max_items must be a positive int, not {max_items!r:.40}")
-        return self._poll(self._live(), min(max_items, 65536), deadline_of(timeout), True)
+        deadline = deadline_of(timeout)
+        handles: list[Handle] = self._receive(min(max_items, 65536), deadline, True)
+        return handles
 
     def _recv_batch_slow(self, max_items: object, timeout: float | None) -> Batch:
         """recv_batch() when its one poll found nothing (or an argument needs checking):
