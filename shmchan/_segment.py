@@ -285,7 +285,7 @@ class Segment(_hot.SegmentBase):
 class Scratch:
     """Per-thread out-parameters, allocated once (ffi.new is not free)."""
 
-    __slots__ = ("seq", "stall", "wake", "pass_on", "got", "msgs", "nmsgs", "writing")
+    __slots__ = ("seq", "stall", "wake", "pass_on", "got", "msgs", "writing")
 
     def __init__(self) -> None:
         self.seq = ffi.new("uint64_t *")
@@ -293,15 +293,8 @@ class Scratch:
         self.wake = ffi.new("int *")
         self.pass_on = ffi.new("int *")  # shm_space_wait's: wake the next waiting sender
         self.got = ffi.new("uint32_t *")
-        self.msgs = ffi.new("shm_msg[]", 1)
-        self.nmsgs = 1
+        self.msgs = ffi.new("shm_msg[]", 1)  # Handle._data_slow's view
         self.writing: tuple[Any, Any] | None = None  # Receiver._discard_dead_writers
-
-    def msg_array(self, n: int) -> Any:
-        if n > self.nmsgs:
-            self.msgs = ffi.new("shm_msg[]", n)
-            self.nmsgs = n
-        return self.msgs
 
 
 _segments: weakref.WeakSet[Segment] = weakref.WeakSet()
