@@ -6,7 +6,7 @@
 from setuptools import Extension, setup
 
 # _shmchan_hot: one file per type, csrc/hot/hot.h shared by all
-HOT_SOURCES = ["module", "segment", "wake", "handle", "batch", "receiver", "sender", "handover"]
+HOT_SOURCES = ["module", "segment", "handle", "batch", "receiver", "sender", "handover", "keys", "wake"]
 
 setup(
     cffi_modules=["csrc/build_ffi.py:ffi"],

@@ -334,7 +334,7 @@ def _why_text(chain: inspect.WaitChain) -> str:
     last = chain[-1]
     text = ", ".join(parts)
     if last.state == inspect.IN_FLIGHT:
-        alive = last.pid is not None and inspect._pid_alive(last.pid)
+        alive = last.pid is not None and inspect.pid_alive(last.pid)
         dead = "" if alive else " (that process is gone: it is redelivered at the next check)"
         text += (
             f", held by pid {last.pid} for {_age_text(last.age or 0.0)}, "

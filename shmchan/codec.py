@@ -1,15 +1,19 @@
 """Keys and payloads: how user values become bytes in the segment and back.
 
-Keys are str, bytes or int. Each is encoded canonically as a one-byte type tag and its
-content, so "1", b"1" and 1 are three different keys:
+Keys are str, bytes or int; this module decides which values are keys (a bytes-like
+object is one bytes key, a str or int subclass counts as its value, a bool is not a
+key), how many a message may carry, and the errors callers get. The bytes themselves
+are made and read by the key codec of the compiled hot path (csrc/hot/keys.c, which
+documents the encoding), the same code the send fast path and Handle.keys use:
 
     str   b"s" + UTF-8 (surrogates passed through, so every str round-trips)
     bytes b"b" + the bytes
     int   b"i" + minimal two's-complement big-endian bytes
 
-A message's keys travel as one blob: for each key, a little-endian u16 length and its
-encoding. The C core hashes each encoding with a stable 64-bit hash (csrc/hash.c); the
-original values are decoded from the blob when a handle is asked for its keys.
+A message's keys travel as one blob: for each distinct key, a little-endian u16 length
+and its encoding. The C core hashes each encoding with a stable 64-bit hash
+(csrc/hash.c); the original values are decoded from the blob when a handle is asked for
+its keys.
 
 Payloads: bytes-like objects travel raw (and can be read zero-copy); anything else is
 pickled with protocol 5.
@@ -21,9 +25,10 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
+import _shmchan_hot as _hot  # the key codec (csrc/hot/keys.c)
+
 from .errors import (
     ChannelCorrupted,
-    InvalidArgument,
     PayloadNotContiguous,
     PayloadNotPicklable,
     TooManyKeys,
@@ -35,98 +40,53 @@ __all__ = ["Key", "encode_keys", "decode_keys", "encode_payload", "decode_payloa
 Key = str | bytes | int
 RAW = 0
 PICKLE = 1
-_MAX_KEY_BYTES = 0xFFFF - 1
 
 
-def _encode_one(key: object) -> bytes:
+def _key(key: object) -> Key:
+    """The key value `key` stands for, as an exact str, bytes or int."""
+    cls = type(key)
+    if cls is str or cls is bytes or cls is int:
+        return key  # type: ignore[return-value]  # checked just above
     if isinstance(key, str):
-        enc = b"s" + key.encode("utf-8", "surrogatepass")
-    elif isinstance(key, (bytes, bytearray, memoryview)):  # bytes-like: a bytes key
-        enc = b"b" + bytes(key)
-    elif isinstance(key, int) and not isinstance(key, bool):
-        n = int(key)
-        enc = b"i" + n.to_bytes((n + (n < 0)).bit_length() // 8 + 1, "big", signed=True)
-    else:
-        raise UnsupportedType(
-            f"keys must be str, bytes or int, not {type(key).__name__} ({key!r:.80})"
-        )
-    if len(enc) > _MAX_KEY_BYTES:
-        raise InvalidArgument(
-            f"key too long: {len(enc) - 1} bytes encoded (limit {_MAX_KEY_BYTES - 1})"
-        )
-    return enc
-
-
-# Framed encodings of recently used keys, by exact type (so 1, True and 1.0 never mix).
-_CACHE_LIMIT = 1 << 16
-_framed_cache: dict[type, dict[Any, bytes]] = {str: {}, bytes: {}, int: {}}
-
-
-def _framed(key: object) -> bytes:
-    """u16 length + encoding of one key, cached for str, bytes and int keys."""
-    cache = _framed_cache.get(type(key))
-    if cache is not None:
-        hit = cache.get(key)
-        if hit is not None:
-            return hit
-    enc = _encode_one(key)
-    framed = len(enc).to_bytes(2, "little") + enc
-    if cache is not None:
-        if len(cache) >= _CACHE_LIMIT:
-            cache.clear()
-        cache[key] = framed
-    return framed
+        return str.__str__(key)
+    if isinstance(key, (bytes, bytearray, memoryview)):  # bytes-like: a bytes key
+        return bytes(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return int(key)
+    raise UnsupportedType(f"keys must be str, bytes or int, not {type(key).__name__} ({key!r:.80})")
 
 
 def encode_keys(keys: Key | Iterable[Key] | None, max_keys: int) -> tuple[bytes, int]:
     """The key blob and the number of distinct keys. A single str, bytes or int is one key."""
     if keys is None:
         return b"", 0
-    if type(keys) is str or type(keys) is int or type(keys) is bytes:
-        if max_keys < 1:
-            raise TooManyKeys("1 distinct key, but this channel allows at most 0")
-        return _framed(keys), 1
     if isinstance(keys, (str, bytes, int, bytearray, memoryview)):
         # one key, also for bytes-like objects (never one int key per byte)
-        items: Iterable[Any] = (keys,)
+        items: list[Key] = [_key(keys)]
     else:
         try:
-            items = iter(keys)
+            it = iter(keys)
         except TypeError:
             raise UnsupportedType(
                 f"keys must be a str, bytes, int or an iterable of them, not {type(keys).__name__}"
             ) from None
-    seen = dict.fromkeys(map(_framed, items))
-    if len(seen) > max_keys:
-        raise TooManyKeys(f"{len(seen)} distinct keys, but this channel allows at most {max_keys}")
-    return b"".join(seen), len(seen)
+        items = [_key(k) for k in it]
+    n = len(set(items))  # exact types: equal values are equal encodings
+    if n > max_keys:
+        what = "1 distinct key" if n == 1 else f"{n} distinct keys"
+        raise TooManyKeys(f"{what}, but this channel allows at most {max_keys}")
+    blob: bytes = _hot.frame_keys(items)
+    return blob, n
 
 
 def decode_keys(blob: bytes | memoryview, n: int) -> tuple[Key, ...]:
     """The original key values from a key blob; ChannelCorrupted if it is malformed."""
-    out: list[Key] = []
-    off = 0
-    try:
-        for _ in range(n):
-            size = blob[off] | (blob[off + 1] << 8)
-            enc = bytes(blob[off + 2 : off + 2 + size])
-            if len(enc) != size or size == 0:
-                raise ValueError("key runs past the blob")
-            off += 2 + size
-            tag, body = enc[:1], enc[1:]
-            if tag == b"s":
-                out.append(body.decode("utf-8", "surrogatepass"))
-            elif tag == b"b":
-                out.append(body)
-            elif tag == b"i":
-                out.append(int.from_bytes(body, "big", signed=True))
-            else:
-                raise ValueError(f"unknown key tag {tag!r}")
-        if off != len(blob):
-            raise ValueError("bytes left over after the last key")
-    except (IndexError, ValueError, UnicodeDecodeError) as e:
-        raise ChannelCorrupted(f"malformed key blob in the segment: {e}") from None
-    return tuple(out)
+    keys: tuple[Key, ...] | None = _hot.decode_keys(blob, n)
+    if keys is None:
+        raise ChannelCorrupted(
+            f"malformed key blob in the segment ({len(blob)} bytes, {n} keys expected)"
+        )
+    return keys
 
 
 def encode_payload(obj: object, raw_only: bool) -> tuple[int, Any]:

@@ -55,9 +55,20 @@ from typing import Any, NamedTuple
 
 import posix_ipc
 
-from . import channel as _channel
 from . import codec, errors, liveness
 from ._lib import ffi, lib, raise_for
+from ._segment import (
+    RX,
+    SHM_DIR,
+    Attachment,
+    Segment,
+    SpaceWait,
+    check_name,
+    deadline_of,
+    list_names,
+    remaining,
+)
+from .sender import Sender
 
 __all__ = [
     "Exchange",
@@ -77,7 +88,6 @@ __all__ = [
 
 _PREFIX = "shmchan-x."  # /dev/shm/shmchan-x.NAME (channels are shmchan.NAME)
 _RETIRED = "shmchan-x~"  # /dev/shm/shmchan-x~UID.NAME: a removed exchange kept for receivers
-_SHM_DIR = "/dev/shm"  # where POSIX shared memory names live (Linux)
 _FANOUT, _DIRECT, _TOPIC = (
     int(lib.EXCH_KIND_FANOUT),
     int(lib.EXCH_KIND_DIRECT),
@@ -313,7 +323,7 @@ def topic_matches(pattern: str, routing_key: str) -> bool:
 
 def _check_name(name: str) -> str:
     try:
-        return _channel._check_name(name)
+        return check_name(name)
     except ValueError as e:
         raise errors.InvalidArgument(str(e).replace("channel name", "exchange name")) from None
 
@@ -422,7 +432,7 @@ def unlink_exchange(name: str) -> None:
     by a receiver, the segment is kept under a retired name (never listed), removed by
     the last settlement."""
     _check_name(name)
-    file = os.path.join(_SHM_DIR, _PREFIX + name)
+    file = os.path.join(SHM_DIR, _PREFIX + name)
     try:
         ino = os.stat(file).st_ino
         att = _attach(name, False, wait=0.0)
@@ -443,7 +453,7 @@ def unlink_exchange(name: str) -> None:
     # A committed publish has copies to settle: receivers will look for the outcome.
     retired = _retired_name(name, att.uid)
     try:
-        os.rename(file, os.path.join(_SHM_DIR, retired[1:]))
+        os.rename(file, os.path.join(SHM_DIR, retired[1:]))
     except FileNotFoundError:
         return
     _drop_retired(att)  # in case the last settlement happened just before the rename
@@ -490,16 +500,12 @@ def _drop_retired(att: _Attachment) -> None:
 def segment_path(name: str) -> str:
     """The file an exchange lives in (its /dev/shm segment)."""
     _check_name(name)
-    return os.path.realpath(os.path.join(_channel._SHM_DIR, _PREFIX + name))
+    return os.path.realpath(os.path.join(SHM_DIR, _PREFIX + name))
 
 
 def list_exchanges() -> list[str]:
     """Names of the exchanges in /dev/shm."""
-    try:
-        entries = os.listdir(_SHM_DIR)
-    except FileNotFoundError:
-        return []
-    return sorted(e[len(_PREFIX) :] for e in entries if e.startswith(_PREFIX))
+    return list_names(_PREFIX)
 
 
 # ---------------------------------------------------------------------------------------
@@ -514,12 +520,10 @@ class _Target:
     __slots__ = ("senders", "names", "segs", "chans", "idx", "nidx", "raw_only", "max_keys",
                  "registered", "missing")  # fmt: skip
 
-    def __init__(
-        self, senders: list[_channel.Sender], bindings: list[int], missing: list[str]
-    ) -> None:
+    def __init__(self, senders: list[Sender], bindings: list[int], missing: list[str]) -> None:
         self.senders = senders
         self.missing = missing  # matched channels that did not exist: looked for on each use
-        self.segs: list[_channel._Segment] = [tx._live() for tx in senders]
+        self.segs: list[Segment] = [tx._live() for tx in senders]
         self.names = [seg.name for seg in self.segs]
         self.chans = ffi.new("shm_chan *[]", [seg.ptr for seg in self.segs] or 1)
         self.idx = ffi.new("uint32_t[]", bindings or 1)
@@ -554,7 +558,7 @@ class Exchange:
         self.kind = _KIND_NAMES[att.kind]
         self._router: _Router | None = None
         self._version = -1
-        self._sender_cache: dict[str, _channel.Sender] = {}  # refreshed with the bindings
+        self._sender_cache: dict[str, Sender] = {}  # refreshed with the bindings
         self._lock = threading.Lock()
         _exchanges.add(self)
 
@@ -640,14 +644,14 @@ class Exchange:
                 )
             time.sleep(0.0005)
 
-    def bind(self, channel_name: str | _channel.Channel, pattern: str = "") -> None:
+    def bind(self, channel_name: str | Attachment, pattern: str = "") -> None:
         """Route matching publishes to channel `channel_name` (a name, or a Channel),
         which must exist: ChannelNotFound otherwise. Binding twice is a no-op. Seen by
         every process's next publish.
 
         An exchange finds its channels by name in /dev/shm: a durable channel (created
         with path=) cannot be bound (InvalidArgument)."""
-        if isinstance(channel_name, _channel.Channel):
+        if isinstance(channel_name, Attachment):  # a Channel
             if channel_name.path is not None:
                 raise errors.InvalidArgument(
                     f"channel {channel_name.name!r} is durable (its file is "
@@ -655,10 +659,10 @@ class Exchange:
                     "/dev/shm only; bind a channel created without path="
                 )
             channel_name = channel_name.name
-        _channel._check_name(channel_name)
+        check_name(channel_name)
         pattern = self._pattern(pattern)
         try:
-            _channel.Sender.open(channel_name)
+            Sender.open(channel_name)
         except errors.ChannelNotFound:
             raise errors.ChannelNotFound(
                 f"no channel named {channel_name!r} in /dev/shm (an exchange routes to "
@@ -674,7 +678,7 @@ class Exchange:
 
     def unbind(self, channel_name: str, pattern: str = "") -> bool:
         """Remove a binding; returns False if there was no such binding."""
-        _channel._check_name(channel_name)
+        check_name(channel_name)
         pattern = self._pattern(pattern)
         rc = self._change(lib.exch_unbind, channel_name, pattern)
         if rc not in (lib.SHM_OK, lib.SHM_STALE):
@@ -735,7 +739,7 @@ class Exchange:
             raise ExchangeRemoved(
                 f"exchange {self.name!r} was removed: open it again by name to publish"
             )
-        deadline = _channel._deadline(timeout)
+        deadline = deadline_of(timeout)
         retries = 0
         while True:
             router = self._route(att)
@@ -798,7 +802,7 @@ class Exchange:
         router.targets[routing_key] = target
         return target
 
-    def _senders(self, names: list[str], missing: list[str]) -> list[_channel.Sender]:
+    def _senders(self, names: list[str], missing: list[str]) -> list[Sender]:
         """Senders of the channels called `names` that exist; the others are appended to
         `missing` (the publish reports them, and looks for them again next time)."""
         out = []
@@ -807,7 +811,7 @@ class Exchange:
             tx = cache.get(name)
             if tx is None:
                 try:
-                    tx = cache[name] = _channel.Sender.open(name)
+                    tx = cache[name] = Sender.open(name)
                 except errors.ChannelNotFound:
                     missing.append(name)
                     continue
@@ -857,11 +861,7 @@ class Exchange:
         chans = target.chans
         s = self._scratch()
         seqs, wakes, failed, stall = s.seqs, s.wakes, s.failed, s.stall
-        armed: _channel._Segment | None = None
-        stalled_since: float | None = None
-        stall_began = 0.0
-        nap = _channel._STALL_NAP_SECONDS
-        try:
+        with SpaceWait("publish", deadline, "; published nowhere") as wait:
             while True:
                 rc = int(
                     lib.exch_publish(
@@ -871,45 +871,18 @@ class Exchange:
                 )  # fmt: skip
                 for i in range(n):
                     if wakes[i]:
-                        segs[i].post(_channel._RX, 1)
+                        segs[i].post(RX, 1)
                 if rc == _OK:
                     if lib.exch_removed(att.ptr):  # removed while we settled our copies
                         _drop_retired(att)
                     return list(ffi.unpack(seqs, n))
-                left = _channel._remaining(deadline)
                 if rc == _FULL:
-                    stalled_since = None  # a stall after this one starts its own count
-                    full = segs[failed[0]]
-                    if armed is None or armed.name != full.name:
-                        if armed is not None:
-                            _disarm(armed)
-                        lib.shm_space_wait(full.ptr, 1, full.scratch().pass_on)
-                        armed = full
-                        full.post(_channel._RX, 1)  # an idle receiver may compact
-                        continue  # re-check after announcing ourselves
-                    if left is not None and left <= 0:
-                        raise errors.Full(
-                            _channel.full_message(full, "publish") + "; published nowhere"
-                        )
-                    wait = _channel._MAINTENANCE_SECONDS
-                    full.wait(_channel._TX, wait if left is None else min(wait, left))
+                    wait.full(segs[failed[0]])
                 elif rc == _STALLED:
-                    now = time.monotonic()
-                    if stalled_since is None:
-                        stalled_since = stall_began = now
-                        nap = _channel._STALL_NAP_SECONDS
-                    elif now - stalled_since > _channel._STALL_CHECK_SECONDS:
-                        _channel._resolve_stall(segs[failed[0]], stall, consumer=False)
-                        stalled_since = now
-                    if left is not None and left <= 0:
-                        raise errors.Full("publish: stuck behind a producer that does not finish")
-                    # As Sender._wait_and_retry: retries every nap for the first
-                    # _STALL_CHECK_SECONDS, then sleeps doubling up to the maintenance period.
-                    time.sleep(nap if left is None else min(nap, left))
-                    if now - stall_began >= _channel._STALL_CHECK_SECONDS:
-                        nap = min(2 * nap, _channel._MAINTENANCE_SECONDS)
+                    wait.stalled(segs[failed[0]], stall)
                 elif rc == _BUSY:  # every transaction slot is held
                     if not self._reap_txns(att):
+                        left = remaining(deadline)
                         if left is not None and left <= 0:
                             raise errors.Full(
                                 f"publish: every transaction slot of exchange {self.name!r} "
@@ -925,9 +898,6 @@ class Exchange:
                 else:
                     what = "publish" if failed[0] >= n else f"publish to {segs[failed[0]].name!r}"
                     raise_for(rc, what)
-        finally:
-            if armed is not None:
-                _disarm(armed)
 
     def _scratch(self) -> Any:
         s = getattr(_local, "s", None)
@@ -963,19 +933,11 @@ def _any_exists(names: list[str]) -> bool:
     channel is missing only while its consumer re-creates it.)"""
     for name in names:
         try:
-            _channel.Sender.open(name)
+            Sender.open(name)
         except errors.ChannelNotFound:
             continue
         return True
     return False
-
-
-def _disarm(seg: _channel._Segment) -> None:
-    """Stop counting ourselves among `seg`'s senders waiting for space (as Sender does)."""
-    pass_on = seg.scratch().pass_on
-    lib.shm_space_wait(seg.ptr, 0, pass_on)
-    if pass_on[0]:
-        seg.wake_sender()  # pass the wake-up on to the next waiter (csrc/ring.c)
 
 
 def ls_lines() -> list[str]:
@@ -999,21 +961,21 @@ def ls_lines() -> list[str]:
         if s.bindings:
             wc = max(len(b.channel) for b in s.bindings)
             wp = max(len(b.pattern) for b in s.bindings)
-            existing = set(_channel.list_channels())
+            existing = set(list_names())
             for b in s.bindings:
                 gone = "" if b.channel in existing else "  (no such channel: gets no copies)"
                 lines.append(
                     f"  -> {b.channel:<{wc}}  {b.pattern or '-':<{wp}}  {b.routed} routed{gone}"
                 )
     try:
-        retired = sorted(e for e in os.listdir(_SHM_DIR) if e.startswith(_RETIRED))
+        retired = sorted(e for e in os.listdir(SHM_DIR) if e.startswith(_RETIRED))
     except FileNotFoundError:
         retired = []
     for entry in retired:
         uid, _, name = entry[len(_RETIRED) :].partition(".")
         lines.append(
             f"removed exchange {name} (uid {uid}): kept until its receivers settle the "
-            f"copies of committed publishes ({_SHM_DIR}/{entry})"
+            f"copies of committed publishes ({SHM_DIR}/{entry})"
         )
     return lines
 

@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import codec, liveness
 from ._lib import ffi, lib, raise_for
+from ._segment import PREFIX, SHM_DIR
 
 if TYPE_CHECKING:
     from .channel import Channel
 
 __all__ = ["HeldKey", "Line", "Wait", "WaitChain", "Producer", "held", "waiting", "why_waiting"]
-__all__ += ["producers", "segment_path", "mapping_pids", "users", "receiver_alive"]
+__all__ += ["producers", "segment_path", "mapping_pids", "users", "receiver_alive", "pid_alive"]
 
 # Message states, as operators read them (SHM_VIEW_* in csrc/shmchan.h).
 WAITING = "waiting"
@@ -293,9 +294,7 @@ def producers(ch: Channel) -> list[Producer]:
 
 def segment_path(name: str, path: str | None = None) -> str:
     """The file a channel lives in: its /dev/shm segment, or `path` for path= channels."""
-    from .channel import _PREFIX, _SHM_DIR  # one place names segments
-
-    return os.path.realpath(path if path is not None else os.path.join(_SHM_DIR, _PREFIX + name))
+    return os.path.realpath(path if path is not None else os.path.join(SHM_DIR, PREFIX + name))
 
 
 def mapping_pids(paths: list[str]) -> dict[str, set[int]]:
@@ -347,7 +346,7 @@ def users(ch: Channel, path: str) -> dict[int, list[str]]:
         if p.alive:
             add(p.pid, "producer")
     for h in held(ch):
-        if _pid_alive(h.pid):
+        if pid_alive(h.pid):
             add(h.pid, f"holds seq {h.seq}")
     return out
 
@@ -358,7 +357,9 @@ def _receiver_token(ch: Channel) -> int:
     return int(owner[0])
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` running (not a zombie)? For a pid without its start time, as a
+    process's own records give it; a process we may not inspect counts as running."""
     import psutil  # on first use: keeps `import shmchan` light
 
     try:

@@ -145,7 +145,7 @@ def tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, in
     with. Nothing may be in the ring past the tail hint (no send under way)."""
     from shmchan import liveness
 
-    with open(shmchan.channel._name_file(ch.name, None), "r+b") as f:
+    with open(shmchan._segment.name_file(ch.name, None), "r+b") as f:
         seg = mmap.mmap(f.fileno(), 0)
     try:
         (ring_off,) = struct.unpack_from("<Q", seg, layout_fact("header.ring_off"))

@@ -16,7 +16,7 @@ import pytest
 from procs import CTX, WAIT, running
 
 import shmchan
-from shmchan import channel
+from shmchan import _segment, receiver
 
 
 def _send(tx: Any, payloads: list[bytes], keys: list[Any] | None) -> list[int]:
@@ -201,15 +201,15 @@ def test_a_batch_that_fills_the_ring_wakes_the_receiver_for_each_part(
     its whole 0.1 s: 200 messages through a 4 KiB ring took 0.7 s instead of 2 ms. Counted
     here as the sender's waits that ran out rather than being woken."""
     waits: list[float] = []
-    plain_wait = channel._Segment.wait
+    plain_wait = _segment.Segment.wait
 
     def timed_wait(self: Any, which: int, seconds: float) -> None:
         t0 = time.monotonic()
         plain_wait(self, which, seconds)
-        if which == channel._TX:
-            waits.append((time.monotonic() - t0) / min(seconds, channel._MAINTENANCE_SECONDS))
+        if which == _segment.TX:
+            waits.append((time.monotonic() - t0) / min(seconds, _segment.MAINTENANCE_SECONDS))
 
-    monkeypatch.setattr(channel._Segment, "wait", timed_wait)
+    monkeypatch.setattr(_segment.Segment, "wait", timed_wait)
     ch = make_channel(capacity=4096)
     tx, rx = ch.sender(), ch.receiver()
     payloads = [i.to_bytes(2, "little") * 50 for i in range(200)]
@@ -298,7 +298,7 @@ def test_recv_batch_failing_after_the_receive_gives_the_messages_back(
     def fail(seg: Any, handles: Any) -> Any:
         raise MemoryError("injected")
 
-    monkeypatch.setattr(channel._hot, "batch_from_handles", fail)
+    monkeypatch.setattr(receiver._hot, "batch_from_handles", fail)
     with pytest.raises(MemoryError, match="injected"):
         rx._recv_batch_slow(10, WAIT)
     monkeypatch.undo()

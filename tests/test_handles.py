@@ -468,10 +468,11 @@ sys.exit(2)
 
 @pytest.mark.timeout(120)
 def test_recv_running_out_of_memory_part_way_loses_nothing(make_channel):
-    """recv's waiting path (Receiver._poll) takes messages out with one core call and
-    then makes a Handle for each (handles_from). Out of memory part-way, the Handles
-    made were dropped, releasing their messages undelivered, and the rest stayed held by
-    this process. Every allocation is made to fail in turn, in a child process."""
+    """recv's waiting path (C's receive loop, entered here through _recv_many_slow) takes
+    messages out with one core call and then makes a Handle for each. Out of memory
+    part-way, the Handles made were dropped, releasing their messages undelivered, and
+    the rest stayed held by this process. Every allocation is made to fail in turn, in a
+    child process."""
     pytest.importorskip("_testcapi")
     ch = make_channel()
     out = subprocess.run(

@@ -544,9 +544,9 @@ def test_a_release_in_another_thread_wakes_a_receive_of_the_same_process(
     # made in the receiver's own process is applied at once, under the receiver's lock,
     # and it posted nobody: a receive asleep in another thread waiting for that key slept
     # on until its next upkeep (up to 0.1 s; here, with upkeep every 30 s, its timeout).
-    from shmchan import channel
+    from shmchan import _segment
 
-    monkeypatch.setattr(channel, "_MAINTENANCE_SECONDS", 30.0)
+    monkeypatch.setattr(_segment, "MAINTENANCE_SECONDS", 30.0)
     ch = make_channel()
     tx, rx = ch.sender(), ch.receiver()
     for round_ in range(3):

@@ -573,10 +573,10 @@ def test_a_child_forked_while_another_thread_holds_the_attachment_lock_can_send(
     forks; the child has no such thread, so it must start with the lock free."""
     import pickle
 
-    from shmchan import channel as channel_mod
+    from shmchan import _segment
 
     blob = pickle.dumps(ch.sender())
-    with held_by_another_thread(channel_mod._shared_lock):
+    with held_by_another_thread(_segment._shared_lock):
         pid = os.fork()
         if pid == 0:  # the child: no pytest from here on, only os._exit
             code = 1

@@ -18,7 +18,7 @@ import pytest
 from procs import CTX, WAIT, child_env, running
 
 import shmchan
-from shmchan import channel
+from shmchan import _segment
 from shmchan._lib import ffi, lib
 
 CAPACITY = 64 << 10
@@ -122,7 +122,7 @@ def test_a_woken_sender_passes_the_wake_up_on_only_to_a_remaining_waiter(
 
 def _producer(name: str, me: int, count: int, out: Any) -> None:
     # No periodic re-check: a sender wakes only by a post, so a lost wake-up shows as Full.
-    channel._MAINTENANCE_SECONDS = 3600.0
+    _segment.MAINTENANCE_SECONDS = 3600.0
     try:
         tx = shmchan.Sender.open(name)
         for i in range(count):
@@ -137,7 +137,7 @@ def test_many_producers_on_a_tiny_ring_all_finish(
 ) -> None:
     """12 producers, a ring of a few records, no periodic re-check on either side: every
     message arrives, in order per producer, and no producer waits out its timeout."""
-    monkeypatch.setattr(channel, "_MAINTENANCE_SECONDS", 3600.0)
+    monkeypatch.setattr(_segment, "MAINTENANCE_SECONDS", 3600.0)
     nprod, count = 12, 300
     ch = make_channel(capacity=1024)
     rx = ch.receiver()
@@ -194,7 +194,7 @@ def test_threads_waiting_through_one_sender_are_each_counted_and_each_woken(
     or the first one woken, as it stops waiting, sees nobody left to pass the wake-up on
     to and the others sleep until their next periodic look (disabled here: they would
     wait out their timeout)."""
-    monkeypatch.setattr(channel, "_MAINTENANCE_SECONDS", 3600.0)
+    monkeypatch.setattr(_segment, "MAINTENANCE_SECONDS", 3600.0)
     nthreads = 4
     ch = make_channel(capacity=CAPACITY)
     tx, rx = ch.sender(), ch.receiver()

@@ -1,4 +1,4 @@
-"""shmchan.spark on a local[2] SparkSession (one per module: a JVM takes seconds to start).
+"""shmchan.spark on a local[2] SparkSession (one per test run: a JVM takes seconds to start).
 
 Components are checked against a union-find over the same rows in Python; process_keyed
 against a serial replay of an order-dependent workload; send_partitions against a consumer
@@ -17,7 +17,6 @@ import threading
 import time
 import types
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,13 +33,20 @@ from tests.procs import child_env
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
+def shared_session(config: pytest.Config) -> SparkSession:
+    """The local[2] session of this test run, shared by the Spark test modules (each JVM
+    start costs 5-30 s): started by the first module that asks, stopped when the run ends."""
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
     s = ss.session("shmchan-tests", master="local[2]")
-    try:
-        yield s
-    finally:
-        ss.stop(s)
+    config.add_cleanup(lambda: ss.stop(s))
+    return s
+
+
+@pytest.fixture(scope="module")
+def spark(pytestconfig: pytest.Config) -> SparkSession:
+    return shared_session(pytestconfig)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -474,9 +480,68 @@ def test_a_killed_task_leaves_no_channels_behind(spark: SparkSession, tmp_path: 
     assert not left & set(shmchan.list_channels())
 
 
+def where_it_ran(row: Any) -> str:
+    """The Python worker (the executor's creator), the executor's worker, the context."""
+    ctx = ss.task_context()
+    return f"{os.getppid()} {os.getpid()} {ctx.partition_id}/{ctx.attempt} {row.k}"
+
+
+def test_tasks_of_one_python_worker_reuse_its_executor(spark: SparkSession) -> None:
+    """A Spark Python worker runs its tasks one after another: the worker processes its
+    first process_keyed task started serve its later ones, with each task's own fn."""
+    df = spark.range(40).selectExpr("id", "concat('k', id % 5) as k")
+    pids: dict[int, set[int]] = defaultdict(set)  # Python worker -> executor workers seen
+    calls: dict[int, set[int]] = defaultdict(set)  # Python worker -> the calls it ran
+    for call in range(4):
+        out = ss.process_keyed(df, "k", where_it_ran, "id", workers_per_task=2, num_partitions=1)
+        got = {}
+        for r in out.collect():
+            ppid, pid, where, k = r.result.split()
+            pids[int(ppid)].add(int(pid))
+            calls[int(ppid)].add(call)
+            got[r.id] = (where, k)
+        assert got == {i: ("0/1", f"k{i % 5}") for i in range(40)}
+    assert any(len(c) > 1 for c in calls.values()), f"no Python worker ran two calls: {calls}"
+    for ppid, seen in pids.items():
+        assert len(seen) <= 2, f"Python worker {ppid} started workers for every task: {seen}"
+
+
+class FailOnRow5:
+    """Record which executor workers ran, and raise on row 5."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, row: Any) -> str:
+        with open(os.path.join(self.directory, f"{os.getppid()}-{os.getpid()}"), "w"):
+            pass
+        if row.id == 5:
+            raise ValueError("row 5 fails")
+        return row.k
+
+
+def test_a_failed_task_does_not_hand_its_executor_on(spark: SparkSession, tmp_path: Any) -> None:
+    """The executor of a task that failed is shut down, not kept: the next task on that
+    Python worker starts fresh workers, and runs every row."""
+    df = spark.range(20).selectExpr("id", "concat('k', id % 3) as k")
+    with pytest.raises(Exception, match="row 5 fails"):
+        ss.process_keyed(df, "k", FailOnRow5(str(tmp_path)), "id", num_partitions=1).collect()
+    failed = {tuple(map(int, p.name.split("-"))) for p in tmp_path.iterdir()}
+    assert failed
+    out = ss.process_keyed(df, "k", where_it_ran, "id", workers_per_task=2, num_partitions=1)
+    after = set()
+    rows = out.collect()
+    for r in rows:
+        ppid, pid, _, k = r.result.split()
+        assert k == f"k{r.id % 3}"
+        after.add((int(ppid), int(pid)))
+    assert sorted(r.id for r in rows) == list(range(20))
+    assert not failed & after, "the failed task's executor workers ran the next task"
+
+
 def test_process_keyed_runs_one_partition_per_core_unless_told(spark: SparkSession) -> None:
-    """Each partition is a Spark task that starts its own worker processes: by default
-    as many as Spark has cores (defaultParallelism), not spark.sql.shuffle.partitions."""
+    """Each partition is a Spark task: by default as many as Spark has cores
+    (defaultParallelism), not spark.sql.shuffle.partitions."""
     df = spark.range(60).selectExpr("id", "concat('k', id % 7) as k")
     before = spark.conf.get("spark.sql.shuffle.partitions")
     spark.conf.set("spark.sql.shuffle.partitions", "50")

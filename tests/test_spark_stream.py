@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from pyspark.sql import SparkSession
 
 from shmchan import spark as ss
 from tests.procs import child_env, run_shmchan
+from tests.test_spark import shared_session
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,12 +35,8 @@ KEYS = 4
 
 
 @pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
-    s = ss.session("shmchan-stream-tests", master="local[2]")
-    try:
-        yield s
-    finally:
-        ss.stop(s)
+def spark(pytestconfig: pytest.Config) -> SparkSession:
+    return shared_session(pytestconfig)  # the run's session, shared with test_spark.py
 
 
 # --------------------------------------------------------------------------- helpers

@@ -97,7 +97,7 @@ def _keys_homed_at(index: int, size: int, count: int) -> list[int]:
     found: list[int] = []
     k = 0
     while len(found) < count:
-        enc = codec._encode_one(k)
+        enc = codec.encode_keys(k, 1)[0][2:]  # the key's encoding, without its u16 frame
         if _home(lib.shm_hash_key(enc, len(enc)), size) == index:
             found.append(k)
         k += 1

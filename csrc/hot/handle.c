@@ -139,26 +139,6 @@ static PyObject *Handle_get_data(HandleObject *h, void *closure) {
                                (Py_ssize_t)(h->data_off + h->data_len));
 }
 
-/* One key of a blob (codec.py's encoding: a tag byte and its body). Returns a new
- * reference, or NULL without an exception for what only codec.py decodes (or rejects):
- * ints of more than 8 bytes, unknown tags, bad UTF-8. */
-static PyObject *key_decode(const uint8_t *enc, size_t size) {
-    const uint8_t *body = enc + 1;
-    size_t blen = size - 1;
-    PyObject *k = NULL;
-    if (enc[0] == 's') {
-        k = PyUnicode_DecodeUTF8((const char *)body, (Py_ssize_t)blen, "surrogatepass");
-    } else if (enc[0] == 'b') {
-        k = PyBytes_FromStringAndSize((const char *)body, (Py_ssize_t)blen);
-    } else if (enc[0] == 'i' && blen >= 1 && blen <= 8) {
-        uint64_t v = body[0] & 0x80 ? UINT64_MAX : 0; /* sign-extend, big-endian */
-        for (size_t i = 0; i < blen; i++) v = (v << 8) | body[i];
-        k = PyLong_FromLongLong((long long)v);
-    }
-    if (k == NULL) PyErr_Clear();
-    return k;
-}
-
 /* keys: the blob copied seqlock-style like payload, then decoded here; anything
  * unusual goes to _keys_slow (codec.decode_keys), which raises ChannelCorrupted for a
  * malformed blob. */
@@ -175,23 +155,14 @@ static PyObject *Handle_get_keys(HandleObject *h, void *closure) {
     buf = stack;
     memcpy(buf, seg->base + h->keys_off, len);
     if (hot_core.unmoved(seg->c, h->slot, h->word, h->pos) != SHM_OK) goto slow; /* moved */
-    t = PyTuple_New((Py_ssize_t)n);
-    if (t == NULL) return NULL;
-    size_t off = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (len - off < 2) goto slow;
-        size_t size = (size_t)buf[off] | ((size_t)buf[off + 1] << 8);
-        if (size == 0 || size > len - off - 2) goto slow;
-        PyObject *k = key_decode(buf + off + 2, size);
-        if (k == NULL) goto slow;
-        PyTuple_SET_ITEM(t, (Py_ssize_t)i, k);
-        off += 2 + size;
+    t = hot_keys_from_blob(buf, len, n);
+    if (t == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        goto slow;
     }
-    if (off != len) goto slow;
     h->keys = Py_NewRef(t);
     return t;
 slow:
-    Py_XDECREF(t);
     t = PyObject_CallMethodNoArgs((PyObject *)h, hot_s_keys_slow);
     if (t != NULL && h->keys == NULL) h->keys = Py_NewRef(t);
     return t;

@@ -92,12 +92,35 @@ extern PyObject *hot_exc_invalid, *hot_exc_type;
 /* interned names of the Python-side slow paths (module.c) */
 extern PyObject *hot_s_maintain, *hot_s_send_slow, *hot_s_recv_slow, *hot_s_recv_many_slow,
     *hot_s_release_many_slow, *hot_s_released, *hot_s_payload_slow, *hot_s_data_slow,
-    *hot_s_keys_slow;
+    *hot_s_keys_slow, *hot_s_live;
 
 #define MAX_BATCH 65536u   /* messages one recv_many call takes at most */
-#define SPIN_SECONDS 50e-6 /* longest spin before sleeping (as channel._SPIN_SECONDS) */
-#define SPIN_PAUSES 500u   /* CPU pauses per spin round (as channel._SPIN_PAUSES)     */
-#define KEY_BUF 2048u      /* key blob bytes the fast path encodes; longer -> Python */
+#define SPIN_SECONDS 50e-6 /* longest spin before sleeping (the module's SPIN_SECONDS) */
+#define SPIN_PAUSES 500u   /* CPU pauses per spin round                                  */
+#define STALL_SLEEP_SECONDS 0.002 /* a receiver's longest sleep behind a stuck claim      */
+#define KEY_BUF 2048u      /* key blob bytes encoded on the stack; longer -> Python */
+
+/* keys.c: a message's key blob being built (see keys.c for the encoding) */
+typedef struct {
+    uint8_t *buf;                       /* local, or a larger buffer (frame_keys)      */
+    uint32_t cap, len;                  /* bytes of buf; bytes used                    */
+    uint32_t n;                         /* distinct keys                               */
+    size_t last;                        /* encoded size of the last key appended       */
+    uint32_t start[SHM_MAX_KEYS_LIMIT]; /* where each key's frame begins               */
+    uint8_t local[KEY_BUF];
+} keyblob;
+/* hot_key_append's results besides 1 (appended or merged) and -1 (an exception) */
+#define KEY_NOT_A_KEY 0 /* not an exact str, bytes or int: codec.py decides       */
+#define KEY_TOO_LONG 2  /* its encoding is longer than a u16 length can frame     */
+#define KEY_NO_ROOM 3   /* buf is full                                             */
+#define KEY_TOO_MANY 4  /* SHM_MAX_KEYS_LIMIT distinct keys already                */
+void hot_keys_init(keyblob *kb);
+int hot_key_append(keyblob *kb, PyObject *k);
+/* The n keys of a blob of len bytes, as a new tuple; NULL without an exception if the
+ * blob is malformed, with one (MemoryError) if a key could not be made. */
+PyObject *hot_keys_from_blob(const uint8_t *buf, size_t len, size_t n);
+PyObject *hot_frame_keys(PyObject *mod, PyObject *keys);
+PyObject *hot_decode_keys(PyObject *mod, PyObject *args);
 
 /* ---------------------------------------------------------------------------------
  * the objects
@@ -148,7 +171,7 @@ typedef struct {
     PyObject_HEAD
     SegmentObject *seg;       /* NULL once closed                                  */
     double next_maintenance;  /* time.monotonic() when recv() must run maintain()  */
-    double spin;              /* seconds to spin before sleeping (adaptive, wait_for) */
+    double spin;              /* seconds to spin before sleeping (adaptive, receive) */
     shm_msg *msgs;            /* the core's descriptions land here                */
     uint32_t nmsgs;
 } ReceiverObject;

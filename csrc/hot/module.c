@@ -15,7 +15,7 @@ PyObject *hot_encode_keys_fn;
 PyObject *hot_exc_invalid, *hot_exc_type;
 PyObject *hot_s_maintain, *hot_s_send_slow, *hot_s_recv_slow, *hot_s_recv_many_slow,
     *hot_s_release_many_slow, *hot_s_released, *hot_s_payload_slow, *hot_s_data_slow,
-    *hot_s_keys_slow;
+    *hot_s_keys_slow, *hot_s_live;
 
 /* Keyword-aware parsing for METH_FASTCALL: fills out[0..nmax) from positional and
  * keyword arguments; out[] holds the defaults on entry. */
@@ -116,6 +116,10 @@ static PyMethodDef module_methods[] = {
      "batch_from_handles(seg, handles): a Batch taking over held Handles' messages"},
     {"hand_over", hot_hand_over, METH_VARARGS,
      "hand_over(seg, handles) -> (pairs, worst): mark a batch of handles in transit"},
+    {"frame_keys", hot_frame_keys, METH_O,
+     "frame_keys(keys) -> bytes: the key blob of a list of exact str, bytes and int keys"},
+    {"decode_keys", hot_decode_keys, METH_VARARGS,
+     "decode_keys(blob, n) -> tuple | None: a key blob's keys; None if malformed"},
     {"adopt_many", hot_adopt_many, METH_VARARGS,
      "adopt_many(seg, pairs, token) -> (handles, worst): adopt a batch handed over"},
     {NULL},
@@ -144,6 +148,7 @@ PyMODINIT_FUNC PyInit__shmchan_hot(void) {
         {&hot_s_payload_slow, "_payload_slow"},
         {&hot_s_data_slow, "_data_slow"},
         {&hot_s_keys_slow, "_keys_slow"},
+        {&hot_s_live, "_live"},
     };
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         *strs[i].slot = PyUnicode_InternFromString(strs[i].s);

@@ -3,11 +3,11 @@
  *
  * A receive polls the core once (shm_recv) and turns what it hands out into Handles;
  * messages the core handed out that cannot become Handles (out of memory) are given back
- * at once, so nothing stays held by this process unseen. When the channel is empty the
- * plain case waits here, in C (wait_for: spin, arm the eventcount, sleep on the
- * receiver's semaphore), running the receiver's upkeep (Receiver.maintain) in place
- * when it is due; anything else -- a timeout of another type, a closed receiver, a
- * stall that outlasts the spin, an error status -- goes to Receiver._poll in Python.
+ * at once, so nothing stays held by this process unseen. Every receive blocks here, in
+ * C (receive: spin, arm the eventcount, sleep on the receiver's semaphore), also those
+ * that start in Python (Receiver._recv_slow, try_recv, ...: they check arguments and
+ * call _receive); Python is called back only for the receiver's upkeep
+ * (Receiver.maintain), a claimant's liveness (Receiver._stalled) and the errors.
  */
 #include "hot.h"
 
@@ -34,25 +34,43 @@ static void give_back(SegmentObject *seg, const shm_msg *msgs, uint32_t from, ui
     }
 }
 
+/* Where one poll puts what the core says: the per-message fast path polls into the
+ * receiver's own array with the GIL held (the call is short); receive() polls into a
+ * buffer of its own with the GIL released meanwhile, as every call of the core from
+ * Python does (the core has its own locks), so another thread may receive at the same
+ * time. */
+typedef struct {
+    shm_msg *msgs;   /* room for the n messages asked for */
+    shm_stall stall; /* the stuck claim, after SHM_STALLED */
+    int nogil;
+} pollbuf;
+
+static int core_recv(SegmentObject *seg, pollbuf *pb, uint32_t n, uint32_t *got, int arm,
+                     uint32_t *wake) {
+    int rc;
+    if (!pb->nogil) return hot_core.recv(seg->c, pb->msgs, n, got, arm, &pb->stall, wake);
+    Py_BEGIN_ALLOW_THREADS
+    rc = hot_core.recv(seg->c, pb->msgs, n, got, arm, &pb->stall, wake);
+    Py_END_ALLOW_THREADS
+    return rc;
+}
+
 /* One non-blocking poll of seg (the receiver's segment, referenced by the caller) for
  * up to n messages. Returns a new list (possibly empty) or NULL with an exception; on
  * failure nothing stays handed out. */
-static PyObject *poll_fast(ReceiverObject *self, SegmentObject *seg, uint32_t n, int arm,
-                           int *rc) {
-    if (ensure_msgs(self, n) < 0) return NULL;
+static PyObject *poll_fast(SegmentObject *seg, pollbuf *pb, uint32_t n, int arm, int *rc) {
     uint32_t got = 0, wake = 0;
-    shm_stall stall;
-    *rc = hot_core.recv(seg->c, self->msgs, n, &got, arm, &stall, &wake);
+    *rc = core_recv(seg, pb, n, &got, arm, &wake);
     if (wake) wake_sender(&seg->wk);
     PyObject *out = PyList_New(got);
     if (out == NULL) {
-        give_back(seg, self->msgs, 0, got);
+        give_back(seg, pb->msgs, 0, got);
         return NULL;
     }
     for (uint32_t i = 0; i < got; i++) {
-        PyObject *h = hot_make_handle(seg, &self->msgs[i]);
+        PyObject *h = hot_make_handle(seg, &pb->msgs[i]);
         if (h == NULL) {
-            give_back(seg, self->msgs, i, got);
+            give_back(seg, pb->msgs, i, got);
             for (uint32_t j = 0; j < i; j++) /* made already: nack them too, then drop */
                 hot_release_core((HandleObject *)PyList_GET_ITEM(out, j), 1);
             Py_DECREF(out);
@@ -66,97 +84,167 @@ static PyObject *poll_fast(ReceiverObject *self, SegmentObject *seg, uint32_t n,
 /* poll_fast for one message, without the list (a list per call would also feed the
  * cyclic garbage collector's allocation count). Returns a new Handle, or NULL: with
  * an exception set on error, without one if nothing was ready (*rc says why). */
-static PyObject *poll_one(ReceiverObject *self, SegmentObject *seg, int arm, int *rc) {
-    if (ensure_msgs(self, 1) < 0) return NULL;
+static PyObject *poll_one(SegmentObject *seg, pollbuf *pb, int arm, int *rc) {
     uint32_t got = 0, wake = 0;
-    shm_stall stall;
-    *rc = hot_core.recv(seg->c, self->msgs, 1, &got, arm, &stall, &wake);
+    *rc = core_recv(seg, pb, 1, &got, arm, &wake);
     if (wake) wake_sender(&seg->wk);
     if (!got) return NULL;
-    PyObject *h = hot_make_handle(seg, &self->msgs[0]);
-    if (h == NULL) give_back(seg, self->msgs, 0, 1);
+    PyObject *h = hot_make_handle(seg, &pb->msgs[0]);
+    if (h == NULL) give_back(seg, pb->msgs, 0, 1);
     return h;
 }
 
-/* recv's (and recv_many's) wait for the plain case, so that an idle receiver wakes
- * straight into C: the channel is empty (SHM_EMPTY) or upkeep is due before the first
- * poll (it runs first, below), and the deadline is not due. Same
- * protocol as Receiver._poll: spin a little, arm the eventcount (shm_recv with arm_sleep
- * re-checks after announcing the sleep), then sleep on the semaphore, until a post, the
- * deadline or the next maintenance; maintenance runs in place (Receiver.maintain) and
- * the wait goes on, so the wake-up after it is as quick as any. The GIL is released
- * while spinning and sleeping; the segment is held by a reference of our own, and if
- * another thread closed the receiver meanwhile, Receiver._poll takes over (and says so).
+/* Python's say on a receive that cannot go on: Receiver._live raises Closed (or
+ * WrongProcess) once the receiver was closed (maybe by another thread while we slept),
+ * Receiver._nothing(rc) raises Empty (rc EMPTY: time is up), Closed (CLOSED: shut
+ * down or removed, and drained) or the status's error. Always NULL. */
+static PyObject *refuse(ReceiverObject *self, PyObject *name, int rc) {
+    PyObject *r = name != NULL ? PyObject_CallMethodNoArgs((PyObject *)self, name)
+                               : PyObject_CallMethod((PyObject *)self, "_nothing", "i", rc);
+    if (r != NULL) { /* it did not raise: say so rather than return nothing */
+        Py_DECREF(r);
+        PyErr_Format(PyExc_SystemError, "Receiver.%s returned instead of raising",
+                     name != NULL ? "_live" : "_nothing");
+    }
+    return NULL;
+}
+
+/* Receiving, in one place: the loop behind recv, recv_many, try_recv and the Python
+ * slow paths. Polls the core for up to n messages (n == 0: one, returned as a Handle,
+ * not a list) until something is handed out or `deadline` (CLOCK_MONOTONIC seconds, as
+ * time.monotonic(); INFINITY: none) passes; block == 0 polls once and returns None (or
+ * an empty list) if nothing is ready.
+ *
+ * Between polls: spin a little, arm the eventcount (shm_recv with arm_sleep re-checks
+ * after announcing the sleep), then sleep on the receiver's semaphore until a post, the
+ * deadline or the next upkeep; a stall (a claim ahead not yet committed) sleeps at most
+ * STALL_SLEEP_SECONDS at a time. The GIL is released while spinning and sleeping; the
+ * segment is held by a reference of our own. Python is called back only for what must
+ * be Python:
+ *   maintain()           the upkeep, when due (liveness through psutil, redeliveries), in
+ *                        place: the wait goes on after it, as quick to wake as before;
+ *   _stalled(pos, owner) a stall that outlasted its spin (or met by a non-blocking poll):
+ *                        Python checks the claimant now and then, repairs a dead one's;
+ *   _live(), _nothing(rc) the errors (see refuse).
  *
  * The spin adapts, as adaptive mutexes do: it is worth its CPU only when messages come
  * within it. A spin that runs out halves the next one (down to none); a sleep that is
  * woken within SPIN_SECONDS restores it. So a busy receiver spins instead of paying a
  * wake-up per message, and a receiver idle between rare messages sleeps at once --
- * which also leaves its CPU free for the sender it is waiting for.
- * Returns a new Handle (for recv: n == 0) or a non-empty list of at most n of them (for
- * recv_many); or NULL with an exception (a signal handler raised); or NULL without one
- * when Receiver._poll must take over (any other status, closed, or time is up). */
-static PyObject *wait_for(ReceiverObject *self, uint32_t n, double deadline) {
+ * which also leaves its CPU free for the sender it is waiting for. A stall is spun
+ * through for up to SPIN_SECONDS from its start whatever the adaptive spin says: its
+ * producer is most likely a few instructions from committing (slept on instead, the
+ * commit had to post us: a receiver that kept up with its producer ran at half the rate
+ * of one that lagged).
+ * Returns a new reference, or NULL with an exception. */
+static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int block) {
     SegmentObject *seg = self->seg;
-    if (seg == NULL || seg->wk.sem[WAKE_RX] == NULL) return NULL;
+    if (seg == NULL || seg->wk.sem[WAKE_RX] == NULL) return refuse(self, hot_s_live, 0); /* closed */
+    PyObject *h = PyObject_CallMethodNoArgs((PyObject *)self, hot_s_live); /* WrongProcess */
+    if (h == NULL) return NULL;
+    Py_DECREF(h);
+    h = NULL;
+    shm_msg one;
+    pollbuf pb = {.msgs = n <= 1 ? &one : PyMem_Malloc((size_t)n * sizeof(shm_msg)), .nogil = 1};
+    if (pb.msgs == NULL) return PyErr_NoMemory();
     Py_INCREF(seg);
     double spin_until = monotonic() + self->spin, stall_until = 0.0;
     int arm = 0, rc;
-    PyObject *h = NULL;
     for (;;) {
+        if (self->seg != seg) {
+            h = refuse(self, hot_s_live, 0);
+            break;
+        }
         double now = monotonic();
-        if (self->seg != seg || now >= deadline) break;
         if (now >= self->next_maintenance) {
-            /* Upkeep in place (Receiver.maintain), then back to waiting here: a message
-             * that comes after it is still handed out by this path, not Python's. */
+            /* Upkeep first: its redeliveries go before newer messages. */
             PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, hot_s_maintain);
             if (r == NULL) break; /* its exception is ours */
             Py_DECREF(r);
-            if (self->seg != seg || monotonic() >= self->next_maintenance) break;
-            continue;
+            if (self->seg != seg) continue;
         }
         if (n == 0) {
-            h = poll_one(self, seg, arm, &rc);
+            h = poll_one(seg, &pb, arm, &rc);
         } else {
-            h = poll_fast(self, seg, n, arm, &rc);
+            h = poll_fast(seg, &pb, n, arm, &rc);
             if (h != NULL && PyList_GET_SIZE(h) == 0) Py_CLEAR(h);
         }
         if (h != NULL || PyErr_Occurred()) break;
-        if (rc == SHM_AGAIN) continue; /* records arrived meanwhile: look at them first */
-        if (rc == SHM_STALLED && !arm) {
-            /* Stalled on a record being claimed: its producer is most likely a few
-             * instructions from committing it, so spin through the stall, for up to
-             * SPIN_SECONDS from its start whatever the adaptive spin says (it may be
-             * down to none).
-             * Slept on instead, the commit had to post us: a receiver that kept up
-             * with its producer ran at half the rate of one that lagged.
-             * A stall that outlasts the spin goes to Receiver._poll, which sleeps on
-             * it and sees to a dead claimant. */
-            if (stall_until == 0.0) stall_until = now + SPIN_SECONDS;
-            if (now >= stall_until) break;
-            Py_BEGIN_ALLOW_THREADS
-            hot_core.rx_spin(seg->c, SPIN_PAUSES);
-            Py_END_ALLOW_THREADS
-            continue;
+        if (rc == SHM_AGAIN) { /* records arrived meanwhile: look at them before sleeping */
+            if (block) continue;
+            rc = SHM_EMPTY;
         }
-        if (rc != SHM_EMPTY) break; /* else: still empty */
-        stall_until = 0.0;          /* a later stall gets its own spin */
-        if (!arm) {
-            if (now < spin_until) {
-                Py_BEGIN_ALLOW_THREADS
-                hot_core.rx_spin(seg->c, SPIN_PAUSES);
-                Py_END_ALLOW_THREADS
-            } else {
-                self->spin = self->spin < 2e-6 ? 0.0 : self->spin / 2; /* it did not pay */
-                arm = 1; /* poll once more with the sleep announced */
+        if (rc == SHM_STALLED) {
+            if (block && !arm) {
+                if (stall_until == 0.0) stall_until = now + SPIN_SECONDS;
+                if (now < stall_until) {
+                    Py_BEGIN_ALLOW_THREADS
+                    hot_core.rx_spin(seg->c, SPIN_PAUSES);
+                    Py_END_ALLOW_THREADS
+                    continue;
+                }
             }
+            PyObject *r = PyObject_CallMethod((PyObject *)self, "_stalled", "KK",
+                                              (unsigned long long)pb.stall.pos,
+                                              (unsigned long long)pb.stall.owner);
+            if (r == NULL) break;
+            Py_DECREF(r);
+        } else if (rc == SHM_EMPTY) {
+            stall_until = 0.0; /* a later stall gets its own spin */
+        } else {
+            h = refuse(self, NULL, rc);
+            break;
+        }
+        if (!block) {
+            h = n == 0 ? Py_NewRef(Py_None) : PyList_New(0);
+            break;
+        }
+        if (monotonic() >= deadline) {
+            h = refuse(self, NULL, SHM_EMPTY);
+            break;
+        }
+        if (!arm) {
+            if (rc == SHM_EMPTY) {
+                if (now < spin_until) {
+                    Py_BEGIN_ALLOW_THREADS
+                    hot_core.rx_spin(seg->c, SPIN_PAUSES);
+                    Py_END_ALLOW_THREADS
+                    continue;
+                }
+                self->spin = self->spin < 2e-6 ? 0.0 : self->spin / 2; /* it did not pay */
+            }
+            arm = 1; /* poll once more with the sleep announced */
             continue;
         }
-        if (wake_sleep(&seg->wk, WAKE_RX, fmin(deadline, self->next_maintenance)) < 0) break;
-        if (monotonic() - now < SPIN_SECONDS) self->spin = SPIN_SECONDS; /* woken soon */
+        double until = fmin(deadline, self->next_maintenance);
+        if (rc == SHM_STALLED) until = fmin(until, monotonic() + STALL_SLEEP_SECONDS);
+        if (wake_sleep(&seg->wk, WAKE_RX, until) < 0) break;
+        if (rc == SHM_EMPTY && monotonic() - now < SPIN_SECONDS)
+            self->spin = SPIN_SECONDS; /* woken soon */
     }
     Py_DECREF(seg);
+    if (pb.msgs != &one) PyMem_Free(pb.msgs);
     return h;
+}
+
+/* The deadline of a plain timeout (None, or an int or float >= 0) from now. */
+static int plain_deadline(PyObject *timeout, double *deadline) {
+    double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
+    if (t == -1.0 && PyErr_Occurred()) return -1;
+    *deadline = t == INFINITY ? INFINITY : monotonic() + t;
+    return 0;
+}
+
+/* _receive(n, deadline, block): receive() for the Python slow paths, whose arguments
+ * they checked (deadline: time.monotonic() value, or None: none). */
+static PyObject *Receiver_receive(ReceiverObject *self, PyObject *args) {
+    unsigned int n;
+    PyObject *dl;
+    int block;
+    if (!PyArg_ParseTuple(args, "IOp", &n, &dl, &block)) return NULL;
+    double deadline = dl == Py_None ? INFINITY : PyFloat_AsDouble(dl);
+    if (deadline == -1.0 && PyErr_Occurred()) return NULL;
+    return receive(self, n > MAX_BATCH ? MAX_BATCH : n, deadline, block);
 }
 
 /* Is the one-poll fast path allowed: open, and maintenance not due? The coarse clock
@@ -174,28 +262,20 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
     PyObject *a[1] = {Py_None};
     if (hot_parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) return NULL;
     PyObject *timeout = a[0];
-    if (timeout_plain(timeout) && self->seg != NULL) {
-        /* With upkeep due, no poll here: wait_for runs it first (its redeliveries go
-         * before newer messages), then polls. The first recv after a pause longer than
-         * the upkeep period so still wakes in C, not in Receiver._poll. */
-        int rc = SHM_EMPTY;
-        if (fast_ok(self)) {
-            PyObject *h = poll_one(self, self->seg, 0, &rc);
-            if (h != NULL || PyErr_Occurred()) return h;
-            if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
-        }
-        double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
-        if (t == -1.0 && PyErr_Occurred()) return NULL;
-        if (rc == SHM_EMPTY && t > 0) {
-            double deadline = monotonic() + t;
-            PyObject *h = wait_for(self, 0, deadline);
-            if (h != NULL || PyErr_Occurred()) return h;
-            if (timeout != Py_None) /* the slow path gets what is left of the timeout */
-                return PyObject_CallMethod((PyObject *)self, "_recv_slow", "d",
-                                           fmax(0.0, deadline - monotonic()));
-        }
+    if (!timeout_plain(timeout) || self->seg == NULL) /* Python checks it, or says why */
+        return PyObject_CallMethodOneArg((PyObject *)self, hot_s_recv_slow, timeout);
+    /* With upkeep due, no poll here: receive() runs it first (its redeliveries go
+     * before newer messages), then polls. */
+    if (fast_ok(self)) {
+        int rc;
+        if (ensure_msgs(self, 1) < 0) return NULL;
+        pollbuf pb = {.msgs = self->msgs, .nogil = 0};
+        PyObject *h = poll_one(self->seg, &pb, 0, &rc);
+        if (h != NULL || PyErr_Occurred()) return h;
     }
-    return PyObject_CallMethodOneArg((PyObject *)self, hot_s_recv_slow, timeout);
+    double deadline;
+    if (plain_deadline(timeout, &deadline) < 0) return NULL;
+    return receive(self, 0, deadline, 1);
 }
 
 static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
@@ -203,38 +283,29 @@ static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
     static const char *const names[] = {"max_items", "timeout"};
     PyObject *a[2] = {NULL, Py_None};
     if (hot_parse_args("recv_many", args, nargs, kwnames, names, 0, 2, a) < 0) return NULL;
-    if (a[0] == NULL) a[0] = PyLong_FromLong(256);
-    else Py_INCREF(a[0]);
-    if (a[0] == NULL) return NULL;
-    PyObject *res = NULL, *timeout = a[1];
-    long n = PyLong_CheckExact(a[0]) ? PyLong_AsLong(a[0]) : -1;
+    PyObject *timeout = a[1];
+    long n = a[0] == NULL ? 256 : PyLong_CheckExact(a[0]) ? PyLong_AsLong(a[0]) : -1;
     if (n == -1 && PyErr_Occurred()) PyErr_Clear(); /* huge: the slow path says why */
-    if (n >= 1 && timeout_plain(timeout) && self->seg != NULL) {
-        uint32_t want = n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n;
-        int rc = SHM_EMPTY;
-        if (fast_ok(self)) { /* with upkeep due, wait_for runs it first (as in recv) */
-            res = poll_fast(self, self->seg, want, 0, &rc);
-            if (res == NULL || PyList_GET_SIZE(res)) goto out;
-            Py_CLEAR(res);
-            if (rc == SHM_AGAIN || rc == SHM_STALLED) rc = SHM_EMPTY; /* wait_for polls again */
-        }
-        double t = timeout == Py_None ? INFINITY : PyFloat_AsDouble(timeout);
-        if (t == -1.0 && PyErr_Occurred()) goto out;
-        if (rc == SHM_EMPTY && t > 0) {
-            double deadline = monotonic() + t;
-            res = wait_for(self, want, deadline);
-            if (res != NULL || PyErr_Occurred()) goto out;
-            if (timeout != Py_None) { /* the slow path gets what is left of the timeout */
-                res = PyObject_CallMethod((PyObject *)self, "_recv_many_slow", "Od", a[0],
-                                          fmax(0.0, deadline - monotonic()));
-                goto out;
-            }
-        }
+    if (n < 1 || !timeout_plain(timeout) || self->seg == NULL) {
+        PyObject *mi = a[0] ? Py_NewRef(a[0]) : PyLong_FromLong(256);
+        if (mi == NULL) return NULL;
+        PyObject *res =
+            PyObject_CallMethodObjArgs((PyObject *)self, hot_s_recv_many_slow, mi, timeout, NULL);
+        Py_DECREF(mi);
+        return res;
     }
-    res = PyObject_CallMethodObjArgs((PyObject *)self, hot_s_recv_many_slow, a[0], timeout, NULL);
-out:
-    Py_DECREF(a[0]);
-    return res;
+    uint32_t want = n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n;
+    if (fast_ok(self)) { /* with upkeep due, receive() runs it first (as in recv) */
+        int rc;
+        if (ensure_msgs(self, want) < 0) return NULL;
+        pollbuf pb = {.msgs = self->msgs, .nogil = 0};
+        PyObject *res = poll_fast(self->seg, &pb, want, 0, &rc);
+        if (res == NULL || PyList_GET_SIZE(res)) return res;
+        Py_DECREF(res);
+    }
+    double deadline;
+    if (plain_deadline(timeout, &deadline) < 0) return NULL;
+    return receive(self, want, deadline, 1);
 }
 
 static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) {
@@ -347,6 +418,8 @@ static PyObject *Receiver_recv_batch(ReceiverObject *self, PyObject *const *args
 }
 
 static PyMethodDef Receiver_methods[] = {
+    {"_receive", (PyCFunction)Receiver_receive, METH_VARARGS,
+     "_receive(n, deadline, block): the receive loop for the Python slow paths"},
     {"recv", (PyCFunction)(void (*)(void))Receiver_recv, METH_FASTCALL | METH_KEYWORDS,
      "recv(timeout=None) -> Handle: the next message free to go; blocks.\n\n"
      "Raises Empty on timeout, Closed once the channel is shut down and drained."},

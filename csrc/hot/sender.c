@@ -1,9 +1,9 @@
 /* sender.c -- SenderBase: send, send_many and send_batch, the per-message half of
- * shmchan.Sender, and the fast path of the key encoding.
+ * shmchan.Sender.
  *
- * A send of bytes with plain keys encodes the keys here (the common cases of
- * shmchan/codec.py's encoding, byte for byte) and makes one core call (shm_send); a
- * batch is packed into arrays and sent with one core call (shm_send_many). Whatever
+ * A send of bytes with plain keys encodes the keys here (keys.c, on the stack) and
+ * makes one core call (shm_send); a batch is packed into arrays and sent with one core
+ * call (shm_send_many). Whatever
  * the core does not accept at once -- a full channel, a stall, an error -- and every
  * payload or key this file does not encode goes to the Python side (`_send_slow`,
  * codec.encode_payload, codec.encode_keys): nothing is sent twice, since a core call
@@ -11,81 +11,24 @@
  */
 #include "hot.h"
 
-/* ---------------------------------------------------------------------------------
- * keys: the common cases of shmchan/codec.py's encoding, byte for byte
- * --------------------------------------------------------------------------------- */
-typedef struct {
-    uint8_t buf[KEY_BUF];
-    uint32_t len;                        /* bytes used                         */
-    uint32_t n;                          /* distinct keys                      */
-    uint32_t start[SHM_MAX_KEYS_LIMIT];  /* where each key's frame begins      */
-} keyblob;
-
-/* Append one key's frame (u16 LE length, tag, body), merging a duplicate. Returns 1 if
- * done, 0 if this key is not for the fast path (codec.py handles it and its errors). */
-static int key_append(keyblob *kb, PyObject *k) {
-    uint8_t num[8];
-    const uint8_t *body;
-    Py_ssize_t blen;
-    uint8_t tag;
-    if (PyUnicode_CheckExact(k)) {
-        body = (const uint8_t *)PyUnicode_AsUTF8AndSize(k, &blen);
-        if (body == NULL) { /* lone surrogates: codec.py passes them through */
-            PyErr_Clear();
-            return 0;
-        }
-        tag = 's';
-    } else if (PyBytes_CheckExact(k)) {
-        body = (const uint8_t *)PyBytes_AS_STRING(k);
-        blen = PyBytes_GET_SIZE(k);
-        tag = 'b';
-    } else if (PyLong_CheckExact(k)) { /* exact: bool is not a key type */
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(k, &overflow);
-        if (overflow) return 0;
-        /* minimal two's complement, big-endian: bit length of v (or of -v-1) + sign bit */
-        unsigned long long mag = v < 0 ? ~(unsigned long long)v : (unsigned long long)v;
-        int bits = mag ? 64 - __builtin_clzll(mag) : 0;
-        int nb = bits / 8 + 1;
-        for (int i = 0; i < nb; i++) num[nb - 1 - i] = (uint8_t)((unsigned long long)v >> (8 * i));
-        body = num;
-        blen = nb;
-        tag = 'i';
-    } else {
-        return 0;
-    }
-    size_t enc = 1 + (size_t)blen;
-    if (enc > 0xFFFE || kb->len + 2 + enc > KEY_BUF) return 0;
-    uint8_t *f = kb->buf + kb->len;
-    f[0] = (uint8_t)(enc & 0xFF);
-    f[1] = (uint8_t)(enc >> 8);
-    f[2] = tag;
-    memcpy(f + 3, body, (size_t)blen);
-    for (uint32_t j = 0; j < kb->n; j++) {
-        const uint8_t *g = kb->buf + kb->start[j];
-        size_t glen = (size_t)g[0] | ((size_t)g[1] << 8);
-        if (glen == enc && memcmp(g + 2, f + 2, enc) == 0) return 1; /* a duplicate */
-    }
-    if (kb->n == SHM_MAX_KEYS_LIMIT) return 0;
-    kb->start[kb->n++] = kb->len;
-    kb->len += (uint32_t)(2 + enc);
-    return 1;
-}
-
-/* The blob for `keys` (None, one str/bytes/int, or a tuple or list of them). Returns 1
- * if encoded, 0 if codec.py must do it (other types, too many keys, errors). */
+/* The blob for `keys` (None, one str/bytes/int, or a tuple or list of them), on the
+ * stack (keys.c). Returns 1 if encoded, 0 if codec.py must see to it (other types, a
+ * long blob, too many keys, errors: it raises them). */
 static int keys_encode(keyblob *kb, PyObject *keys, uint32_t max_keys) {
-    kb->len = kb->n = 0;
+    hot_keys_init(kb);
     if (keys == Py_None) return 1;
     if (PyTuple_CheckExact(keys) || PyList_CheckExact(keys)) {
         Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
         PyObject **items = PySequence_Fast_ITEMS(keys);
         for (Py_ssize_t i = 0; i < n; i++)
-            if (!key_append(kb, items[i])) return 0;
-    } else if (!key_append(kb, keys)) {
-        return 0;
+            if (hot_key_append(kb, items[i]) != 1) goto python;
+    } else if (hot_key_append(kb, keys) != 1) {
+        goto python;
     }
     return kb->n <= max_keys;
+python:
+    PyErr_Clear(); /* codec.py meets it again and raises it */
+    return 0;
 }
 
 

@@ -8,6 +8,9 @@ Both run, on the same cached data and session, an I/O-bound function (a 2 ms sle
 result depends on the order: the row's position among the rows of its key, counted in a
 shared file of counters. The two results must be identical (else the run fails).
 
+The 400 000-row size runs once (ONCE_FROM) and without applyInPandas (PANDAS_UP_TO),
+which would take half an hour there; SHMCHAN_BENCH_SPARK_ROWS picks other sizes.
+
 Also measured: the key-graph components of 1 M rows (100 k quick) on Spark
 (large-star / small-star, forced with driver_threshold=0) with their rounds, and the cost
 of one giant component: the same rows plus bridge rows that join every key into one
@@ -39,6 +42,8 @@ STARS = "large-star/small-star"
 SLEEP = 0.002  # seconds of waiting per row: an I/O-bound function
 WORKERS = 8  # workers_per_task
 CHAIN = 300  # rows of the chain added to the components' random graph
+ONCE_FROM = 200_000  # sizes from here run once: the 400 000-row recipe alone takes ~400 s
+PANDAS_UP_TO = 40_000  # applyInPandas pays ~20 ms per key here: 80 000 keys would take ~30 min
 
 ROWS_ENV = "SHMCHAN_BENCH_SPARK_ROWS"  # e.g. "4000,40000": the process_keyed sizes
 GRAPH_ENV = "SHMCHAN_BENCH_SPARK_GRAPH_ROWS"  # e.g. "200000": the components' rows
@@ -151,7 +156,8 @@ def _have_pandas() -> str | None:
 
 
 def _executor_start(partition: Any) -> Any:
-    """In a Spark task: seconds to start a KeyedExecutor, run one row, and shut it down."""
+    """In a Spark task: seconds to start a KeyedExecutor, run one row, and shut it down
+    (what process_keyed pays in the first task a Python worker runs)."""
     import shmchan
 
     t0 = time.perf_counter()
@@ -193,7 +199,7 @@ def _run_spark(run: Run) -> None:
                     + ("" if no_pandas is None else f"; {no_pandas}"),
                 ),
             ]
-            if no_pandas is None:
+            if no_pandas is None and rows <= PANDAS_UP_TO:
                 systems.append(
                     (PANDAS, lambda fn, d=df: _pandas(d, fn), "groupBy(key).applyInPandas")
                 )
@@ -204,7 +210,7 @@ def _run_spark(run: Run) -> None:
                 if no_pandas is None:
                     _timed(here, keys, lambda fn, w=warm: _pandas(w, fn))
             samples: dict[str, list[float]] = {name: [] for name, _, _ in systems}
-            for _ in range(reps):  # interleaved, so drift hits all alike
+            for _ in range(1 if rows >= ONCE_FROM else reps):  # interleaved: drift hits all
                 want = None
                 for name, call, _ in systems:
                     seconds, got = _timed(here, keys, call)
@@ -223,7 +229,7 @@ def _run_spark(run: Run) -> None:
                         True,
                         samples[name],
                         note=note,
-                        checked=rows * reps,
+                        checked=rows * len(samples[name]),
                     )
                 )
             df.unpersist()
@@ -243,7 +249,8 @@ def _run_spark(run: Run) -> None:
                 "s",
                 False,
                 starts,
-                note="paid once per Spark task (partition) of process_keyed",
+                note="paid by a Spark Python worker's first process_keyed task: its later "
+                "tasks reuse the executor",
             )
         )
         run.progress.step("spark: executor start-up per task")

@@ -2,7 +2,7 @@
 
 The transfers dataset is built with Spark: accounts grouped in branches of ten, transfers
 between two accounts of a branch (the row's keys are both accounts), deposits and
-withdrawals on one account, with the overdraft rule of the channel demo (shmchan.demo.apply),
+withdrawals on one account, with the overdraft rule of the channel demo (shmchan.bank.apply),
 so the outcome depends on the order. `partition_by_keys` puts every branch's rows in one
 partition in id order; `process_keyed` applies each row to balances kept in one file per
 account, from the KeyedExecutor workers of each Spark task, with no lock of their own.
@@ -28,7 +28,7 @@ from typing import Any
 from pyspark.sql import Row, SparkSession
 from pyspark.sql.streaming.listener import StreamingQueryProgress
 
-from .. import demo as bank
+from .. import bank
 from .keyed import process_keyed
 from .keygraph import partition_by_keys
 from .session import session, stop

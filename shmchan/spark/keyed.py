@@ -14,9 +14,11 @@ Data flow of one call:
 Rows that share a key, directly or transitively, are in one partition, so the executor of
 that partition alone decides their order: the fifo guarantee holds across the whole job.
 
-The function, the column names and the task's context travel to the executor's workers
-once per worker (the function cloudpickled, so lambdas and closures work), through the
-executor's initializer; each row is one task whose argument is the row's values.
+The executor is borrowed from the Python worker's own (executors.py): the tasks a Python
+worker runs one after another share its worker processes. Each task posts its plan (the
+function, cloudpickled so lambdas and closures work, the column names, the task's
+context) once; each row is one executor task whose argument is the plan's number and the
+row's values, and a worker loads a plan the first time it meets its number.
 
 Spark retries a failed task from its first row, so across task failures processing is
 at-least-once: `task_context()` tells `fn` which Spark task attempt it runs in.
@@ -48,8 +50,8 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from ..pool import KeyedExecutor
 from .errors import ColumnError
+from .executors import Config, borrowed
 from .keygraph import ComponentsInfo, partition, partitioned_by
 from .producers import message_keys
 
@@ -128,10 +130,9 @@ def process_keyed(
     through a `shmchan.KeyedExecutor` of `workers_per_task` processes, so rows that do
     not conflict still run in parallel. `num_partitions` defaults to the context's
     `defaultParallelism` (the cores Spark runs tasks on), not to
-    `spark.sql.shuffle.partitions` (200 unless set): every task starts its own
-    `workers_per_task` processes, so partitions beyond one per core only add start-ups
-    (on a 2-core local[*] session with 200 shuffle partitions that cost more than half
-    the time of a 40 000-row job).
+    `spark.sql.shuffle.partitions` (200 unless set): a task's `workers_per_task`
+    processes are kept by its Spark Python worker for the next task it runs (for up to
+    45 s idle), but partitions beyond one per core still only add scheduling.
     `fn` gets a `pyspark.sql.Row` of `df`'s columns and runs in a worker process (it is
     cloudpickled: lambdas and closures work).
 
@@ -259,51 +260,49 @@ class Plan(NamedTuple):
             ) from e
         keys_at = self.cols.index(self.keys_col)
         width = len(self.cols)
-        items: Iterator[Any]
-        if self.batch_id is None:
-            items = (tuple(row) for row in itertools.chain([first], rows))
-            run_one: Callable[[Any], Any] = _run_row
+        config = Config(self.workers, self.max_attempts, self.task_timeout)
+        with borrowed(config, _install) as lent:
+            number = lent.post((self.fn, self.cols, ctx))
+            items: Iterator[Any]
+            if self.batch_id is None:
+                items = ((number, tuple(row)) for row in itertools.chain([first], rows))
+                run_one: Callable[[Any], Any] = _run_row
 
-            def keys_of(item: Any) -> tuple[Any, ...]:  # the row's values
-                return message_keys(item[keys_at])
+                def joined(item: Any, result: Any) -> tuple[Any, ...]:
+                    return (*item[1], result, ctx.attempt)
 
-            def joined(item: Any, result: Any) -> tuple[Any, ...]:
-                return (*item, result, ctx.attempt)
+            else:
+                ids = RowIds(
+                    self.batch_id, None if self.id_col is None else self.cols.index(self.id_col)
+                )
+                items = (
+                    (number, values, row_id)
+                    for values, row_id in ids.items(itertools.chain([first], rows), width)
+                )
+                run_one = _run_identified_row
 
-        else:
-            ids = RowIds(
-                self.batch_id, None if self.id_col is None else self.cols.index(self.id_col)
-            )
-            items = ids.items(itertools.chain([first], rows), width)
-            run_one = _run_identified_row
+                def joined(item: Any, result: Any) -> tuple[Any, ...]:
+                    return (*item[1], result, ctx.attempt, self.batch_id, item[2])
 
-            def keys_of(item: Any) -> tuple[Any, ...]:  # (values, row_id)
-                return message_keys(item[0][keys_at])
+            def keys_of(item: Any) -> tuple[Any, ...]:  # (plan number, values, ...)
+                return message_keys(item[1][keys_at])
 
-            def joined(item: Any, result: Any) -> tuple[Any, ...]:
-                return (*item[0], result, ctx.attempt, self.batch_id, item[1])
-
-        ex = KeyedExecutor(
-            max_workers=self.workers,
-            initializer=_install,
-            initargs=(self.fn, self.cols, ctx),
-            max_attempts=self.max_attempts,
-            task_timeout=self.task_timeout,
-        )
-        try:
-            # Rows go in as batches of `map`, in order; the next batch is submitted before
-            # the results of the one before it are awaited, so the workers never run dry.
-            in_flight: deque[tuple[list[Any], Iterator[Any]]] = deque()
-            for batch in _batches(items, BATCH_PER_WORKER * self.workers):
-                in_flight.append((batch, ex.map(run_one, batch, keys=keys_of)))
-                if len(in_flight) > 1:
+            try:
+                # Rows go in as batches of `map`, in order; the next batch is submitted
+                # before the results of the one before it are awaited, so the workers
+                # never run dry.
+                ex = lent.executor
+                in_flight: deque[tuple[list[Any], Iterator[Any]]] = deque()
+                for batch in _batches(items, BATCH_PER_WORKER * self.workers):
+                    in_flight.append((batch, ex.map(run_one, batch, keys=keys_of)))
+                    if len(in_flight) > 1:
+                        batch, results = in_flight.popleft()
+                        yield from map(joined, batch, results)
+                while in_flight:
                     batch, results = in_flight.popleft()
                     yield from map(joined, batch, results)
-            while in_flight:
-                batch, results = in_flight.popleft()
-                yield from map(joined, batch, results)
-        finally:
-            ex.shutdown(wait=True, cancel_futures=True)
+            finally:
+                lent.withdraw(number)
 
 
 class RowIds:
@@ -390,21 +389,36 @@ def _on_worker_path(module: types.ModuleType) -> bool:
     return os.path.realpath(root) in _worker_path()
 
 
-def _install(fn: bytes, cols: list[str], ctx: TaskContext) -> None:
-    """The executor's initializer: what every row of this task needs, once per worker."""
+def _install(plans: str) -> None:
+    """The executor's initializer: where this worker finds the plans of its tasks (the
+    path they share, their number appended)."""
+    _installed["plans"] = plans
+    _installed["number"] = None
+
+
+def _load(number: int) -> None:
+    """Install the plan of task `number` in this worker: its function, its row type and
+    its task context (each task of a reused executor posts its own)."""
+    with open(_installed["plans"] + str(number), "rb") as f:
+        fn, cols, ctx = pickle.load(f)
     _installed["fn"] = pickle.loads(fn)
     _installed["row"] = Row(*cols)
+    _installed["number"] = number
     _context.value = ctx
 
 
-def _run_row(values: tuple[Any, ...]) -> Any:
-    """Run the installed function on one row (its task context is set by _install)."""
-    return _installed["fn"](_installed["row"](*values))
+def _run_row(item: tuple[int, tuple[Any, ...]]) -> Any:
+    """Run the task's function on one row: (plan number, the row's values)."""
+    if item[0] != _installed["number"]:
+        _load(item[0])
+    return _installed["fn"](_installed["row"](*item[1]))
 
 
-def _run_identified_row(item: tuple[tuple[Any, ...], str]) -> Any:
-    """Run the installed function on one row of a stream, with its row id in the context."""
-    values, row_id = item
+def _run_identified_row(item: tuple[int, tuple[Any, ...], str]) -> Any:
+    """Run the task's function on one row of a stream, with its row id in the context."""
+    number, values, row_id = item
+    if number != _installed["number"]:
+        _load(number)
     base = _context.value
     _context.value = base._replace(row_id=row_id)
     try:
