@@ -6,7 +6,9 @@
 from setuptools import Extension, setup
 
 # _shmchan_hot: one file per type, csrc/hot/hot.h shared by all
-HOT_SOURCES = ["module", "segment", "handle", "batch", "receiver", "sender", "handover", "keys", "wake"]
+HOT_SOURCES = [
+    "module", "segment", "wake", "handle", "batch", "receiver", "sender", "handover", "keys"
+]
 
 setup(
     cffi_modules=["csrc/build_ffi.py:ffi"],

@@ -704,16 +704,22 @@ class SpaceWait:
         self.deadline = deadline
         self.nowhere = nowhere  # appended to Full's message (what became of the message)
         self.armed: Segment | None = None
+        self.nudged: Segment | None = None  # the receiver was woken to look for space
         self.stalled_since: float | None = None
         self.stall_began = 0.0
         self.nap = STALL_NAP_SECONDS
 
     def full(self, seg: Segment) -> None:
         self.stalled_since = None  # a stall after this one starts its own count
-        if self.armed is not seg:
+        if self.armed is not seg and self.nudged is not seg:
             self.disarm()
-            lib.shm_space_wait(seg.ptr, 1, seg.scratch().pass_on)
-            self.armed = seg
+            self.nudged = seg
+            # A send that may wait counts itself among the waiters; one with no time
+            # left does not (its count would only wake others for nothing).
+            left = remaining(self.deadline)
+            if left is None or left > 0:
+                lib.shm_space_wait(seg.ptr, 1, seg.scratch().pass_on)
+                self.armed = seg
             seg.post(RX, 1)
             return  # try again after announcing ourselves
         if seg.removed(every=NAME_CHECK_SECONDS):

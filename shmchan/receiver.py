@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import _segment, errors, liveness
+from . import _segment, aio, errors, liveness
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     TX,
@@ -29,6 +29,8 @@ from ._segment import (
 from .handle import Batch, Handle
 
 __all__ = ["Receiver"]
+
+_RECEIVE_ARMED = 2  # _receive's block: one poll leaving the sleep announced (receiver.c)
 
 
 def _settle_gate(seg: Segment, pos: int, owner: int) -> object:
@@ -53,6 +55,7 @@ class Receiver(_hot.ReceiverBase):
         self._next_maintenance = 0.0
         self._next_sweep = time.monotonic() + _segment.SWEEP_SECONDS
         self._stall: tuple[int, int, float] | None = None  # (pos, owner, since)
+        self._stalled_now = False  # the last armed poll (_async_step) met a stall
         self._pid = os.getpid()  # only this process took the seat
         self._closed_why = "it was closed"
         try:
@@ -136,6 +139,7 @@ class Receiver(_hot.ReceiverBase):
         dead producer's claim repaired: its owner is checked once the same claim has
         stalled us for STALL_CHECK_SECONDS, and again as often while it lasts."""
         now = time.monotonic()
+        self._stalled_now = True
         if self._stall is None or self._stall[:2] != (pos, owner):
             self._stall = (pos, owner, now)
         elif now - self._stall[2] > _segment.STALL_CHECK_SECONDS:
@@ -212,6 +216,36 @@ class Receiver(_hot.ReceiverBase):
     def _released_many(self, rc: int) -> NoReturn:
         """A release_many whose core call failed with status rc (C calls this)."""
         raise_for(rc, "release_many")
+
+    def _async_step(self, n: int) -> tuple[list[Handle], float, Segment]:
+        """One armed, non-blocking poll for the asyncio receive (shmchan.aio): up to n
+        handles (n = 0: no poll), or none with the sleep left announced (csrc/handles.c);
+        then how long the caller may wait for its wake-up before it must poll again
+        (upkeep due, or a stalled claim to look at again), and the segment whose wake-up
+        that is."""
+        seg = self._live()
+        self._stalled_now = False
+        handles: list[Handle] = self._receive(n, None, _RECEIVE_ARMED) if n else []
+        wait = max(0.0, self._next_maintenance - time.monotonic())
+        return handles, min(wait, 0.002) if self._stalled_now else wait, seg
+
+    async def recv_async(self, timeout: float | None = None) -> Handle:
+        """recv() for asyncio: awaits the next message without blocking the event loop.
+        A cancelled await has taken nothing (see shmchan.aio)."""
+        return (await aio.recv_many(self, self._async_step, 1, timeout, "recv_async"))[0]
+
+    async def recv_many_async(
+        self, max_items: int = 64, timeout: float | None = None
+    ) -> list[Handle]:
+        """recv_many() for asyncio: 1 to max_items messages once at least one is free."""
+        if type(max_items) is not int or max_items < 1:
+            raise errors.InvalidArgument(f"max_items must be a positive int, not {max_items!r:.40}")
+        n = min(max_items, 65536)
+        return await aio.recv_many(self, self._async_step, n, timeout, "recv_many_async")
+
+    def __aiter__(self) -> AsyncIterator[Handle]:
+        """`async for h in rx`: handles until the channel is shut down and drained."""
+        return aio.iterate(self, self._async_step)
 
     def __iter__(self) -> Iterator[Handle]:
         """Handles, blocking, until the channel is shut down, drained, and no handle out

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import codec, errors
+from . import aio, codec, errors
 from ._lib import ffi, lib, raise_for
 from ._segment import RX, Attachment, Segment, SpaceWait, deadline_of, shared_attachment
 
@@ -177,6 +177,23 @@ class Sender(_hot.SenderBase):
                     raise_for(rc, what)
                 rc = attempt()
         return rc
+
+    def _space_waiting(self, arm: bool) -> Segment:
+        """Count the caller in (arm) or out of the senders waiting for space, as a
+        blocked send does (csrc/ring.c): the asyncio send's hook (shmchan.aio)."""
+        seg = self._live()
+        pass_on = seg.scratch().pass_on
+        lib.shm_space_wait(seg.ptr, 1 if arm else 0, pass_on)
+        if not arm and pass_on[0]:
+            seg.wake_sender()  # pass the wake-up on to the next waiter (csrc/ring.c)
+        return seg
+
+    async def send_async(self, obj: object, keys: Any = (), timeout: float | None = None) -> int:
+        """send() for asyncio: waits for space without blocking the event loop; returns
+        the message's sequence number. A cancelled await has sent nothing."""
+        return await aio.send(
+            lambda: self.send(obj, keys, 0), self._space_waiting, timeout, "send_async"
+        )
 
     def close(self) -> None:
         """Stop using this Sender (idempotent); later sends raise Closed."""

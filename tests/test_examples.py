@@ -40,6 +40,7 @@ def run_example(
         ("worker_pool.py", "a worker died once: True"),
         ("fanout.py", "refunds.eu         -> nowhere"),
         ("stuck_key.py", "waits on key acct:2 behind seq 2"),
+        ("async_service.py", "all events applied: True"),
     ],
 )
 def test_example_runs_and_leaves_nothing_behind(name: str, says: str) -> None:

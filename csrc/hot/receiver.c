@@ -136,7 +136,12 @@ static PyObject *refuse(ReceiverObject *self, PyObject *name, int rc) {
  * producer is most likely a few instructions from committing (slept on instead, the
  * commit had to post us: a receiver that kept up with its producer ran at half the rate
  * of one that lagged).
+ * block: 1 waits as above; 0 polls once; RECEIVE_ARMED polls once with the sleep
+ * announced (csrc/handles.c) and, finding nothing, returns with it still announced: the
+ * asyncio receive (shmchan/aio.py) then waits on the futex word instead (csrc/hot/wake.c).
  * Returns a new reference, or NULL with an exception. */
+#define RECEIVE_ARMED 2 /* receive()'s block: one poll that leaves the sleep announced */
+
 static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int block) {
     SegmentObject *seg = self->seg;
     if (seg == NULL || seg->wk.sem[WAKE_RX] == NULL) return refuse(self, hot_s_live, 0); /* closed */
@@ -149,7 +154,8 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
     if (pb.msgs == NULL) return PyErr_NoMemory();
     Py_INCREF(seg);
     double spin_until = monotonic() + self->spin, stall_until = 0.0;
-    int arm = 0, rc;
+    int armed_poll = block == RECEIVE_ARMED, arm = armed_poll, rc;
+    if (armed_poll) block = 0;
     for (;;) {
         if (self->seg != seg) {
             h = refuse(self, hot_s_live, 0);
@@ -171,7 +177,7 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
         }
         if (h != NULL || PyErr_Occurred()) break;
         if (rc == SHM_AGAIN) { /* records arrived meanwhile: look at them before sleeping */
-            if (block) continue;
+            if (block || armed_poll) continue; /* (the core did not leave the sleep armed) */
             rc = SHM_EMPTY;
         }
         if (rc == SHM_STALLED) {
@@ -236,12 +242,14 @@ static int plain_deadline(PyObject *timeout, double *deadline) {
 }
 
 /* _receive(n, deadline, block): receive() for the Python slow paths, whose arguments
- * they checked (deadline: time.monotonic() value, or None: none). */
+ * they checked (deadline: time.monotonic() value, or None: none; block 0, 1 or
+ * RECEIVE_ARMED). */
 static PyObject *Receiver_receive(ReceiverObject *self, PyObject *args) {
     unsigned int n;
     PyObject *dl;
     int block;
-    if (!PyArg_ParseTuple(args, "IOp", &n, &dl, &block)) return NULL;
+    if (!PyArg_ParseTuple(args, "IOi", &n, &dl, &block)) return NULL;
+    if (block < 0 || block > RECEIVE_ARMED) return PyErr_Format(PyExc_ValueError, "block");
     double deadline = dl == Py_None ? INFINITY : PyFloat_AsDouble(dl);
     if (deadline == -1.0 && PyErr_Occurred()) return NULL;
     return receive(self, n > MAX_BATCH ? MAX_BATCH : n, deadline, block);
