@@ -77,6 +77,13 @@ CANNOT_PASS: dict[str, str] = {
     "test_idle_process_reuse_multiple": _INTERNALS,
     "test_max_tasks_per_child": _INTERNALS,
     "test_max_tasks_per_child_defaults_to_spawn_context": _INTERNALS,
+    "test_cancel_futures": (
+        "it asserts that at least one of 50 tasks submitted just before "
+        "shutdown(cancel_futures=True) ran (a ProcessPoolExecutor's queued calls cannot be "
+        "cancelled); a KeyedExecutor cancels every task no worker has started, by design, "
+        "so a shutdown that comes before a worker started one cancels all 50: it passes or "
+        "fails by timing (test_executor_contract.py checks the rule itself)"
+    ),
 }
 
 
