@@ -20,6 +20,7 @@ SOURCES = [  # by layer, lowest first (core.h)
     "islands.c",
     "compact.c",
     "handles.c",
+    "timers.c",
     "recovery.c",
     "rebuild.c",
     "segment.c",

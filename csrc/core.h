@@ -240,6 +240,13 @@ typedef struct {
     uint32_t writing_n;   /* placeholders in writing[] (window.c) */
     uint32_t pad4;
     uint64_t writing[SHM_WRITING_MAX]; /* positions of records looked at while WRITING */
+    /* -- timers (timers.c): receiver-written; other processes read them as hints -- */
+    uint32_t timed;         /* ready messages with a due or expiry time: 0 = no timer check */
+    uint32_t delayed_count; /* messages on the delayed list (off the ready heap)           */
+    uint32_t delayed_head;  /* the delayed list, via slot.timer_next, NIL = empty           */
+    uint32_t pad_timers;
+    uint64_t next_due;      /* earliest due or expiry on the delayed list, CLOCK_REALTIME ns */
+    uint64_t expired;       /* messages dead-lettered for their ttl, ever                   */
 } shm_header;
 
 /* header.shutdown bits */
@@ -301,6 +308,12 @@ typedef struct {
     uint32_t lost_gen; /* 1 + generation last taken back in transit (0: none): late adopters of it */
                        /* get SHM_LOST rather than a silent no-op (recovery.c)       */
     uint64_t handed_ns; /* when it was last handed out, coarse CLOCK_MONOTONIC ns (inspect.c) */
+    /* timers (timers.c); the two times are CLOCK_REALTIME ns, 0 = none */
+    uint64_t due_ns;     /* not handed out before this (a delayed send or nack)          */
+    uint64_t expire_ns;  /* a dead letter ("expired") if not handed out by this (ttl)    */
+    uint64_t nack_delay; /* holder-written before its nack CAS: (generation << 32) | ms  */
+    uint32_t timer_next; /* the delayed list (header.delayed_head)                       */
+    uint32_t dead_reason; /* SHM_DEAD_* of a DEAD or DISCARD slot                         */
 } __attribute__((aligned(16))) shm_slot;
 _Static_assert(offsetof(shm_slot, state) == 0 && offsetof(shm_slot, holder) == 8 &&
                    offsetof(shm_slot, deadline) % 16 == 0 &&
@@ -621,6 +634,18 @@ void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
 /* rebuild.c */
 int recovery_rebuild(shm_chan *c);
+/* timers.c */
+#define TIME_MAGIC 0x454d4954u /* "TIME" */
+#define TIME_FOOTER 24u
+int timers_trailer_ok(const shm_record *r, uint64_t body, uint64_t len);
+void timers_write_footer(shm_record *r, uint64_t n, uint64_t due_ns, uint64_t expire_ns);
+void timers_take_in(shm_chan *c, uint32_t s, shm_record *r);
+int timers_gate(shm_chan *c, uint32_t s);
+int timers_sweep(shm_chan *c);
+void timers_requeued(shm_chan *c, uint32_t s, uint32_t gen);
+void timers_reset(shm_chan *c);
+/* handles.c (for timers.c): a message not handed out becomes a dead letter */
+int handles_dead_letter(shm_chan *c, uint32_t s, uint32_t reason);
 /* hash.c */
 uint64_t hash_bytes(const uint8_t *p, uint64_t n);
 /* crc32c.c */

@@ -99,6 +99,11 @@ class Stats:
     committed_bytes: int = 0
     """Bytes of shared memory (or of the channel's file) backing the channel now: its
     fixed part plus what its traffic has used so far, never more than its full size."""
+    delayed: int = 0
+    """Messages held back until their due time (send's or nack's `delay`), keeping their
+    keys; counted in `queued` too."""
+    expired: int = 0
+    """Messages that became dead letters because their `ttl` passed, ever."""
 
 
 class Channel(Attachment):
@@ -284,10 +289,12 @@ class Channel(Attachment):
             shutdown=bool(st.shutdown),
             receiver_pid=liveness.token_pid(receiver) if receiver else None,
             committed_bytes=int(st.committed_bytes),
+            **_timer_counts(seg),
         )
 
     def dead_letters(self) -> list[DeadLetter]:
-        """Messages that ran out of attempts (max_attempts), oldest slot first."""
+        """Messages that ran out of attempts (max_attempts) or expired (send's ttl),
+        oldest first; each says why in `reason`."""
         seg = self._live()
         out: list[DeadLetter] = []
         msgs = ffi.new("shm_msg[]", 64)
@@ -314,6 +321,7 @@ class Channel(Attachment):
                         _channel=self,
                         _slot=int(m.slot),
                         _gen=int(m.gen),
+                        reason=_dead_reason(seg, int(m.slot)),
                     )
                 )
             if moved and retries < 1000:
@@ -409,6 +417,21 @@ class Channel(Attachment):
         if self._seg is None:
             return "<shmchan.Channel (closed)>"
         return f"<shmchan.Channel {self._seg.name!r} capacity={self._seg.capacity}>"
+
+
+def _timer_counts(seg: Segment) -> dict[str, int]:
+    """Stats' counts of the timers (csrc/timers.c)."""
+    ts = ffi.new("shm_timer_stats *")
+    lib.shm_timer_stats_read(seg.ptr, ts)
+    return {"delayed": int(ts.delayed), "expired": int(ts.expired)}
+
+
+def _dead_reason(seg: Segment, slot: int) -> str:
+    """Why the dead letter in `slot` died (csrc/timers.c)."""
+    due = ffi.new("uint64_t[2]")
+    reason = ffi.new("uint32_t *")
+    lib.shm_slot_timers(seg.ptr, slot, due, due + 1, reason)
+    return "expired" if reason[0] == lib.SHM_DEAD_EXPIRED else "attempts"
 
 
 def _positive_int(what: str, value: object, minimum: int = 1) -> int:
