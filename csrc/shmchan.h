@@ -270,8 +270,9 @@ double shm_timers_wait(shm_chan *c);
 #define SHM_VIEW_DELIVERED  4   /* handed out and released                              */
 #define SHM_VIEW_DEAD       5   /* a dead letter                                        */
 #define SHM_VIEW_QUEUED     6   /* accepted, waiting outside the receiver's window      */
+#define SHM_VIEW_DELAYED    7   /* first in its lines, held back until due_ns (timers.c) */
 #define SHM_VIEW_TOP_MAX    4096 /* most lines shm_view_lines returns                  */
-#define SHM_VIEW_WORDS      11
+#define SHM_VIEW_WORDS      12
 typedef struct {
     uint64_t seq;
     uint64_t state;         /* SHM_VIEW_*                                             */
@@ -284,6 +285,7 @@ typedef struct {
     uint64_t blob_off;      /*   blob_len bytes at blob_off in the caller's buffer    */
     uint64_t blob_len;
     uint64_t depth;         /* lines: messages with the key not yet handed out        */
+    uint64_t due_ns;        /* delayed: not handed out before this, CLOCK_REALTIME ns */
 } shm_view;
 
 /* Every in-flight message (SHM_FULL: more than max, or the buffer is too small). */
