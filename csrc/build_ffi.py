@@ -21,6 +21,7 @@ SOURCES = [  # by layer, lowest first (core.h)
     "compact.c",
     "handles.c",
     "timers.c",
+    "deadroute.c",
     "recovery.c",
     "rebuild.c",
     "segment.c",

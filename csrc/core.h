@@ -247,6 +247,10 @@ typedef struct {
     uint32_t pad_timers;
     uint64_t next_due;      /* earliest due or expiry on the delayed list, CLOCK_REALTIME ns */
     uint64_t expired;       /* messages dead-lettered for their ttl, ever                   */
+    /* -- dead-letter routing (deadroute.c): any process writes, the receiver reads -- */
+    uint32_t dlx_word;      /* (version << 16) | name length; odd version while written     */
+    uint32_t pad_dlx;
+    char dlx_name[SHM_GATE_NAME_MAX]; /* the exchange dead letters are published to          */
 } shm_header;
 
 /* header.shutdown bits */

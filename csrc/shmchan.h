@@ -259,6 +259,12 @@ int  shm_slot_timers(shm_chan *c, uint32_t slot, uint64_t *due_ns, uint64_t *exp
 /* seconds until the receiver must look at the delayed list again; < 0: nothing delayed */
 double shm_timers_wait(shm_chan *c);
 
+/* --- dead-letter routing (deadroute.c): the exchange dead letters go to ----
+ * name_len 0 clears it. get: SHM_OK with *name_len (0: none), SHM_BUSY if a writer was
+ * mid-way on every try. */
+int  shm_dead_route_set(shm_chan *c, const char *name, uint32_t name_len);
+int  shm_dead_route_get(shm_chan *c, char *name, uint32_t *name_len);
+
 /* --- the operators' view (inspect.c): read-only, from any process ---------
  * One record type for held messages, waiting lines and why-chains. Keys come back as
  * the message's encoded key blob (codec.py), copied into the caller's buffer, plus the
