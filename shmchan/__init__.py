@@ -54,6 +54,7 @@ from .errors import (
     WorkerDied,
     WrongProcess,
 )
+from .timers import backoff
 
 if TYPE_CHECKING:
     from .exchange import (
@@ -139,6 +140,7 @@ __all__ = [
     "hand_over",
     "adopt",
     "split_hand_over",
+    "backoff",
     "Error",
     "Full",
     "Empty",
