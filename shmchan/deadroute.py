@@ -117,4 +117,3 @@ class Router:
             d.discard()
             sent += 1
         return sent
-

@@ -99,8 +99,18 @@ class Sender(_hot.SenderBase):
         def attempt() -> int:
             return int(
                 lib.shm_send_timed(
-                    seg.ptr, kind, data, len(data), blob, len(blob), nkeys, due, expire,
-                    s.seq, s.stall, s.wake,
+                    seg.ptr,
+                    kind,
+                    data,
+                    len(data),
+                    blob,
+                    len(blob),
+                    nkeys,
+                    due,
+                    expire,
+                    s.seq,
+                    s.stall,
+                    s.wake,
                 )
             )
 

@@ -42,7 +42,9 @@ def _seconds(what: str, value: object, hint: str) -> float:
     except OverflowError:
         seconds = math.inf
     if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
-        raise errors.InvalidDelay(f"{what} must be a finite number of seconds >= 0, got {value!r}: {hint}")
+        raise errors.InvalidDelay(
+            f"{what} must be a finite number of seconds >= 0, got {value!r}: {hint}"
+        )
     return seconds
 
 

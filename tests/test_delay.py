@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 import pytest
+from procs import CTX, WAIT, running, take_receiver_seat
 
 import shmchan
-from procs import CTX, WAIT, running, take_receiver_seat
 
 SLACK = 3.0  # seconds past a due time a message may come on a busy machine
 
@@ -60,6 +60,7 @@ def test_recv_blocked_with_a_long_timeout_wakes_for_the_due_time(ch, tx, rx):
     tx.send(b"x", keys=("k",), delay=0.5)
     with rx.recv(timeout=60) as h:
         elapsed = time.monotonic() - t0
+        assert h.payload == b"x"
     assert 0.5 - 0.01 <= elapsed < 0.5 + SLACK
 
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from procs import CTX, WAIT, running, take_receiver_seat
 
 import shmchan
-from procs import CTX, WAIT, running, take_receiver_seat
 
 
 def _dead(ch: Any) -> list[tuple[Any, str, int]]:
