@@ -20,6 +20,7 @@ import random
 import time
 
 from . import errors
+from ._segment import check_seconds
 
 __all__ = ["backoff", "check_delay", "check_ttl", "due_ns", "nack_delay_ms"]
 
@@ -32,18 +33,14 @@ SEND_DELAY_MAX = 100 * 365 * 86400.0
 
 
 def _seconds(what: str, value: object, hint: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise errors.UnsupportedType(
-            f"{what} must be a number of seconds (int or float) or None, "
-            f"not {type(value).__name__} ({value!r:.40})"
-        )
+    """A finite number of seconds >= 0; the type is checked as every timeout's is."""
     try:
-        seconds = float(value)
-    except OverflowError:
-        seconds = math.inf
+        seconds = check_seconds(what, value)  # UnsupportedType for a non-number
+    except errors.InvalidArgument:
+        seconds = math.nan  # NaN or negative: said below, with what to pass instead
     if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
         raise errors.InvalidDelay(
-            f"{what} must be a finite number of seconds >= 0, got {value!r}: {hint}"
+            f"{what} must be a finite number of seconds >= 0, got {value!r:.40}: {hint}"
         )
     return seconds
 
