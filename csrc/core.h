@@ -243,7 +243,7 @@ typedef struct {
     /* -- timers (timers.c): receiver-written; other processes read them as hints -- */
     uint32_t timed;         /* ready messages with a due or expiry time: 0 = no timer check */
     uint32_t delayed_count; /* messages on the delayed list (off the ready heap)           */
-    uint32_t delayed_head;  /* the delayed list, via slot.timer_next, NIL = empty           */
+    uint32_t delayed_head;  /* the delayed list, via slot.next, NIL = empty                 */
     uint32_t pad_timers;
     uint64_t next_due;      /* earliest due or expiry on the delayed list, CLOCK_REALTIME ns */
     uint64_t expired;       /* messages dead-lettered for their ttl, ever                   */
@@ -300,7 +300,7 @@ typedef struct {
     uint64_t handover; /* while holder has HOLDER_TRANSIT: adopt before this     */
                        /* (CLOCK_MONOTONIC ns), or the handle is taken back      */
     uint32_t first_node; /* the message's key nodes, chained by node.sibling     */
-    uint32_t next;     /* the free list                                          */
+    uint32_t next;     /* the free list; the delayed list while delayed (timers.c) */
     uint32_t rel_next; /* release stack link, written by the releasing process   */
     uint32_t attempt;  /* deliveries so far                                      */
     uint16_t nkeys;    /* distinct key hashes (nodes)                            */
@@ -312,12 +312,14 @@ typedef struct {
     uint32_t lost_gen; /* 1 + generation last taken back in transit (0: none): late adopters of it */
                        /* get SHM_LOST rather than a silent no-op (recovery.c)       */
     uint64_t handed_ns; /* when it was last handed out, coarse CLOCK_MONOTONIC ns (inspect.c) */
-    /* timers (timers.c); the two times are CLOCK_REALTIME ns, 0 = none */
+    /* timers (timers.c); the two times are CLOCK_REALTIME ns, 0 = none, and non-zero
+     * only while the message is ready or delayed: a message without times never
+     * touches these fields */
     uint64_t due_ns;     /* not handed out before this (a delayed send or nack)          */
     uint64_t expire_ns;  /* a dead letter ("expired") if not handed out by this (ttl)    */
     uint64_t nack_delay; /* holder-written before its nack CAS: (generation << 32) | ms  */
-    uint32_t timer_next; /* the delayed list (header.delayed_head)                       */
     uint32_t dead_reason; /* SHM_DEAD_* of a DEAD or DISCARD slot                         */
+    uint32_t pad_timers;
 } __attribute__((aligned(16))) shm_slot;
 _Static_assert(offsetof(shm_slot, state) == 0 && offsetof(shm_slot, holder) == 8 &&
                    offsetof(shm_slot, deadline) % 16 == 0 &&

@@ -37,7 +37,7 @@
  * any time) is non-zero, so a channel that never uses a time pays one load per pop.
  *   expired  -> a dead letter at once (handles_dead_letter): its keys go to the next in
  *              line, it is never handed out;
- *   not due  -> the delayed list (slot.timer_next from header.delayed_head), off the
+ *   not due  -> the delayed list (linked through slot.next, unused while a slot is in use, from header.delayed_head), off the
  *              ready heap, still first in its lines;
  *   else     -> handed out; its times are cleared.
  * timers_sweep, at the start of each poll round while the delayed list is non-empty,
@@ -90,14 +90,15 @@ void timers_write_footer(shm_record *r, uint64_t n, uint64_t due_ns, uint64_t ex
     memcpy((uint8_t *)r + n - TIME_FOOTER, &f, sizeof f);
 }
 
-/* A validated record (ring_peek) just taken into slot s: copy its times. */
+/* A validated record (ring_peek) just taken into slot s: copy its times. A record with
+ * none (the common case) costs a compare of its length, on its header's cache line; the
+ * slot's time fields are already 0 (invariant: non-zero only for a ready or delayed
+ * message with times, cleared when it goes, dies, or the rebuild frees it). */
 void timers_take_in(shm_chan *c, uint32_t s, shm_record *r) {
-    shm_slot *sl = &c->slots[s];
-    sl->due_ns = sl->expire_ns = 0;
-    sl->dead_reason = SHM_DEAD_ATTEMPTS;
     uint64_t len = META_LEN(LOAD_RELAXED(&r->meta)); /* validated when it was peeked */
-    if (LIKELY(len == rec_size(r->nkeys, r->keys_len, r->data_len))) return;
-    if (!timers_trailer_ok(r, rec_size(r->nkeys, r->keys_len, r->data_len), len)) return;
+    uint64_t body = rec_size(r->nkeys, r->keys_len, r->data_len);
+    if (LIKELY(len == body) || !timers_trailer_ok(r, body, len)) return;
+    shm_slot *sl = &c->slots[s];
     shm_time_footer f;
     memcpy(&f, (const uint8_t *)r + len - TIME_FOOTER, sizeof f);
     sl->due_ns = f.due_ns;
@@ -128,7 +129,7 @@ int timers_gate(shm_chan *c, uint32_t s) {
         return rc ? rc : 1;
     }
     if (sl->due_ns > now) {
-        sl->timer_next = h->delayed_head;
+        sl->next = h->delayed_head;
         h->delayed_head = s;
         h->delayed_count++;
         uint64_t at = earliest(sl);
@@ -152,14 +153,14 @@ int timers_sweep(shm_chan *c) {
         shm_slot *sl = &c->slots[s];
         uint64_t at = earliest(sl);
         if (at <= now) {
-            *link = sl->timer_next;
+            *link = sl->next;
             int rc = sched_unpop(c, s); /* the ready heap, by its seq */
             if (rc) return rc;
             continue;
         }
         if (!next || at < next) next = at;
         n++;
-        link = &sl->timer_next;
+        link = &sl->next;
     }
     h->delayed_count = n;
     h->next_due = next;
@@ -180,9 +181,13 @@ void timers_requeued(shm_chan *c, uint32_t s, uint32_t gen) {
     sl->due_ns = realtime_ns() + (uint64_t)ms * 1000000ull;
 }
 
-/* The rebuild (rebuild.c) takes every waiting record in again: no delayed list. */
+/* The rebuild (rebuild.c) takes every waiting record in again: no delayed list, and no
+ * slot keeps a time (the records give theirs back as they are taken in again). O(slots),
+ * as the rebuild is. */
 void timers_reset(shm_chan *c) {
     shm_header *h = c->hdr;
+    for (uint32_t s = slots_touched(c, h) - 1; s >= 1; s--)
+        c->slots[s].due_ns = c->slots[s].expire_ns = 0;
     h->timed = 0;
     h->delayed_count = 0;
     h->delayed_head = NIL;

@@ -211,40 +211,39 @@ def _drain(rx: Any) -> list[Any]:
 
 
 # -- through processes ---------------------------------------------------------------------
-def _receive_then_hang(name: str, path: str | None, nack_delay: float, ready: Any) -> None:
-    """A receiver: takes the delayed messages in, nacks the one it got with a delay, then
-    waits to be killed."""
+def _receive_then_hang(
+    name: str, path: str | None, nack_delay: float, seated: Any, ready: Any
+) -> None:
+    """A receiver: nacks the first message with a delay, takes the delayed messages in
+    (on its delayed list, keeping their keys), then waits to be killed."""
     ch = shmchan.Channel.open(name, path=path)
     rx = ch.receiver()
+    seated.set()
     h = rx.recv(timeout=WAIT)
+    assert h.payload == b"nacked"
     h.nack(delay=nack_delay)
-    assert rx.try_recv() is None  # takes the delayed ones in: they are on its list now
+    deadline = time.monotonic() + WAIT
+    while ch.stats().delayed < 2:  # "late" and the nacked one
+        assert rx.try_recv() is None  # nothing behind them on their keys goes
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     ready.set()
     time.sleep(WAIT)
 
 
-def _send_from_child(name: str, path: str | None) -> None:
-    ch = shmchan.Channel.open(name, path=path)
-    tx = ch.sender()
-    tx.send(b"nacked", keys=("n",))
-    tx.send(b"late", keys=("a",), delay=2.0)
-    tx.send(b"behind", keys=("a",))
-    tx.send(b"behind nacked", keys=("n",))
-    tx.close()
-    ch.close()
-
-
 def _killed_receiver_then_check(name: str, path: str | None) -> None:
-    t0 = time.monotonic()
-    p = CTX.Process(target=_send_from_child, args=(name, path))
-    with running(p):
-        p.join(WAIT)
-    assert p.exitcode == 0
-    ready = CTX.Event()
-    r = CTX.Process(target=_receive_then_hang, args=(name, path, 1.5, ready))
+    seated, ready = CTX.Event(), CTX.Event()
+    r = CTX.Process(target=_receive_then_hang, args=(name, path, 1.5, seated, ready))
     with running(r):
+        assert seated.wait(WAIT), f"the receiver child ended with {r.exitcode}"
+        with shmchan.Channel.open(name, path=path) as ch, ch.sender() as tx:
+            t0 = time.monotonic()
+            tx.send(b"nacked", keys=("n",))
+            tx.send(b"late", keys=("a",), delay=2.0)
+            tx.send(b"behind", keys=("a",))
+            tx.send(b"behind nacked", keys=("n",))
         assert ready.wait(WAIT), f"the receiver child ended with {r.exitcode}"
-        t_nack = time.monotonic()
+        t_nack = time.monotonic()  # the nack came before this
         os.kill(r.pid, signal.SIGKILL)
         r.join(WAIT)
     with shmchan.Channel.open(name, path=path) as ch:
@@ -263,8 +262,10 @@ def _killed_receiver_then_check(name: str, path: str | None) -> None:
     assert order.index(b"late") < order.index(b"behind")
     assert order.index(b"nacked") < order.index(b"behind nacked")
     assert when[b"late"] - t0 >= 2.0 - 0.01  # the send's delay held across the kill
-    assert when[b"nacked"] - t_nack >= 1.5 - 0.2  # and the nack's (counted from its nack)
     assert when[b"late"] - t0 < 2.0 + WAIT
+    # the nack's delay too: the nack was made after t0, and before t_nack
+    assert when[b"nacked"] - t0 >= 1.5 - 0.01
+    assert when[b"nacked"] - t_nack < 1.5 + WAIT
 
 
 def test_a_new_receiver_honours_delays_after_the_receiver_is_killed(chan_name):
