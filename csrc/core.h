@@ -360,7 +360,8 @@ typedef struct {
  *   28  nkeys   u32                          } between WRITING and COMMITTED
  *   32  data_len u64
  *   40  keys_len u32, slot u32  (slot: written by the consumer when it takes the record in)
- *   48  crc     u32, pad u32   durable channels: CRC-32C of the record (rec_checksum), else 0
+ *   48  crc     u32            durable channels: CRC-32C of the record (rec_checksum), else 0
+ *   52  flags   u32            REC_F_* hints (a time footer follows the payload: timers.c)
  *   56  hashes  u64[nkeys]
  *       links   u64[nkeys]  consumer-written: while the record is parked (window.c),
  *               links[i] is the position of the next parked record in the chain of the
@@ -412,9 +413,10 @@ typedef struct {
     uint32_t keys_len;
     uint32_t slot; /* the message table slot holding this message (consumer-written) */
     uint32_t crc;  /* durable channels: rec_checksum() at commit (crc32c.c); else 0 */
-    uint32_t pad;
+    uint32_t flags; /* REC_F_*: hints, each confirmed by what it points to before use */
     uint64_t hashes[];
 } shm_record;
+#define REC_F_TIMES 1u /* ends in a time footer (timers.c): the receiver looks for it */
 
 /* ---- one process's attachment --------------------------------------------------------- */
 /* ---- ready heap entry (sched.c) ---------------------------------------------------------

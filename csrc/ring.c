@@ -296,8 +296,11 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
         memcpy((uint8_t *)r + n - GATE_FOOTER, &f, sizeof f);
         final = REC_GATED;
     }
-    if (UNLIKELY(times != NULL)) timers_write_footer(r, n, times[0], times[1]); /* timers.c */
-    r->pad = 0;
+    r->flags = 0;
+    if (UNLIKELY(times != NULL)) { /* its due and expiry times (timers.c) */
+        timers_write_footer(r, n, times[0], times[1]);
+        r->flags = REC_F_TIMES;
+    }
     r->crc = (c->cfg.flags & SHM_CFG_DURABLE) ? rec_checksum(r, n) : 0; /* trailer included */
     /* release: pairs with the consumer's acquire load in ring_peek (and shm_gate_read):
      * a COMMITTED or GATED record's body is complete when seen. */

@@ -11,6 +11,7 @@
  * Where the times live:
  *   - a send's times travel in its record, as a footer in the record's last 24 bytes
  *         u64 due_ns, u64 expire_ns, u32 0, u32 TIME_MAGIC
+ *     and the record's flags say REC_F_TIMES (so a record without one costs nothing)
  *     after the payload (ring_validate_body accepts a record whose length is its body's
  *     plus this footer; the checksum of a durable record covers it). A record never has
  *     both this footer and an exchange's gate trailer: a send with times is not gated.
@@ -90,10 +91,12 @@ void timers_write_footer(shm_record *r, uint64_t n, uint64_t due_ns, uint64_t ex
     memcpy((uint8_t *)r + n - TIME_FOOTER, &f, sizeof f);
 }
 
-/* A validated record (ring_peek) just taken into slot s: copy its times. A record with
- * none (the common case) costs a compare of its length, on its header's cache line; the
- * slot's time fields are already 0 (invariant: non-zero only for a ready or delayed
- * message with times, cleared when it goes, dies, or the rebuild frees it). */
+/* A validated record (ring_peek) just taken into slot s, whose flags say REC_F_TIMES:
+ * copy its times, if its footer is really there (the flag is a hint outside the durable
+ * checksum; the footer's magic and place decide). A record without the flag costs its
+ * caller one test of a word on the record's first cache line; its slot's time fields are
+ * already 0 (invariant: non-zero only for a ready or delayed message with times, cleared
+ * when it goes, dies, or the rebuild frees it). */
 void timers_take_in(shm_chan *c, uint32_t s, shm_record *r) {
     uint64_t len = META_LEN(LOAD_RELAXED(&r->meta)); /* validated when it was peeked */
     uint64_t body = rec_size(r->nkeys, r->keys_len, r->data_len);

@@ -458,8 +458,11 @@ static PyGetSetDef Sender_getset[] = {
 
 static PyMethodDef Sender_methods[] = {
     {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL | METH_KEYWORDS,
-     "send(obj, keys=(), timeout=None) -> int: send one message; returns its sequence\n"
-     "number. Blocks while the channel is full; with `timeout`, raises Full when it runs out."},
+     "send(obj, keys=(), timeout=None, *, delay=None, ttl=None) -> int: send one message;\n"
+     "returns its sequence number. Blocks while the channel is full; with `timeout`, raises\n"
+     "Full when it runs out. `delay` (seconds): not handed out before then, keeping its\n"
+     "place on its keys (nothing behind it on them passes it). `ttl` (seconds): a dead\n"
+     "letter (reason \"expired\") if not handed out within that time of its send."},
     {"send_many", (PyCFunction)(void (*)(void))Sender_send_many, METH_FASTCALL | METH_KEYWORDS,
      "send_many(items, timeout=None) -> list[int]: send (payload, keys) pairs in order\n"
      "with one C call per batch; returns their seqs."},
