@@ -20,6 +20,8 @@ SOURCES = [  # by layer, lowest first (core.h)
     "islands.c",
     "compact.c",
     "handles.c",
+    "timers.c",
+    "deadroute.c",
     "recovery.c",
     "rebuild.c",
     "segment.c",

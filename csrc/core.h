@@ -240,6 +240,17 @@ typedef struct {
     uint32_t writing_n;   /* placeholders in writing[] (window.c) */
     uint32_t pad4;
     uint64_t writing[SHM_WRITING_MAX]; /* positions of records looked at while WRITING */
+    /* -- timers (timers.c): receiver-written; other processes read them as hints -- */
+    uint32_t timed;         /* ready messages with a due or expiry time: 0 = no timer check */
+    uint32_t delayed_count; /* messages on the delayed list (off the ready heap)           */
+    uint32_t delayed_head;  /* the delayed list, via slot.next, NIL = empty                 */
+    uint32_t pad_timers;
+    uint64_t next_due;      /* earliest due or expiry on the delayed list, CLOCK_REALTIME ns */
+    uint64_t expired;       /* messages dead-lettered for their ttl, ever                   */
+    /* -- dead-letter routing (deadroute.c): any process writes, the receiver reads -- */
+    uint32_t dlx_word;      /* (version << 16) | name length; odd version while written     */
+    uint32_t pad_dlx;
+    char dlx_name[SHM_GATE_NAME_MAX]; /* the exchange dead letters are published to          */
 } shm_header;
 
 /* header.shutdown bits */
@@ -289,7 +300,7 @@ typedef struct {
     uint64_t handover; /* while holder has HOLDER_TRANSIT: adopt before this     */
                        /* (CLOCK_MONOTONIC ns), or the handle is taken back      */
     uint32_t first_node; /* the message's key nodes, chained by node.sibling     */
-    uint32_t next;     /* the free list                                          */
+    uint32_t next;     /* the free list; the delayed list while delayed (timers.c) */
     uint32_t rel_next; /* release stack link, written by the releasing process   */
     uint32_t attempt;  /* deliveries so far                                      */
     uint16_t nkeys;    /* distinct key hashes (nodes)                            */
@@ -301,6 +312,14 @@ typedef struct {
     uint32_t lost_gen; /* 1 + generation last taken back in transit (0: none): late adopters of it */
                        /* get SHM_LOST rather than a silent no-op (recovery.c)       */
     uint64_t handed_ns; /* when it was last handed out, coarse CLOCK_MONOTONIC ns (inspect.c) */
+    /* timers (timers.c); the two times are CLOCK_REALTIME ns, 0 = none, and non-zero
+     * only while the message is ready or delayed: a message without times never
+     * touches these fields */
+    uint64_t due_ns;     /* not handed out before this (a delayed send or nack)          */
+    uint64_t expire_ns;  /* a dead letter ("expired") if not handed out by this (ttl)    */
+    uint64_t nack_delay; /* holder-written before its nack CAS: (generation << 32) | ms  */
+    uint32_t dead_reason; /* SHM_DEAD_* of a DEAD or DISCARD slot                         */
+    uint32_t pad_timers;
 } __attribute__((aligned(16))) shm_slot;
 _Static_assert(offsetof(shm_slot, state) == 0 && offsetof(shm_slot, holder) == 8 &&
                    offsetof(shm_slot, deadline) % 16 == 0 &&
@@ -341,7 +360,8 @@ typedef struct {
  *   28  nkeys   u32                          } between WRITING and COMMITTED
  *   32  data_len u64
  *   40  keys_len u32, slot u32  (slot: written by the consumer when it takes the record in)
- *   48  crc     u32, pad u32   durable channels: CRC-32C of the record (rec_checksum), else 0
+ *   48  crc     u32            durable channels: CRC-32C of the record (rec_checksum), else 0
+ *   52  flags   u32            REC_F_* hints (a time footer follows the payload: timers.c)
  *   56  hashes  u64[nkeys]
  *       links   u64[nkeys]  consumer-written: while the record is parked (window.c),
  *               links[i] is the position of the next parked record in the chain of the
@@ -393,9 +413,10 @@ typedef struct {
     uint32_t keys_len;
     uint32_t slot; /* the message table slot holding this message (consumer-written) */
     uint32_t crc;  /* durable channels: rec_checksum() at commit (crc32c.c); else 0 */
-    uint32_t pad;
+    uint32_t flags; /* REC_F_*: hints, each confirmed by what it points to before use */
     uint64_t hashes[];
 } shm_record;
+#define REC_F_TIMES 1u /* ends in a time footer (timers.c): the receiver looks for it */
 
 /* ---- one process's attachment --------------------------------------------------------- */
 /* ---- ready heap entry (sched.c) ---------------------------------------------------------
@@ -621,6 +642,18 @@ void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
 /* rebuild.c */
 int recovery_rebuild(shm_chan *c);
+/* timers.c */
+#define TIME_MAGIC 0x454d4954u /* "TIME" */
+#define TIME_FOOTER 24u
+int timers_trailer_ok(const shm_record *r, uint64_t body, uint64_t len);
+void timers_write_footer(shm_record *r, uint64_t n, uint64_t due_ns, uint64_t expire_ns);
+void timers_take_in(shm_chan *c, uint32_t s, shm_record *r);
+int timers_gate(shm_chan *c, uint32_t s);
+int timers_sweep(shm_chan *c);
+void timers_requeued(shm_chan *c, uint32_t s, uint32_t gen);
+void timers_reset(shm_chan *c);
+/* handles.c (for timers.c): a message not handed out becomes a dead letter */
+int handles_dead_letter(shm_chan *c, uint32_t s, uint32_t reason);
 /* hash.c */
 uint64_t hash_bytes(const uint8_t *p, uint64_t n);
 /* crc32c.c */

@@ -167,6 +167,7 @@ int handles_finish(shm_chan *c, uint32_t s) {
     h->held_keys -= sl->nkeys;
     if (st == SLOT_NACKED && (c->cfg.max_attempts == 0 || sl->attempt < c->cfg.max_attempts)) {
         out_unlink(c, s);
+        if (UNLIKELY(LOAD_RELAXED(&sl->nack_delay))) timers_requeued(c, s, SLOT_GEN(w));
         return sched_requeue(c, s);
     }
     int rc = sched_release(c, s);
@@ -174,6 +175,7 @@ int handles_finish(shm_chan *c, uint32_t s) {
     if (st == SLOT_NACKED) {
         /* Out of attempts: a dead letter. It keeps its slot and record, keys released,
          * and stays on the handed-out list (anyone may discard it). */
+        sl->dead_reason = SHM_DEAD_ATTEMPTS;
         STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w), SLOT_DEAD)); /* see slot_free */
         h->dead_letters++;
         return SHM_OK;
@@ -182,6 +184,21 @@ int handles_finish(shm_chan *c, uint32_t s) {
     ring_mark_done(c, sl->pos);
     slot_free(c, s);
     h->released++;
+    return SHM_OK;
+}
+
+/* A message that was not handed out (ready, first in its lines) dies (timers.c: its ttl
+ * ran out): its keys go to the next in line, and it stays on the handed-out list as a
+ * dead letter, like one out of attempts. */
+int handles_dead_letter(shm_chan *c, uint32_t s, uint32_t reason) {
+    shm_slot *sl = &c->slots[s];
+    int rc = sched_release(c, s);
+    if (rc) return rc;
+    sl->dead_reason = reason;
+    c->hdr->queued_in_window--;
+    STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_DEAD)); /* see slot_free */
+    c->hdr->dead_letters++;
+    out_link(c, s);
     return SHM_OK;
 }
 
@@ -313,12 +330,22 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         if (rc) break;
         rc = window_ingest(c, stall, &stalled, &progress);
         if (rc) break;
+        if (UNLIKELY(h->delayed_count)) { /* delayed messages whose time came (timers.c) */
+            rc = timers_sweep(c);
+            if (rc) break;
+        }
         while (*got < max) {
             uint32_t s = sched_pop_ready(c);
             if (s == NIL) break;
             if (s == UINT32_MAX) {
                 rc = SHM_E_CORRUPT;
                 break;
+            }
+            if (UNLIKELY(h->timed)) { /* a delay or ttl decides (timers.c) */
+                int held = timers_gate(c, s);
+                if (held < 0) rc = held;
+                if (held < 0) break;
+                if (held) continue;
             }
             if (!now) now = coarse_ns();
             rc = hand_out(c, s, &out[*got], now);

@@ -204,6 +204,10 @@ static int slot_view(shm_chan *c, uint32_t s, uint64_t w, uint64_t hash, shm_vie
     default: return SHM_STALE;
     }
     v->attempt = LOAD_RELAXED(&sl->attempt);
+    if (v->state == SHM_VIEW_READY && LOAD_RELAXED(&sl->due_ns)) { /* timers.c */
+        v->state = SHM_VIEW_DELAYED;
+        v->due_ns = LOAD_RELAXED(&sl->due_ns);
+    }
     if (v->state == SHM_VIEW_INFLIGHT) {
         v->holder = LOAD_ACQUIRE(&sl->holder); /* pairs with shm_handle_adopt's CAS */
         /* in transit (pickled, not yet adopted: handles.c): report who pickled it */

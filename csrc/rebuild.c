@@ -112,6 +112,7 @@ static int reset_scheduler(shm_chan *c, uint32_t nkept, uint64_t inflight, uint6
     STORE_RELAXED(&h->fresh_nodes, 1); /* read by nodes_touched (core.h) */
     h->nodes_used = 0;
     h->ready_count = 0;
+    timers_reset(c); /* the delayed list is part of the ready messages (timers.c) */
     h->newest = h->oldest = NIL;
     h->skipped = 0;
     h->window = nkept;

@@ -267,7 +267,8 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
 /* Write the body of a claimed record and commit it (steps 4-6). */
 static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t kind,
                  const uint8_t *data, uint64_t len, const uint8_t *keys, uint32_t keys_len,
-                 uint32_t nkeys, const uint64_t *hashes, const shm_gate *gate) {
+                 uint32_t nkeys, const uint64_t *hashes, const shm_gate *gate,
+                 const uint64_t *times) {
     shm_record *r = rec_at(c, pos);
     /* step 4: the placeholder part, complete before WRITING is published */
     r->kind = kind;
@@ -295,7 +296,11 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
         memcpy((uint8_t *)r + n - GATE_FOOTER, &f, sizeof f);
         final = REC_GATED;
     }
-    r->pad = 0;
+    r->flags = 0;
+    if (UNLIKELY(times != NULL)) { /* its due and expiry times (timers.c) */
+        timers_write_footer(r, n, times[0], times[1]);
+        r->flags = REC_F_TIMES;
+    }
     r->crc = (c->cfg.flags & SHM_CFG_DURABLE) ? rec_checksum(r, n) : 0; /* trailer included */
     /* release: pairs with the consumer's acquire load in ring_peek (and shm_gate_read):
      * a COMMITTED or GATED record's body is complete when seen. */
@@ -376,12 +381,15 @@ static void wake_receiver(shm_chan *c, int *wake) {
 
 static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,
                     const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *seq_out,
-                    shm_stall *stall, const shm_gate *gate, uint64_t *pos_out) {
+                    shm_stall *stall, const shm_gate *gate, uint64_t *pos_out,
+                    const uint64_t *times) {
     uint64_t n, pos = 0, seq = 0; /* set by claim() when it succeeds */
     uint64_t hashes[SHM_MAX_KEYS_LIMIT];
     if (gate && gate->name_len > SHM_GATE_NAME_MAX) return SHM_E_INVALID;
     /* the trailer is 8-aligned: the record is the body's size plus gate_size */
-    int rc = check_message(c, kind, len + gate_size(gate), keys_len, nkeys, &n);
+    if (gate && times) return SHM_E_INVALID; /* one footer per record */
+    int rc = check_message(c, kind, len + gate_size(gate) + (times ? TIME_FOOTER : 0), keys_len,
+                           nkeys, &n);
     if (rc) return rc;
     rc = key_hashes(keys, keys_len, nkeys, hashes);
     if (rc) return rc;
@@ -400,7 +408,7 @@ static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
         hint_raise(c, pos + n);
         return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
     }
-    fill(c, pos, n, seq, kind, data, len, keys, keys_len, nkeys, hashes, gate);
+    fill(c, pos, n, seq, kind, data, len, keys, keys_len, nkeys, hashes, gate, times);
     if (!gate) { /* a gated record counts as sent once its publisher commits it */
         shm_producer *p = &c->producers[c->producer - 1];
         STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
@@ -415,7 +423,8 @@ int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
                     const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, const shm_gate *gate,
                     uint64_t *pos_out, uint64_t *seq_out, shm_stall *stall) {
     if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
-    return send_one(c, kind, data, len, keys, keys_len, nkeys, seq_out, stall, gate, pos_out);
+    return send_one(c, kind, data, len, keys, keys_len, nkeys, seq_out, stall, gate, pos_out,
+                    NULL);
 }
 
 /* CAS the GATED record at pos, claimed by owner_token, to final_state. SHM_STALE if it is
@@ -479,7 +488,20 @@ int shm_send(shm_chan *c, uint32_t kind, const char *data, uint64_t len, const c
     *wake = 0;
     if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
     int rc = send_one(c, kind, (const uint8_t *)data, len, (const uint8_t *)keys, keys_len, nkeys,
-                      seq_out, stall, NULL, NULL);
+                      seq_out, stall, NULL, NULL, NULL);
+    if (rc == SHM_OK) wake_receiver(c, wake);
+    return rc;
+}
+
+/* shm_send with a due and an expiry time (timers.c), off the plain send's path. */
+int shm_send_timed(shm_chan *c, uint32_t kind, const char *data, uint64_t len, const char *keys,
+                   uint32_t keys_len, uint32_t nkeys, uint64_t due_ns, uint64_t expire_ns,
+                   uint64_t *seq_out, shm_stall *stall, int *wake) {
+    *wake = 0;
+    if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
+    uint64_t times[2] = {due_ns, expire_ns};
+    int rc = send_one(c, kind, (const uint8_t *)data, len, (const uint8_t *)keys, keys_len, nkeys,
+                      seq_out, stall, NULL, NULL, times);
     if (rc == SHM_OK) wake_receiver(c, wake);
     return rc;
 }
@@ -521,7 +543,7 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
         }
         rc = send_one(c, kinds[i], (const uint8_t *)data + doff, data_lens[i],
                       (const uint8_t *)keys + koff, keys_lens[i], nkeys[i], &seqs_out[i], stall,
-                      NULL, NULL);
+                      NULL, NULL, NULL);
         if (rc) break;
         doff += data_lens[i];
         koff += keys_lens[i];
@@ -677,6 +699,7 @@ int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
     if (keys_len > len || data_len > len) return SHM_E_CORRUPT;
     uint64_t body = rec_size(nkeys, keys_len, data_len);
     if (body == len) return SHM_OK;
+    if (timers_trailer_ok(r, body, len)) return SHM_OK; /* a send's times (timers.c) */
     /* else it must end in a gate trailer (see core.h) */
     if (body > len || len - body < GATE_FOOTER) return SHM_E_CORRUPT;
     shm_gate_footer f;

@@ -405,6 +405,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
      * slot as counted in `ingested` (rebuild.c). Pairs with nothing across processes. */
     STORE_RELEASE(&r->slot, s);
     *slot_out = s;
+    if (UNLIKELY(r->flags & REC_F_TIMES)) timers_take_in(c, s, r); /* delay, ttl (timers.c) */
     /* Only a message free to go is taken in (window.c): first in all its lines (fifo),
      * or none of its keys held (eager). Anything else is a scheduler bug or corruption. */
     if (c->cfg.order == SHM_ORDER_FIFO) return sl->pending == 0 ? ready_push(c, s) : SHM_E_CORRUPT;

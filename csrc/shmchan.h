@@ -41,7 +41,7 @@
 #define SHM_CFG_DURABLE     2   /* file-backed: records carry a CRC-32C (crc32c.c) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  15
+#define SHM_LAYOUT_VERSION  16
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
@@ -235,6 +235,36 @@ int  shm_boot_check(shm_chan *c, uint64_t boot_id);
 /* --- inspection --------------------------------------------------------- */
 int  shm_stats_read(shm_chan *c, shm_stats *out);
 
+/* --- timers (timers.c): delays and time-to-live ---------------------------
+ * Times are CLOCK_REALTIME nanoseconds (0 = none), so that a durable channel's file
+ * keeps meaning them across a reboot. */
+#define SHM_DEAD_ATTEMPTS   0   /* a dead letter's reason: out of attempts      */
+#define SHM_DEAD_EXPIRED    1   /* ... not handed out within its ttl            */
+#define SHM_NACK_DELAY_MAX_MS 4294967295u /* the longest nack delay, in ms      */
+typedef struct {
+    uint64_t delayed;       /* messages held back until their due time          */
+    uint64_t expired;       /* messages dead-lettered for their ttl, ever       */
+    uint64_t next_due;      /* earliest due or expiry among the delayed, 0 = none */
+} shm_timer_stats;
+/* send with a due time and/or an expiry time: like shm_send otherwise */
+int  shm_send_timed(shm_chan *c, uint32_t kind, const char *data, uint64_t len,
+                    const char *keys, uint32_t keys_len, uint32_t nkeys, uint64_t due_ns,
+                    uint64_t expire_ns, uint64_t *seq_out, shm_stall *stall, int *wake);
+/* a holder about to nack (shm_release, nack = 1) records the nack's delay first */
+int  shm_nack_delay(shm_chan *c, uint32_t slot, uint32_t gen, uint32_t delay_ms);
+int  shm_timer_stats_read(shm_chan *c, shm_timer_stats *out);
+/* a slot's timers and dead-letter reason (any process; a snapshot) */
+int  shm_slot_timers(shm_chan *c, uint32_t slot, uint64_t *due_ns, uint64_t *expire_ns,
+                     uint32_t *dead_reason);
+/* seconds until the receiver must look at the delayed list again; < 0: nothing delayed */
+double shm_timers_wait(shm_chan *c);
+
+/* --- dead-letter routing (deadroute.c): the exchange dead letters go to ----
+ * name_len 0 clears it. get: SHM_OK with *name_len (0: none), SHM_BUSY if a writer was
+ * mid-way on every try. */
+int  shm_dead_route_set(shm_chan *c, const char *name, uint32_t name_len);
+int  shm_dead_route_get(shm_chan *c, char *name, uint32_t *name_len);
+
 /* --- the operators' view (inspect.c): read-only, from any process ---------
  * One record type for held messages, waiting lines and why-chains. Keys come back as
  * the message's encoded key blob (codec.py), copied into the caller's buffer, plus the
@@ -246,8 +276,9 @@ int  shm_stats_read(shm_chan *c, shm_stats *out);
 #define SHM_VIEW_DELIVERED  4   /* handed out and released                              */
 #define SHM_VIEW_DEAD       5   /* a dead letter                                        */
 #define SHM_VIEW_QUEUED     6   /* accepted, waiting outside the receiver's window      */
+#define SHM_VIEW_DELAYED    7   /* first in its lines, held back until due_ns (timers.c) */
 #define SHM_VIEW_TOP_MAX    4096 /* most lines shm_view_lines returns                  */
-#define SHM_VIEW_WORDS      11
+#define SHM_VIEW_WORDS      12
 typedef struct {
     uint64_t seq;
     uint64_t state;         /* SHM_VIEW_*                                             */
@@ -260,6 +291,7 @@ typedef struct {
     uint64_t blob_off;      /*   blob_len bytes at blob_off in the caller's buffer    */
     uint64_t blob_len;
     uint64_t depth;         /* lines: messages with the key not yet handed out        */
+    uint64_t due_ns;        /* delayed: not handed out before this, CLOCK_REALTIME ns */
 } shm_view;
 
 /* Every in-flight message (SHM_FULL: more than max, or the buffer is too small). */

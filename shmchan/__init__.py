@@ -38,6 +38,7 @@ from .errors import (
     Full,
     HandoverExpired,
     InvalidArgument,
+    InvalidDelay,
     LayoutMismatch,
     MessageTooLarge,
     NotInWorker,
@@ -53,6 +54,7 @@ from .errors import (
     WorkerDied,
     WrongProcess,
 )
+from .timers import backoff
 
 if TYPE_CHECKING:
     from .exchange import (
@@ -138,6 +140,7 @@ __all__ = [
     "hand_over",
     "adopt",
     "split_hand_over",
+    "backoff",
     "Error",
     "Full",
     "Empty",
@@ -151,6 +154,7 @@ __all__ = [
     "ChannelCorrupted",
     "ChannelRemoved",
     "InvalidArgument",
+    "InvalidDelay",
     "UnsupportedType",
     "PayloadNotContiguous",
     "WrongProcess",

@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import codec, errors, liveness
+from . import codec, deadroute, errors, liveness
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     PREFIX,
@@ -99,6 +99,11 @@ class Stats:
     committed_bytes: int = 0
     """Bytes of shared memory (or of the channel's file) backing the channel now: its
     fixed part plus what its traffic has used so far, never more than its full size."""
+    delayed: int = 0
+    """Messages held back until their due time (send's or nack's `delay`), keeping their
+    keys; counted in `queued` too."""
+    expired: int = 0
+    """Messages that became dead letters because their `ttl` passed, ever."""
 
 
 class Channel(Attachment):
@@ -125,6 +130,7 @@ class Channel(Attachment):
         mode: int = 0o600,
         path: str | os.PathLike[str] | None = None,
         max_producers: int = 1024,
+        dead_letter_exchange: object = None,
     ) -> Channel:
         """Make a new channel. Raises ChannelExists if the name is taken.
 
@@ -144,6 +150,8 @@ class Channel(Attachment):
         * mode: permissions of the segment and semaphores (default 0o600: your user only).
         * path: keep the channel in this regular file instead of /dev/shm (durable).
         * max_producers: processes registered as senders at once.
+        * dead_letter_exchange: an Exchange (or its name) to publish dead letters to
+          instead of keeping them (see route_dead_letters).
         """
         check_name(name)
         cfg = ffi.new("shm_config *")
@@ -187,6 +195,8 @@ class Channel(Attachment):
         if path is not None:  # records carry a checksum, checked when recovered
             cfg.flags |= lib.SHM_CFG_DURABLE
         cfg.max_producers = _positive_int("max_producers", max_producers)
+        if dead_letter_exchange is not None:
+            deadroute.check_route(dead_letter_exchange)
         total = ffi.new("uint64_t *")
         rc = lib.shm_layout_size(cfg, total)
         if rc:
@@ -197,6 +207,8 @@ class Channel(Attachment):
             if path is not None:
                 raise
             raise errors.ChannelExists(_exists_text(name)) from None
+        if dead_letter_exchange is not None:
+            deadroute.set_route(seg, dead_letter_exchange)
         return cls(seg)
 
     @classmethod
@@ -284,10 +296,25 @@ class Channel(Attachment):
             shutdown=bool(st.shutdown),
             receiver_pid=liveness.token_pid(receiver) if receiver else None,
             committed_bytes=int(st.committed_bytes),
+            **_timer_counts(seg),
         )
 
+    def route_dead_letters(self, exchange: object) -> None:
+        """Publish this channel's dead letters (out of attempts, or expired) to
+        `exchange` (an Exchange or its name) instead of keeping them; None: keep them.
+        Kept in the channel: every receiver, a restarted one too, routes them. Each goes
+        with its payload and keys, its reason ("attempts" or "expired") as the routing
+        key, all or nothing: one the exchange cannot take now stays in dead_letters()
+        and is tried again at the receiver's next upkeep."""
+        deadroute.set_route(self._live(), exchange)
+
+    def dead_letter_exchange(self) -> str | None:
+        """The name of the exchange dead letters are published to, or None."""
+        return deadroute.get_route(self._live())
+
     def dead_letters(self) -> list[DeadLetter]:
-        """Messages that ran out of attempts (max_attempts), oldest slot first."""
+        """Messages that ran out of attempts (max_attempts) or expired (send's ttl),
+        oldest first; each says why in `reason`."""
         seg = self._live()
         out: list[DeadLetter] = []
         msgs = ffi.new("shm_msg[]", 64)
@@ -314,6 +341,7 @@ class Channel(Attachment):
                         _channel=self,
                         _slot=int(m.slot),
                         _gen=int(m.gen),
+                        reason=_dead_reason(seg, int(m.slot)),
                     )
                 )
             if moved and retries < 1000:
@@ -409,6 +437,21 @@ class Channel(Attachment):
         if self._seg is None:
             return "<shmchan.Channel (closed)>"
         return f"<shmchan.Channel {self._seg.name!r} capacity={self._seg.capacity}>"
+
+
+def _timer_counts(seg: Segment) -> dict[str, int]:
+    """Stats' counts of the timers (csrc/timers.c)."""
+    ts = ffi.new("shm_timer_stats *")
+    lib.shm_timer_stats_read(seg.ptr, ts)
+    return {"delayed": int(ts.delayed), "expired": int(ts.expired)}
+
+
+def _dead_reason(seg: Segment, slot: int) -> str:
+    """Why the dead letter in `slot` died (csrc/timers.c)."""
+    due = ffi.new("uint64_t[2]")
+    reason = ffi.new("uint32_t *")
+    lib.shm_slot_timers(seg.ptr, slot, due, due + 1, reason)
+    return "expired" if reason[0] == lib.SHM_DEAD_EXPIRED else "attempts"
 
 
 def _positive_int(what: str, value: object, minimum: int = 1) -> int:

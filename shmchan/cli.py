@@ -215,6 +215,7 @@ def _sample(ch: shmchan.Channel, name: str, top: int) -> dict[str, Any]:
                 "seq": d.seq,
                 "keys": [_key_json(k) for k in d.keys],
                 "attempts": d.attempts,
+                "reason": d.reason,
                 "size": _payload_size(d.payload),
             }
             for d in ch.dead_letters()
@@ -299,6 +300,14 @@ def _stats_text(sample: dict[str, Any], compact: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _delayed_text(due: float | None) -> str:
+    """ "delayed until 12:00:03.250 UTC (in 2.5 s)" """
+    if due is None:
+        return "delayed"
+    when = time.strftime("%H:%M:%S", time.gmtime(due)) + f".{int(due * 1000) % 1000:03d} UTC"
+    return f"delayed until {when} (in {max(0.0, due - time.time()):.1f} s)"
+
+
 def _why_text(chain: inspect.WaitChain) -> str:
     """The why_waiting chain as sentences an operator reads."""
     seq = chain.seq
@@ -309,6 +318,8 @@ def _why_text(chain: inspect.WaitChain) -> str:
         )
     if chain.state == inspect.READY:
         return f"seq {seq} is not waiting: nothing is ahead of it, the next recv() hands it out"
+    if chain.state == inspect.DELAYED:
+        return f"seq {seq} is not waiting: it is {_delayed_text(chain.due)}, keeping its keys"
     if chain.state == inspect.DELIVERED:
         return f"seq {seq} is not waiting: it was delivered and released"
     if chain.state == inspect.DEAD_LETTER:
@@ -342,6 +353,8 @@ def _why_text(chain: inspect.WaitChain) -> str:
         )
     elif last.state == inspect.READY:
         text += ", which is ready: the next recv() hands it out"
+    elif last.state == inspect.DELAYED:
+        text += f", which is {_delayed_text(last.due)}"
     elif last.state == inspect.DELIVERED:
         text += ", which was just released"
     if chain.partial:
@@ -389,6 +402,7 @@ def _why_json(chain: inspect.WaitChain) -> dict[str, Any]:
         "seq": chain.seq,
         "state": chain.state,
         "pid": chain.pid,
+        "due": chain.due,
         "partial": chain.partial,
         "chain": [
             {
@@ -398,6 +412,7 @@ def _why_json(chain: inspect.WaitChain) -> dict[str, Any]:
                 "attempt": w.attempt,
                 "state": w.state,
                 "age": None if w.age is None else round(w.age, 3),
+                "due": w.due,
             }
             for w in chain
         ],

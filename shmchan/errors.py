@@ -35,6 +35,7 @@ __all__ = [
     "RemoteError",
     "NotInWorker",
     "HandoverExpired",
+    "InvalidDelay",
 ]
 
 
@@ -174,3 +175,8 @@ class HandoverExpired(Error):
     """A pickled handle was unpickled too late: nobody adopted it within the channel's
     `handover` seconds, so its message was taken back and redelivered (attempt + 1).
     Also raised when the same pickle was already adopted by another process."""
+
+
+class InvalidDelay(InvalidArgument):
+    """A `delay=` or `ttl=` that is not a finite number of seconds in range (negative,
+    NaN, infinite, too long): the message says which and what to pass instead."""

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import codec, errors, liveness
+from . import codec, errors, liveness, timers
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     HANDOVER,
@@ -129,10 +129,36 @@ class Handle(_hot.HandleBase):
         """A release whose core call failed with status r (C calls this): raise it."""
         raise_for(r, "release")
 
-    def nack(self) -> None:
+    def nack(self, delay: float | None = None) -> None:
         """Give the message back: it is delivered again (attempt + 1) before anything
-        behind it on its keys."""
+        behind it on its keys.
+
+        `delay` (seconds): not before then. Its keys stay reserved for it meanwhile:
+        nothing behind it on any of its keys is handed out until it has been delivered
+        again and released (or it has run out of attempts); other keys flow. Kept by a
+        receiver that restarts, and by a durable channel; see `shmchan.backoff` and
+        `nack_backoff` for a growing delay."""
+        if delay is not None and not self._done:
+            ms = timers.nack_delay_ms(delay)
+            if ms:
+                rc = lib.shm_nack_delay(self._seg.ptr, self._slot, self._gen, ms)
+                if rc:
+                    raise_for(rc, "nack")
         self._finish(1)
+
+    def nack_backoff(
+        self,
+        *,
+        base: float = 0.1,
+        factor: float = 2.0,
+        cap: float = 60.0,
+        jitter: float = 0.5,
+    ) -> float:
+        """nack(delay=shmchan.backoff(self.attempt, ...)): give the message back to be
+        retried after a delay that grows with each attempt. Returns the delay."""
+        delay = timers.backoff(self.attempt, base=base, factor=factor, cap=cap, jitter=jitter)
+        self.nack(delay=delay)
+        return delay
 
     def extend(self, seconds: float) -> None:
         """Push this handle's lease deadline to `seconds` from now (inf: no deadline)."""
@@ -303,8 +329,9 @@ class Batch(_hot.BatchBase):
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """A message that ran out of attempts. Its keys are free again; it keeps its space
-    in the channel until discarded (or re-sent, which discards it)."""
+    """A message that ran out of attempts, or expired (its `ttl` passed before it was
+    handed out). Its keys are free again; it keeps its space in the channel until
+    discarded (or re-sent, which discards it)."""
 
     seq: int
     keys: tuple[codec.Key, ...]
@@ -313,6 +340,8 @@ class DeadLetter:
     _channel: Attachment
     _slot: int
     _gen: int
+    reason: str = "attempts"
+    """Why it died: "attempts" (out of max_attempts) or "expired" (its ttl)."""
 
     def discard(self) -> bool:
         """Drop it for good; False if it was already dropped."""
@@ -349,6 +378,7 @@ _hot.bind(
             "shm_handle_view",
             "shm_handle_send_many",
             "shm_handle_adopt_many",
+            "shm_timers_wait",
         )
     },
     Handle,

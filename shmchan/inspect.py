@@ -11,9 +11,10 @@ receiver, and a reading that raced with it is retried a bounded number of times.
 
 `why_waiting` always returns a `WaitChain` (a list): for a waiting message, the message
 directly ahead of it on one of its keys, then what that one waits on, and so on until a
-message that is in flight (its `pid` is the holder) or about to be handed out. For a
-message that is not waiting the list is empty and `WaitChain.state` says what it is:
-"in flight" (with `pid`, `attempt`, `age`), "ready", "delivered", "dead letter" or
+message that is in flight (its `pid` is the holder), delayed (its `due` time not yet
+come: it keeps its keys meanwhile) or about to be handed out. For a message that is not
+waiting the list is empty and `WaitChain.state` says what it is: "in flight" (with
+`pid`, `attempt`, `age`), "delayed" (with `due`), "ready", "delivered", "dead letter" or
 "unknown" (never sent, or dropped because its producer died mid-send).
 """
 
@@ -39,6 +40,7 @@ READY = "ready"
 IN_FLIGHT = "in flight"
 DELIVERED = "delivered"
 DEAD_LETTER = "dead letter"
+DELAYED = "delayed"
 UNKNOWN = "unknown"
 
 _STATES = {
@@ -49,6 +51,7 @@ _STATES = {
     lib.SHM_VIEW_DELIVERED: DELIVERED,
     lib.SHM_VIEW_DEAD: DEAD_LETTER,
     lib.SHM_VIEW_QUEUED: WAITING,  # waiting outside the receiver's window: still waiting
+    lib.SHM_VIEW_DELAYED: DELAYED,
 }
 
 _CHAIN_MAX = 1000  # steps of a why_waiting chain, at most
@@ -95,10 +98,13 @@ class Wait:
     attempt: int
     """Deliveries of this message so far (0 if it was never handed out)."""
     state: str
-    """"in flight" (the end of the chain), "waiting" (the chain goes on), "ready" (the
-    next recv() hands it out), or "delivered" (released while we looked)."""
+    """"in flight" (the end of the chain), "waiting" (the chain goes on), "delayed"
+    (held back until `due`, keeping its keys), "ready" (the next recv() hands it out),
+    or "delivered" (released while we looked)."""
     age: float | None = None
     """While it is in flight: seconds since it was handed out; otherwise None."""
+    due: float | None = None
+    """While it is delayed: when it may be handed out, as a time.time() value."""
 
 
 class WaitChain(list[Wait]):
@@ -118,6 +124,8 @@ class WaitChain(list[Wait]):
     """Deliveries so far."""
     age: float | None
     """In flight: seconds since it was handed out."""
+    due: float | None
+    """Delayed: when it may be handed out, as a time.time() value."""
     partial: bool
     """True if the receiver was too busy for a consistent reading, or the chain was cut."""
 
@@ -256,6 +264,7 @@ def why_waiting(ch: Channel, seq: int) -> WaitChain:
                     attempt=int(m.attempt),
                     state=state,
                     age=m.age_ns / 1e9 if inflight else None,
+                    due=int(m.due_ns) / 1e9 if state == DELAYED else None,
                 )
             )
         state = _STATES.get(int(me.state), UNKNOWN)
@@ -265,6 +274,7 @@ def why_waiting(ch: Channel, seq: int) -> WaitChain:
         chain.pid = _pid(int(me.holder)) if state == IN_FLIGHT else None
         chain.attempt = int(me.attempt)
         chain.age = me.age_ns / 1e9 if state == IN_FLIGHT else None
+        chain.due = int(me.due_ns) / 1e9 if state == DELAYED else None
         cut = len(chain) == v.n and chain[-1].state == WAITING
         chain.partial = bool(v.partial[0]) or cut
         return chain

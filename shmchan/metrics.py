@@ -40,8 +40,9 @@ _GAUGES = (
     ("inflight", "shmchan_inflight_messages", "Handles handed out and not yet released."),
     ("held_keys", "shmchan_held_keys", "Keys locked by in-flight handles."),
     ("producers", "shmchan_producers", "Live processes registered as senders."),
-    ("dead_letters", "shmchan_dead_letters", "Messages that ran out of attempts."),
+    ("dead_letters", "shmchan_dead_letters", "Messages that ran out of attempts or expired."),
     ("window", "shmchan_window_messages", "Messages in the receiver's scheduling window."),
+    ("delayed", "shmchan_delayed_messages", "Messages held back until their delay ends."),
 )
 # Stats counters: (field, metric name without _total, help).
 _COUNTERS = (
@@ -50,6 +51,7 @@ _COUNTERS = (
     ("released", "shmchan_released_messages", "Handles released."),
     ("redelivered", "shmchan_redelivered_messages", "Deliveries after the first."),
     ("discarded", "shmchan_discarded_messages", "Reservations of dead producers reclaimed."),
+    ("expired", "shmchan_expired_messages", "Messages dead-lettered because their ttl passed."),
 )
 
 

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import _segment, aio, errors, liveness
+from . import _segment, aio, deadroute, errors, liveness
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     TX,
@@ -58,6 +58,7 @@ class Receiver(_hot.ReceiverBase):
         self._stalled_now = False  # the last armed poll (_async_step) met a stall
         self._pid = os.getpid()  # only this process took the seat
         self._closed_why = "it was closed"
+        self._dead_router = deadroute.Router()  # dead letters to an exchange, if routed
         try:
             self.maintain()  # a dead predecessor's handles come back at once
         except BaseException:
@@ -74,6 +75,9 @@ class Receiver(_hot.ReceiverBase):
         now = time.monotonic()
         self._next_maintenance = now + _segment.MAINTENANCE_SECONDS
         self._discard_dead_writers(seg)
+        dead_letters = getattr(self._channel, "dead_letters", None)
+        if dead_letters is not None:  # a channel's dead letters routed to an exchange
+            self._dead_router.route(dead_letters, seg)
         holders = ffi.new("uint64_t[]", 512)
         n = ffi.new("uint32_t *")
         expired = ffi.new("uint32_t *")

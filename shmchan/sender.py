@@ -8,12 +8,13 @@ channel to wait on (`_segment.wait_for_space`, the one wait of every sender).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import aio, codec, errors
+from . import aio, codec, errors, timers
 from ._lib import ffi, lib, raise_for
 from ._segment import RX, Attachment, Segment, SpaceWait, deadline_of, shared_attachment
 
@@ -69,6 +70,55 @@ class Sender(_hot.SenderBase):
                 ),
                 "send",
             )
+        if s.wake[0]:
+            seg.post(RX, 1)
+        return int(s.seq[0])
+
+    def _send_timed(
+        self, obj: object, keys: Any, timeout: float | None, delay: object, ttl: object
+    ) -> int:
+        """send(..., delay=, ttl=): the record carries its due and expiry times
+        (csrc/timers.c); with neither (both None or a zero delay) a plain send."""
+        seconds = timers.check_delay("send: delay", delay)
+        life = timers.check_ttl("send: ttl", ttl)
+        if keys is None:
+            keys = ()
+        if not seconds and not life:
+            return self._send_slow(obj, keys, timeout)
+        seg = self._live()
+        deadline_of(timeout)
+        now = time.time_ns()
+        due, expire = timers.due_ns(seconds, now), timers.due_ns(life, now)
+        kind, buf = codec.encode_payload(obj, seg.raw_only)
+        blob, nkeys = codec.encode_keys(keys, seg.max_keys)
+        if not seg.registered:
+            seg.register_producer()
+        s = seg.scratch()
+        data = buf if type(buf) is bytes else ffi.from_buffer("char[]", buf)
+
+        def attempt() -> int:
+            return int(
+                lib.shm_send_timed(
+                    seg.ptr,
+                    kind,
+                    data,
+                    len(data),
+                    blob,
+                    len(blob),
+                    nkeys,
+                    due,
+                    expire,
+                    s.seq,
+                    s.stall,
+                    s.wake,
+                )
+            )
+
+        rc = attempt()
+        if rc < 0:
+            _refuse(seg, rc, "send", kind, len(data) + 24, len(blob), nkeys)
+        if rc:
+            rc = self._wait_and_retry(seg, rc, deadline_of(timeout), attempt, "send")
         if s.wake[0]:
             seg.post(RX, 1)
         return int(s.seq[0])

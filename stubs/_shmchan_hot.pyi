@@ -89,7 +89,15 @@ class ReceiverBase:
     def _receive(self, n: int, deadline: float | None, block: int) -> Any: ...
 
 class SenderBase:
-    def send(self, obj: object, keys: Any = (), timeout: float | None = None) -> int: ...
+    def send(
+        self,
+        obj: object,
+        keys: Any = (),
+        timeout: float | None = None,
+        *,
+        delay: float | None = None,
+        ttl: float | None = None,
+    ) -> int: ...
     def send_many(
         self, items: Iterable[tuple[object, Any]], timeout: float | None = None
     ) -> list[int]: ...

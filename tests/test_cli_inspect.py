@@ -93,7 +93,13 @@ def test_stat_json_reports_held_keys_lines_producers_and_dead_letters(scene: Sce
     ]
     assert {"pid": os.getpid(), "sent": 4} in sample["producers"]
     assert sample["dead_letters"] == [
-        {"seq": scene.seqs["dead"], "keys": ["acct:9"], "attempts": 1, "size": 3}
+        {
+            "seq": scene.seqs["dead"],
+            "keys": ["acct:9"],
+            "attempts": 1,
+            "reason": "attempts",
+            "size": 3,
+        }
     ]
     assert set(sample["rates"]) >= {"sent", "delivered", "released"}
 

@@ -58,6 +58,7 @@ typedef int (*rx_spin_fn)(shm_chan *, uint32_t);
 typedef int (*view_fn)(shm_chan *, uint32_t, uint32_t, shm_msg *);
 typedef int (*send_many_handles_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t,
                                     int32_t *);
+typedef double (*timers_wait_fn)(shm_chan *);
 typedef int (*adopt_many_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t, uint64_t,
                              shm_msg *, int32_t *);
 typedef int (*send_many_fn)(shm_chan *, uint32_t, const uint32_t *, const char *, uint64_t,
@@ -75,6 +76,7 @@ struct hot_core_fns {
     view_fn handle_view;
     send_many_handles_fn handle_send_many;
     adopt_many_fn handle_adopt_many;
+    timers_wait_fn timers_wait; /* seconds to the next delayed message's time (timers.c) */
 };
 extern struct hot_core_fns hot_core;
 

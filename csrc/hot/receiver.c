@@ -223,6 +223,8 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
             continue;
         }
         double until = fmin(deadline, self->next_maintenance);
+        double due = hot_core.timers_wait(seg->c); /* a delayed message's time (timers.c) */
+        if (due >= 0.0) until = fmin(until, monotonic() + due);
         if (rc == SHM_STALLED) until = fmin(until, monotonic() + STALL_SLEEP_SECONDS);
         if (wake_sleep(&seg->wk, WAKE_RX, until) < 0) break;
         if (rc == SHM_EMPTY && monotonic() - now < SPIN_SECONDS)

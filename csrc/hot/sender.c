@@ -34,9 +34,15 @@ python:
 
 static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames) {
-    static const char *const names[] = {"obj", "keys", "timeout"};
-    PyObject *a[3] = {NULL, NULL, Py_None};
-    if (hot_parse_args("send", args, nargs, kwnames, names, 1, 3, a) < 0) return NULL;
+    static const char *const names[] = {"obj", "keys", "timeout", "delay", "ttl"};
+    PyObject *a[5] = {NULL, NULL, Py_None, NULL, NULL};
+    if (nargs > 3) /* delay and ttl are keyword-only */
+        return PyErr_Format(PyExc_TypeError, "send() takes at most 3 positional arguments");
+    if (hot_parse_args("send", args, nargs, kwnames, names, 1, 5, a) < 0) return NULL;
+    if (a[3] != NULL || a[4] != NULL) /* a delay or a ttl: the Python side (timers.py) */
+        return PyObject_CallMethod((PyObject *)self, "_send_timed", "OOOOO", a[0],
+                                   a[1] ? a[1] : Py_None, a[2], a[3] ? a[3] : Py_None,
+                                   a[4] ? a[4] : Py_None);
     PyObject *keys = a[1] ? a[1] : Py_None; /* the default () and None both mean no keys */
     SegmentObject *seg = self->seg;
     const char *data = NULL;
@@ -452,8 +458,11 @@ static PyGetSetDef Sender_getset[] = {
 
 static PyMethodDef Sender_methods[] = {
     {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL | METH_KEYWORDS,
-     "send(obj, keys=(), timeout=None) -> int: send one message; returns its sequence\n"
-     "number. Blocks while the channel is full; with `timeout`, raises Full when it runs out."},
+     "send(obj, keys=(), timeout=None, *, delay=None, ttl=None) -> int: send one message;\n"
+     "returns its sequence number. Blocks while the channel is full; with `timeout`, raises\n"
+     "Full when it runs out. `delay` (seconds): not handed out before then, keeping its\n"
+     "place on its keys (nothing behind it on them passes it). `ttl` (seconds): a dead\n"
+     "letter (reason \"expired\") if not handed out within that time of its send."},
     {"send_many", (PyCFunction)(void (*)(void))Sender_send_many, METH_FASTCALL | METH_KEYWORDS,
      "send_many(items, timeout=None) -> list[int]: send (payload, keys) pairs in order\n"
      "with one C call per batch; returns their seqs."},
