@@ -297,6 +297,14 @@ int shm_read_identity(int fd, uint64_t *chan_id) {
     return SHM_OK;
 }
 
+int shm_read_flags_fd(int fd, uint32_t *flags) {
+    shm_header hd;
+    int rc = read_header(fd, &hd); /* as shm_read_identity: final once the magic is right */
+    if (rc) return rc;
+    *flags = hd.cfg.flags;
+    return SHM_OK;
+}
+
 int shm_mark_removed(shm_chan *c) {
     /* seq_cst: as shm_shutdown (ring.c): pairs with send_one's loads of shutdown and the
      * receiver's load before it declares the channel drained. */

@@ -49,6 +49,7 @@ from .errors import (
     TaskNotPicklable,
     TaskTimeout,
     TooManyKeys,
+    TooManyPausedKeys,
     UnsupportedType,
     WorkerDied,
     WrongProcess,
@@ -178,4 +179,5 @@ __all__ = [
     "unlink_exchange",
     "list_exchanges",
     "HandoverExpired",
+    "TooManyPausedKeys",
 ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import codec, errors, liveness
+from . import hold as _hold
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     PREFIX,
@@ -346,6 +347,31 @@ class Channel(Attachment):
         from . import inspect as _inspect
 
         return _inspect.why_waiting(self, seq)
+
+    def pause(self) -> None:
+        """Pause the channel: its receiver (in any process) hands out nothing from its next
+        poll on, until resume(). Producers still send; handles already out stay valid. The
+        pause is kept in the channel, for whoever receives next (see shmchan/hold.py)."""
+        _hold.pause(self._live())
+
+    def resume(self) -> None:
+        """End pause(): the receiver is woken and hands out again. Keys paused one by one
+        stay paused."""
+        _hold.resume(self._live())
+
+    def pause_key(self, key: codec.Key) -> None:
+        """Hold back messages carrying `key`. Per-key order is kept: nothing behind a
+        held-back message on any of its keys passes it; other keys flow. At most
+        shmchan.hold.MAX_PAUSED_KEYS keys at once (TooManyPausedKeys)."""
+        _hold.pause_key(self._live(), key)
+
+    def resume_key(self, key: codec.Key) -> bool:
+        """End pause_key(key); False if the key was not paused."""
+        return _hold.resume_key(self._live(), key)
+
+    def pause_state(self) -> _hold.PauseState:
+        """What is paused: the channel, and which keys."""
+        return _hold.state(self._live())
 
     def shutdown(self) -> None:
         """Refuse new sends (they raise Closed); the receiver drains what was accepted."""

@@ -35,6 +35,7 @@ __all__ = [
     "RemoteError",
     "NotInWorker",
     "HandoverExpired",
+    "TooManyPausedKeys",
 ]
 
 
@@ -174,3 +175,9 @@ class HandoverExpired(Error):
     """A pickled handle was unpickled too late: nobody adopted it within the channel's
     `handover` seconds, so its message was taken back and redelivered (attempt + 1).
     Also raised when the same pickle was already adopted by another process."""
+
+
+class TooManyPausedKeys(Error):
+    """`pause_key` found every entry of the channel's table of paused keys in use (it
+    holds a fixed number of keys: `shmchan.hold.MAX_PAUSED_KEYS`). Resume a key, or
+    pause the whole channel."""
