@@ -30,11 +30,10 @@
  * already handed out stays out and may be released. Resume wakes the receiver from the
  * Python side (a post of its semaphore, which also wakes an asyncio receiver).
  *
- * Key order: under order="fifo" a ready message is first in each of its keys' lines, so
- * while it is held back by a paused key nothing behind it on any of its keys can pass
- * either (the messages behind wait, parked, as behind a message in flight); messages on
- * other keys flow. Under order="eager" nothing is kept in line: other messages on the
- * paused message's unpaused keys may pass it.
+ * Key order: a ready message holds its keys already (order="fifo": it is first in each
+ * of its keys' lines; order="eager": key.held names it), so while it is held back by a
+ * paused key nothing behind it on any of its keys can pass either -- the messages behind
+ * wait, parked, as behind a message in flight -- while messages on other keys flow.
  */
 #include "core.h"
 
@@ -77,7 +76,10 @@ int shm_resume_key(shm_chan *c, uint64_t hash, uint32_t *cleared) {
     *cleared = 0;
     for (uint32_t i = 0; i < SHM_HOLD_KEYS; i++) {
         uint64_t expect = hash;
-        STORE_RELAXED(&t[i].len, 0); /* harmless if the CAS fails: display only */
+        if (LOAD_RELAXED(&t[i].hash) != hash) continue; /* a hint: the CAS decides */
+        /* the display copy goes first; should the CAS fail (another resume won, and the
+         * entry was claimed again), a key shows as unknown: display only */
+        STORE_RELAXED(&t[i].len, 0);
         /* seq_cst: pairs with the claiming CAS in shm_pause_key */
         if (CAS_SEQCST(&t[i].hash, &expect, 0)) {
             /* the count falls after the clear (the invariant above) */
