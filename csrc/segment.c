@@ -297,11 +297,14 @@ int shm_read_identity(int fd, uint64_t *chan_id) {
     return SHM_OK;
 }
 
-int shm_read_flags_fd(int fd, uint32_t *flags) {
+/* The configuration's flags (final once the magic is right, as the id) and, as a hint
+ * (a pread is no atomic load), the receiver's token, of the segment open on fd. */
+int shm_read_flags_fd(int fd, uint32_t *flags, uint64_t *receiver) {
     shm_header hd;
-    int rc = read_header(fd, &hd); /* as shm_read_identity: final once the magic is right */
+    int rc = read_header(fd, &hd);
     if (rc) return rc;
     *flags = hd.cfg.flags;
+    *receiver = hd.receiver;
     return SHM_OK;
 }
 

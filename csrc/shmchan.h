@@ -243,8 +243,9 @@ int  shm_resume_key(shm_chan *c, uint64_t hash, uint32_t *cleared);
  * (blob[i * SHM_HOLD_KEY_BYTES ...], lens[i] bytes: 0 if unknown or too long) */
 int  shm_hold_read(shm_chan *c, uint32_t *paused, uint64_t *hashes, uint8_t *blobs,
                    uint32_t *lens, uint32_t *n);
-/* The configuration's flags of the segment open on fd (SHM_EMPTY: not initialized). */
-int  shm_read_flags_fd(int fd, uint32_t *flags);
+/* The configuration's flags of the segment open on fd, and its receiver's token as a
+ * hint (SHM_EMPTY: not initialized yet). */
+int  shm_read_flags_fd(int fd, uint32_t *flags, uint64_t *receiver);
 
 /* --- inspection --------------------------------------------------------- */
 int  shm_stats_read(shm_chan *c, shm_stats *out);

@@ -187,6 +187,7 @@ class Segment(_hot.SegmentBase):
         self.capacity = int(cfg.capacity)
         self.max_keys = int(cfg.max_keys)
         self.raw_only = bool(cfg.flags & lib.SHM_CFG_RAW_ONLY)
+        self.temporary = bool(cfg.flags & lib.SHM_CFG_TEMPORARY)
         self.lease_ns = int(cfg.lease_ns)
         ident = ffi.new("uint64_t[2]")
         lib.shm_identity(ptr, ident, ident + 1)
@@ -227,6 +228,10 @@ class Segment(_hot.SegmentBase):
         # scratch structs for the calling thread's C calls
         self._local = threading.local()
         _segments.add(self)
+        if self.temporary:  # removed when its last user exits (shmchan/temporary.py)
+            from . import temporary
+
+            temporary.track(self)
 
     def scratch(self) -> Any:
         s = getattr(self._local, "s", None)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import codec, errors, liveness
 from . import hold as _hold
+from . import temporary as _temporary
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     PREFIX,
@@ -126,6 +127,7 @@ class Channel(Attachment):
         mode: int = 0o600,
         path: str | os.PathLike[str] | None = None,
         max_producers: int = 1024,
+        temporary: bool = False,
     ) -> Channel:
         """Make a new channel. Raises ChannelExists if the name is taken.
 
@@ -145,8 +147,23 @@ class Channel(Attachment):
         * mode: permissions of the segment and semaphores (default 0o600: your user only).
         * path: keep the channel in this regular file instead of /dev/shm (durable).
         * max_producers: processes registered as senders at once.
+        * temporary: remove the channel when the last process using it exits, also if
+          they were all killed (then at the next Channel.create on the machine, or the
+          next `shmchan ls` / `rm --stale`); see shmchan/temporary.py. Not with path=.
+
+        Creating a channel first removes the temporary channels no live process uses.
         """
         check_name(name)
+        if not isinstance(temporary, bool):
+            raise errors.UnsupportedType(
+                f"temporary must be True or False, not {type(temporary).__name__}"
+            )
+        if temporary and path is not None:
+            raise errors.InvalidArgument(
+                "temporary=True cannot be combined with path=: a temporary channel lives in "
+                "/dev/shm and goes with its last user; a path= channel is kept on purpose"
+            )
+        _temporary.sweep()
         cfg = ffi.new("shm_config *")
         cfg.capacity = _positive_int("capacity", capacity, minimum=64)
         if order not in _ORDERS:
@@ -187,6 +204,8 @@ class Channel(Attachment):
         cfg.flags = lib.SHM_CFG_RAW_ONLY if serializer == "raw" else 0
         if path is not None:  # records carry a checksum, checked when recovered
             cfg.flags |= lib.SHM_CFG_DURABLE
+        if temporary:
+            cfg.flags |= lib.SHM_CFG_TEMPORARY
         cfg.max_producers = _positive_int("max_producers", max_producers)
         total = ffi.new("uint64_t *")
         rc = lib.shm_layout_size(cfg, total)

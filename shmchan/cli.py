@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import shmchan
-from shmchan import demo, exchange, hold, inspect
+from shmchan import demo, exchange, hold, inspect, temporary
 
 __all__ = ["main"]
 
@@ -125,6 +125,9 @@ def _committed_bytes(path: str) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
+    for name in temporary.sweep():  # temporary channels whose users are all gone
+        print(f"shmchan ls: removed temporary channel {name} (no live process used it)",
+              file=sys.stderr)  # fmt: skip
     names = sorted(shmchan.list_channels())
     paths = {n: inspect.segment_path(n) for n in names}
     maps = inspect.mapping_pids(list(paths.values()))
@@ -547,11 +550,14 @@ _YOUNG_SECONDS = 10.0  # rm --stale leaves unreadable segments younger than this
 
 
 def _rm_stale() -> int:
+    removed = 0
+    for name in temporary.sweep():
+        print(f"removed temporary channel {name} (no live process used it)")
+        removed += 1
     names = sorted(shmchan.list_channels())
     paths = {n: inspect.segment_path(n) for n in names}
     maps = inspect.mapping_pids(list(paths.values()))
     me = os.getpid()
-    removed = 0
     for name in names:
         if maps.get(paths[name], set()) - {me}:
             continue  # mapped by a live process: in use
