@@ -367,6 +367,11 @@ class Channel(Attachment):
 
         return _inspect.why_waiting(self, seq)
 
+    @property
+    def temporary(self) -> bool:
+        """True for a channel created with temporary=True: removed when its last user exits."""
+        return self._live().temporary
+
     def pause(self) -> None:
         """Pause the channel: its receiver (in any process) hands out nothing from its next
         poll on, until resume(). Producers still send; handles already out stay valid. The
