@@ -149,7 +149,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             # Still list it (it exists), but say why there are no numbers.
             print(f"shmchan ls: {name}: {e}", file=sys.stderr)
             used = _in_use(len(mappers))
-            rows.append((name, "?", committed, "?", "?", "?", "?", "?", "?", used, "?"))
+            rows.append((name, "?", committed, "?", "?", "?", "?", "?", "?", "?", used))
             failed = True
             continue
         try:
@@ -173,15 +173,15 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 str(s.inflight),
                 str(s.producers),
                 receiver,
+                paused,
                 age,
                 users_text,
-                paused,
             )
         )
     if rows:
         header: tuple[str, ...] = ("NAME", "CAPACITY", "COMMITTED", "USED", "QUEUED")
         header = (*header, "INFLIGHT", "PRODUCERS", "RECEIVER")
-        for line in _table((*header, "AGE", "IN USE", "PAUSED"), rows):
+        for line in _table((*header, "PAUSED", "AGE", "IN USE"), rows):
             print(line)
     for line in exchange.ls_lines():  # then the exchanges, with their bindings
         print(line)
@@ -286,8 +286,8 @@ def _stats_text(sample: dict[str, Any], compact: bool = False) -> str:
     lines += ["", "paused: " + ("yes, the whole channel" if paused["channel"] else "no")]
     lines += [f"paused keys: {len(paused['keys'])}"]
     for k in paused["keys"]:
-        text = f"hash {k['hash']:#x}" if isinstance(k, dict) and "hash" in k else None
-        lines.append("  " + (text or _json_key_text(k)))
+        hashed = isinstance(k, dict) and "hash" in k  # a key too long to keep for display
+        lines.append("  " + (f"hash {k['hash']:#x}" if hashed else _json_key_text(k)))
     held = sample["held"]
     rows: list[tuple[str, ...]]
     lines += ["", f"held keys: {len(held)}"]

@@ -41,9 +41,17 @@ import threading
 
 from . import liveness
 from ._lib import ffi, lib
-from ._segment import PREFIX, SHM_DIR, Segment, list_names, name_file, unlink_name
+from ._segment import (
+    PREFIX,
+    SHM_DIR,
+    Segment,
+    attach_hooks,
+    list_names,
+    name_file,
+    unlink_name,
+)
 
-__all__ = ["FLAG", "track", "sweep", "is_temporary"]
+__all__ = ["FLAG", "track", "sweep"]
 
 FLAG: int = lib.SHM_CFG_TEMPORARY
 
@@ -52,16 +60,12 @@ _tracked: dict[tuple[str, int], str | None] = {}  # (name, chan_id) -> path (alw
 _registered_pid = 0
 
 
-def is_temporary(seg: Segment) -> bool:
-    cfg = ffi.new("shm_config *")
-    lib.shm_read_config(seg.ptr, cfg)
-    return bool(cfg.flags & FLAG)
-
-
 def track(seg: Segment) -> None:
-    """Remember that this process uses temporary channel `seg`: at exit, it removes the
-    channel if no other live process maps it."""
+    """Remember that this process uses temporary channel `seg` (any other is ignored):
+    at exit, it removes the channel if no other live process maps it."""
     global _registered_pid
+    if not seg.temporary:
+        return
     with _lock:
         _tracked[(seg.name, seg.chan_id)] = seg.path
         if _registered_pid != os.getpid():  # once per process (a fork child registers anew)
@@ -156,3 +160,6 @@ def sweep() -> list[str]:
         except OSError:
             continue  # e.g. another user's channel we may not remove: left as it is
     return removed
+
+
+attach_hooks.append(track)  # every channel this process creates or opens

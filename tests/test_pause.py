@@ -12,11 +12,10 @@ import time
 from typing import Any
 
 import pytest
+from procs import CTX, WAIT, run_shmchan, running, take_receiver_seat
 
 import shmchan
 from shmchan import hold
-
-from procs import CTX, WAIT, run_shmchan, running, take_receiver_seat
 
 
 def _drain(rx: shmchan.Receiver, wait: float = 0.3) -> list[Any]:
@@ -153,13 +152,17 @@ def _pause_keys_in_a_loop(name: str, base: int, n: int) -> None:
 def test_processes_pausing_and_resuming_keys_at_once_leave_a_consistent_table(
     ch: shmchan.Channel,
 ) -> None:
-    procs = [CTX.Process(target=_pause_keys_in_a_loop, args=(ch.name, 100 * j, 10)) for j in range(3)]
+    procs = [
+        CTX.Process(target=_pause_keys_in_a_loop, args=(ch.name, 100 * j, 10)) for j in range(3)
+    ]
     with running(*procs):
         for p in procs:
             p.join(WAIT)
     assert [p.exitcode for p in procs] == [0, 0, 0]
     keys = ch.pause_state().keys
-    assert sorted(keys, key=str) == sorted((f"k{100 * j + i}" for j in range(3) for i in range(10)), key=str)
+    assert sorted(keys, key=str) == sorted(
+        (f"k{100 * j + i}" for j in range(3) for i in range(10)), key=str
+    )
     for k in keys:
         assert ch.resume_key(k)  # type: ignore[arg-type]  # str keys here
     assert ch.pause_state() == hold.PauseState(paused=False, keys=(), hashes=())
@@ -208,9 +211,7 @@ def _reopen_and_report(path: str, name: str, q: Any) -> None:
     q.put((st.paused, st.keys, got is None))
 
 
-def test_a_durable_channel_keeps_its_pause_across_processes(
-    tmp_path: Any, chan_name: str
-) -> None:
+def test_a_durable_channel_keeps_its_pause_across_processes(tmp_path: Any, chan_name: str) -> None:
     path = str(tmp_path / "chan")
     ch = shmchan.Channel.create(chan_name, 1 << 20, path=path)
     ch.pause()
@@ -260,11 +261,13 @@ def test_under_eager_order_a_held_back_message_keeps_its_keys_too(make_channel: 
 
 
 def test_cli_pause_key_forms_and_stat_show_them(ch: shmchan.Channel) -> None:
-    r = run_shmchan("pause", ch.name, "--key", "acct:1", "--int-key", "7", "--bytes-key", "00ff", timeout=WAIT)
+    r = run_shmchan(
+        "pause", ch.name, "--key", "acct:1", "--int-key", "7", "--bytes-key", "00ff", timeout=WAIT
+    )
     assert r.returncode == 0, r.stderr
     assert set(ch.pause_state().keys) == {"acct:1", 7, b"\x00\xff"}
     stat = run_shmchan("stat", ch.name, "--json", timeout=WAIT)
-    
+
     paused = json.loads(stat.stdout)["paused"]
     assert paused["channel"] is False
     assert sorted(map(str, paused["keys"])) == sorted(["acct:1", "7", "{'bytes': '00ff'}"])
@@ -272,7 +275,9 @@ def test_cli_pause_key_forms_and_stat_show_them(ch: shmchan.Channel) -> None:
     assert "paused keys: 3" in text
     bad = run_shmchan("pause", ch.name, "--bytes-key", "xyz", timeout=WAIT)
     assert bad.returncode == 2 and "hex" in bad.stderr
-    r = run_shmchan("resume", ch.name, "--key", "acct:1", "--int-key", "7", "--bytes-key", "00ff", timeout=WAIT)
+    r = run_shmchan(
+        "resume", ch.name, "--key", "acct:1", "--int-key", "7", "--bytes-key", "00ff", timeout=WAIT
+    )
     assert r.returncode == 0
     assert ch.pause_state().keys == ()
 
@@ -291,3 +296,15 @@ def test_a_receiver_waiting_on_a_paused_channel_sleeps_instead_of_spinning(
     # A receiver that took held-back ready messages for work would poll for the whole
     # second (about 1 s of CPU); asleep, it wakes for upkeep only.
     assert time.process_time() - cpu < 0.3
+
+
+def test_a_long_key_pauses_and_shows_as_its_hash(ch: shmchan.Channel, tx: shmchan.Sender) -> None:
+    long_key = "x" * (hold.MAX_PAUSED_KEYS * 4)
+    ch.pause_key(long_key)
+    st = ch.pause_state()
+    assert st.keys == (None,) and st.hashes == (hold.key_hash(long_key),)
+    tx.send("held", keys=long_key)
+    text = run_shmchan("stat", ch.name, timeout=WAIT).stdout
+    assert f"hash {hold.key_hash(long_key):#x}" in text
+    assert ch.why_waiting(1).paused == f"key {long_key!r} paused"
+    assert ch.resume_key(long_key)

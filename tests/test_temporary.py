@@ -9,10 +9,9 @@ import time
 from typing import Any
 
 import pytest
+from procs import CTX, WAIT, run_shmchan, running
 
 import shmchan
-
-from procs import CTX, WAIT, run_shmchan, running
 
 
 def _exists(name: str) -> bool:
