@@ -8,10 +8,9 @@ one starts paused) and, for a channel created with path=, a restart of everythin
 * `pause(seg)`: the receiver hands out nothing from its next poll on. Producers still
   send (until the channel is full); handles already handed out stay valid and may be
   released, nacked or extended; a `recv(timeout=)` waits and times out as usual.
-* `pause_key(seg, key)`: messages carrying `key` are not handed out. Under
-  order="fifo" a message keeps its place in line on all its keys, so nothing behind
-  a held-back message on *any* of its keys passes it either; messages on other keys
-  flow. Up to `MAX_PAUSED_KEYS` keys per channel are paused at once
+* `pause_key(seg, key)`: messages carrying `key` are not handed out. A message taken
+  in holds its keys (under both orders), so nothing behind a held-back message on *any*
+  of its keys passes it either; messages on other keys flow. Up to `MAX_PAUSED_KEYS` keys per channel are paused at once
   (`TooManyPausedKeys` beyond).
 * `resume(seg)` / `resume_key(seg, key)`: clear the hold and wake the receiver.
 
