@@ -10,8 +10,8 @@ one starts paused) and, for a channel created with path=, a restart of everythin
   released, nacked or extended; a `recv(timeout=)` waits and times out as usual.
 * `pause_key(seg, key)`: messages carrying `key` are not handed out. A message taken
   in holds its keys (under both orders), so nothing behind a held-back message on *any*
-  of its keys passes it either; messages on other keys flow. Up to `MAX_PAUSED_KEYS` keys per channel are paused at once
-  (`TooManyPausedKeys` beyond).
+  of its keys passes it either; messages on other keys flow. Up to `MAX_PAUSED_KEYS`
+  keys per channel are paused at once (`TooManyPausedKeys` beyond).
 * `resume(seg)` / `resume_key(seg, key)`: clear the hold and wake the receiver.
 
 A key is paused by its 64-bit hash, as the scheduler knows keys: a key that shares its

@@ -12,7 +12,9 @@ Removal happens at two moments:
 * at exit: a process that attached to a temporary channel checks, when it exits
   normally (atexit), whether any other live process maps it; if none does, it removes
   the channel (name, segment and semaphores, as `shmchan.unlink` does, and only if the
-  name still means that channel).
+  name still means that channel). While another live process holds the receiver seat
+  the channel is in use, and the exit costs one pread: a pass over /proc (tens to
+  hundreds of ms on a busy machine) is made only when the receiver is gone or exiting.
 * by a sweep, for users that did not exit normally (SIGKILL, a crash, os._exit -- which
   is also how forked multiprocessing workers end): every `Channel.create` on the machine,
   `shmchan ls` and `shmchan rm --stale` first remove every temporary channel in /dev/shm
@@ -47,7 +49,6 @@ from ._segment import (
     Segment,
     attach_hooks,
     list_names,
-    name_file,
     unlink_name,
 )
 
@@ -56,7 +57,7 @@ __all__ = ["FLAG", "track", "sweep"]
 FLAG: int = lib.SHM_CFG_TEMPORARY
 
 _lock = threading.Lock()
-_tracked: dict[tuple[str, int], str | None] = {}  # (name, chan_id) -> path (always None)
+_tracked: set[tuple[str, int]] = set()  # (name, chan_id) of the channels this process used
 _registered_pid = 0
 
 
@@ -64,10 +65,10 @@ def track(seg: Segment) -> None:
     """Remember that this process uses temporary channel `seg` (any other is ignored):
     at exit, it removes the channel if no other live process maps it."""
     global _registered_pid
-    if not seg.temporary:
+    if not seg.temporary or seg.path is not None:
         return
     with _lock:
-        _tracked[(seg.name, seg.chan_id)] = seg.path
+        _tracked.add((seg.name, seg.chan_id))
         if _registered_pid != os.getpid():  # once per process (a fork child registers anew)
             _registered_pid = os.getpid()
             atexit.register(_at_exit)
@@ -76,31 +77,65 @@ def track(seg: Segment) -> None:
 def _at_exit() -> None:
     if _registered_pid != os.getpid():
         return  # inherited through fork; this process never attached on its own
-    me = os.getpid()
     with _lock:
-        items = list(_tracked.items())
+        items = list(_tracked)
         _tracked.clear()
-    if not items:
-        return
-    files = {key: name_file(key[0], path) for key, path in items}
+    # Only channels still there whose receiver is gone or is this process are worth the
+    # pass over /proc (a worker exiting while its executor receives pays nothing).
+    found = [(name, chan_id) for name, chan_id in items if _probe(name, chan_id, exiting=True)]
+    _remove_unmapped(found, exclude=os.getpid())
+
+
+def _probe(name: str, chan_id: int, exiting: bool = False) -> int | None:
+    """The id of temporary channel `name` if it may be unused: it is temporary, its file
+    is readable, its users are all visible to us (_users_visible), its id is `chan_id`
+    (0: any), and no other live process holds its receiver seat. None otherwise."""
+    flags = ffi.new("uint32_t *")
+    receiver = ffi.new("uint64_t *")
+    ident = ffi.new("uint64_t *")
+    try:
+        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # gone (or not ours to read)
+    try:
+        if not _users_visible(os.fstat(fd)):
+            return None
+        if lib.shm_read_flags_fd(fd, flags, receiver) != lib.SHM_OK:
+            return None  # not a channel of this layout, or still being created
+        if lib.shm_read_identity(fd, ident) != lib.SHM_OK:
+            return None
+    finally:
+        os.close(fd)
+    if not flags[0] & FLAG or (chan_id and int(ident[0]) != chan_id):
+        return None
+    seat = int(receiver[0])
+    if seat and not (exiting and seat == liveness.current_token()) and liveness.is_alive(seat):
+        return None  # a live receiver: in use
+    return int(ident[0])
+
+
+def _remove_unmapped(found: list[tuple[str, int]], exclude: int = 0) -> list[str]:
+    """Remove the channels of `found` that no live process (other than pid `exclude`)
+    maps; return their names."""
+    if not found:
+        return []
     from .inspect import mapping_pids  # on first use: keeps `import shmchan` light
 
+    files = {name: os.path.join(SHM_DIR, PREFIX + name) for name, _ in found}
     try:
         maps = mapping_pids(list(files.values()))
     except OSError:
-        return  # cannot tell who maps them: the sweep decides later
-    for (name, chan_id), path in items:
-        file = files[(name, chan_id)]
-        others = maps.get(os.path.realpath(file), {me}) - {me}
+        return []  # cannot tell who maps them: remove nothing
+    removed = []
+    for name, chan_id in found:
+        if maps.get(os.path.realpath(files[name]), {0}) - {exclude}:
+            continue  # mapped by a live process
         try:
-            visible = _users_visible(os.stat(file))
+            if unlink_name(name, None, chan_id):
+                removed.append(name)
         except OSError:
-            continue  # already gone
-        if visible and not others:
-            try:
-                unlink_name(name, path, chan_id)
-            except OSError:
-                pass  # at exit: nothing to report to, and the sweep tries again
+            continue  # e.g. a channel we may not remove: left as it is
+    return removed
 
 
 def _users_visible(st: os.stat_result) -> bool:
@@ -110,56 +145,15 @@ def _users_visible(st: os.stat_result) -> bool:
     return os.geteuid() == 0 or (st.st_uid == os.geteuid() and not st.st_mode & 0o077)
 
 
-def _candidates() -> list[tuple[str, int]]:
-    """(name, chan_id) of the temporary channels in /dev/shm whose receiver seat is not
-    held by a live process (only those can be unused)."""
-    out = []
-    flags = ffi.new("uint32_t *")
-    receiver = ffi.new("uint64_t *")
-    ident = ffi.new("uint64_t *")
-    for name in list_names():
-        try:
-            fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if not _users_visible(os.fstat(fd)):
-                continue
-            if lib.shm_read_flags_fd(fd, flags, receiver) != lib.SHM_OK:
-                continue  # not a channel of this layout, or still being created
-            if not flags[0] & FLAG or liveness.is_alive(int(receiver[0])):
-                continue
-            if lib.shm_read_identity(fd, ident) != lib.SHM_OK:
-                continue
-        finally:
-            os.close(fd)
-        out.append((name, int(ident[0])))
-    return out
-
-
 def sweep() -> list[str]:
     """Remove every temporary channel in /dev/shm that no live process maps; return
     their names."""
-    found = _candidates()
-    if not found:
-        return []
-    files = {name: os.path.join(SHM_DIR, PREFIX + name) for name, _ in found}
-    from .inspect import mapping_pids  # as in _at_exit
-
-    try:
-        maps = mapping_pids(list(files.values()))
-    except OSError:
-        return []  # cannot tell who maps them: remove nothing
-    removed = []
-    for name, chan_id in found:
-        if maps.get(os.path.realpath(files[name]), {0}):
-            continue  # mapped by a live process (or unknown: left alone)
-        try:
-            if unlink_name(name, None, chan_id):
-                removed.append(name)
-        except OSError:
-            continue  # e.g. another user's channel we may not remove: left as it is
-    return removed
+    found = []
+    for name in list_names():
+        chan_id = _probe(name, 0)
+        if chan_id is not None:
+            found.append((name, chan_id))
+    return _remove_unmapped(found)
 
 
 attach_hooks.append(track)  # every channel this process creates or opens
