@@ -20,6 +20,7 @@ from typing import Any
 
 import shmchan
 from shmchan import demo, exchange, hold, inspect, temporary
+from shmchan.codec import Key
 
 __all__ = ["main"]
 
@@ -610,9 +611,9 @@ def _rm_stale() -> int:
     return EXIT_OK
 
 
-def _cli_keys(args: argparse.Namespace) -> list[object]:
+def _cli_keys(args: argparse.Namespace) -> list[Key]:
     """The keys of --key (str), --int-key and --bytes-key (hex), in that order."""
-    keys: list[object] = list(args.key or [])
+    keys: list[Key] = list(args.key or [])
     keys += list(args.int_key or [])
     for text in args.bytes_key or []:
         try:
@@ -622,32 +623,25 @@ def _cli_keys(args: argparse.Namespace) -> list[object]:
     return keys
 
 
-def _cmd_pause(args: argparse.Namespace) -> int:
+def _cmd_pause_resume(args: argparse.Namespace) -> int:
+    """`pause` and `resume`: the whole channel, or each key given."""
+    pausing = args.command == "pause"
     ch = _open(args.name, args.path)
     try:
         keys = _cli_keys(args)
-        if not keys:
+        if not keys and pausing:
             ch.pause()
             print(f"paused channel {args.name}: its receiver hands out nothing until resumed")
-        for key in keys:
-            ch.pause_key(key)  # type: ignore[arg-type]  # _cli_keys gives str, int or bytes
-            print(f"paused key {_key_text(key)} on channel {args.name}")
-    finally:
-        ch.close()
-    return EXIT_OK
-
-
-def _cmd_resume(args: argparse.Namespace) -> int:
-    ch = _open(args.name, args.path)
-    try:
-        keys = _cli_keys(args)
-        if not keys:
+        elif not keys:
             ch.resume()
             print(f"resumed channel {args.name}")
         for key in keys:
-            was = ch.resume_key(key)  # type: ignore[arg-type]  # as in _cmd_pause
-            state = "resumed" if was else "was not paused:"
-            print(f"{state} key {_key_text(key)} on channel {args.name}")
+            if pausing:
+                ch.pause_key(key)
+                done = "paused"
+            else:
+                done = "resumed" if ch.resume_key(key) else "was not paused:"
+            print(f"{done} key {_key_text(key)} on channel {args.name}")
     finally:
         ch.close()
     return EXIT_OK
@@ -843,10 +837,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_dead)
 
-    for command, func, text in (
-        ("pause", _cmd_pause, "pause a channel (its receiver hands out nothing) or, with "
-         "--key, single keys (messages on them, and those behind them, wait)"),
-        ("resume", _cmd_resume, "resume a paused channel or, with --key, paused keys"),
+    for command, text in (
+        ("pause", "pause a channel (its receiver hands out nothing) or, with --key, single "
+         "keys (messages on them, and those behind them, wait)"),
+        ("resume", "resume a paused channel or, with --key, paused keys"),
     ):  # fmt: skip
         p = sub.add_parser(command, help=text)
         p.add_argument("name", metavar="NAME", help="channel name")
@@ -860,7 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--path", metavar="FILE", help="the channel's file, for channels created with path="
         )
-        p.set_defaults(func=func)
+        p.set_defaults(func=_cmd_pause_resume)
 
     p = sub.add_parser(
         "demo",
