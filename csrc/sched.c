@@ -293,6 +293,38 @@ int sched_has_ready(shm_chan *c) {
     return !hold_channel(c) && ready_pick(c) < c->hdr->ready_count;
 }
 
+/* The paused path of sched_pop_ready: the lowest-seq entry that may go, taken out of
+ * the middle of the heap (its place filled by the last entry, sifted up or down). */
+static uint32_t ready_pop_allowed(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint32_t n = h->ready_count;
+    if (hold_channel(c)) return NIL;
+    uint32_t at = ready_pick(c);
+    if (at >= n) return NIL;
+    if (!SLOT_OK(c, c->heap[at].slot)) return UINT32_MAX;
+    uint32_t top = c->heap[at].slot;
+    if (c->slots[top].seq != c->heap[at].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
+        return UINT32_MAX;
+    shm_ready last = c->heap[--n];
+    h->ready_count = n;
+    if (at == n) return top; /* it was the last entry */
+    uint32_t i = at;
+    while (i > 0 && c->heap[(i - 1) / 2].seq > last.seq) { /* sift up */
+        c->heap[i] = c->heap[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    for (;;) { /* sift down */
+        uint32_t child = 2 * i + 1;
+        if (child >= n) break;
+        if (child + 1 < n && c->heap[child + 1].seq < c->heap[child].seq) child++;
+        if (c->heap[child].seq >= last.seq) break;
+        c->heap[i] = c->heap[child];
+        i = child;
+    }
+    c->heap[i] = last;
+    return top;
+}
+
 uint32_t sched_pop_ready(shm_chan *c) {
     shm_header *h = c->hdr;
     uint32_t n = h->ready_count;
@@ -300,20 +332,16 @@ uint32_t sched_pop_ready(shm_chan *c) {
     /* Only the entry handed out is checked against the message table here; every slot
      * index is checked where it is used, and a wrong seq copy can only reorder. */
     if (n > c->cfg.max_messages) return UINT32_MAX;
-    uint32_t at = 0; /* the entry handed out: the top, unless something is paused */
-    if (UNLIKELY(hold_any(c)) && (at = hold_channel(c) ? n : ready_pick(c)) >= n) return NIL;
-    if (!SLOT_OK(c, c->heap[at].slot)) return UINT32_MAX;
-    uint32_t top = c->heap[at].slot;
-    if (c->slots[top].seq != c->heap[at].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
+    /* Paused (hold.c): the lowest-seq message that may go instead of the top. One load
+     * of a header word when nothing is paused. */
+    if (UNLIKELY(hold_any(c))) return ready_pop_allowed(c);
+    if (!SLOT_OK(c, c->heap[0].slot)) return UINT32_MAX;
+    uint32_t top = c->heap[0].slot;
+    if (c->slots[top].seq != c->heap[0].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
         return UINT32_MAX;
     shm_ready last = c->heap[--n];
     h->ready_count = n;
-    if (at >= n) return top; /* it was the last entry */
-    uint32_t i = at;
-    while (i > 0 && c->heap[(i - 1) / 2].seq > last.seq) { /* sift up (only if at > 0) */
-        c->heap[i] = c->heap[(i - 1) / 2];
-        i = (i - 1) / 2;
-    }
+    uint32_t i = 0;
     for (;;) { /* sift down */
         uint32_t child = 2 * i + 1;
         if (child >= n) break;
