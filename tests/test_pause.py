@@ -395,3 +395,16 @@ def test_random_pauses_keep_the_scheduler_whole_and_per_key_order(
         assert seqs == sorted(seqs), f"key {k}: out of order"
         assert seqs == sorted(s for s, ks in sent.items() if k in ks)
     rx.close()
+
+
+def test_ls_and_prometheus_show_what_is_paused(ch: shmchan.Channel) -> None:
+    ch.pause()
+    ch.pause_key("k1")
+    ch.pause_key("k2")
+    listed = run_shmchan("ls", timeout=WAIT).stdout.splitlines()
+    at = listed[0].index("PAUSED")
+    row = next(line for line in listed if line.startswith(ch.name + " "))
+    assert row[at:].startswith("channel, 2 keys")
+    metrics = run_shmchan("stat", ch.name, "--prometheus", timeout=WAIT).stdout
+    assert f'shmchan_paused{{channel="{ch.name}"}} 1.0' in metrics
+    assert f'shmchan_paused_keys{{channel="{ch.name}"}} 2.0' in metrics
