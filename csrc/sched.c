@@ -293,6 +293,19 @@ int sched_has_ready(shm_chan *c) {
     return !hold_channel(c) && ready_pick(c) < c->hdr->ready_count;
 }
 
+/* Place `last` in the hole at index i of a heap of n entries, moving it down. */
+static inline void heap_sift_down(shm_chan *c, uint32_t i, uint32_t n, shm_ready last) {
+    for (;;) {
+        uint32_t child = 2 * i + 1;
+        if (child >= n) break;
+        if (child + 1 < n && c->heap[child + 1].seq < c->heap[child].seq) child++;
+        if (c->heap[child].seq >= last.seq) break;
+        c->heap[i] = c->heap[child];
+        i = child;
+    }
+    c->heap[i] = last;
+}
+
 /* The paused path of sched_pop_ready: the lowest-seq entry that may go, taken out of
  * the middle of the heap (its place filled by the last entry, sifted up or down). */
 static uint32_t ready_pop_allowed(shm_chan *c) {
@@ -313,15 +326,7 @@ static uint32_t ready_pop_allowed(shm_chan *c) {
         c->heap[i] = c->heap[(i - 1) / 2];
         i = (i - 1) / 2;
     }
-    for (;;) { /* sift down */
-        uint32_t child = 2 * i + 1;
-        if (child >= n) break;
-        if (child + 1 < n && c->heap[child + 1].seq < c->heap[child].seq) child++;
-        if (c->heap[child].seq >= last.seq) break;
-        c->heap[i] = c->heap[child];
-        i = child;
-    }
-    c->heap[i] = last;
+    heap_sift_down(c, i, n, last);
     return top;
 }
 
@@ -342,15 +347,7 @@ uint32_t sched_pop_ready(shm_chan *c) {
     shm_ready last = c->heap[--n];
     h->ready_count = n;
     uint32_t i = 0;
-    for (;;) { /* sift down */
-        uint32_t child = 2 * i + 1;
-        if (child >= n) break;
-        if (child + 1 < n && c->heap[child + 1].seq < c->heap[child].seq) child++;
-        if (c->heap[child].seq >= last.seq) break;
-        c->heap[i] = c->heap[child];
-        i = child;
-    }
-    c->heap[i] = last;
+    heap_sift_down(c, i, n, last);
     return top;
 }
 
