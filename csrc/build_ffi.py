@@ -13,6 +13,7 @@ SOURCES = [  # by layer, lowest first (core.h)
     "pause.c",
     "hash.c",
     "crc32c.c",
+    "hold.c",
     "commit.c",
     "ring.c",
     "sched.c",

@@ -35,6 +35,7 @@
  * Layers, lowest first: a file calls into its own layer and the layers below it only,
  * except for the back-edges listed after.
  *   0  pause.c hash.c crc32c.c   tests' pause points; the key hash; checksums
+ *      hold.c                    pause and resume (operators' holds on a channel or key)
  *   1  commit.c                  committing memory to the regions as they grow
  *   2  ring.c                    the intake ring: claims, commits, head, rewinds
  *   3  sched.c                   the key table and the key lines, the ready heap
@@ -144,6 +145,16 @@ typedef struct {
     uint64_t len; /* the record's length                                                    */
 } shm_island;
 
+/* ---- paused keys (hold.c) ------------------------------------------------------------ */
+typedef struct {
+    uint64_t hash;   /* the paused key's hash; 0 = free entry (CAS to claim, CAS to free)  */
+    uint32_t len;    /* bytes of blob[] written (display only: the key's framed encoding) */
+    uint32_t pad;
+    uint8_t blob[SHM_HOLD_KEY_BYTES];
+} shm_hold_key;
+#define HOLD_CHANNEL 1ull   /* header.hold: the whole channel is paused              */
+#define HOLD_KEYS_SHIFT 1   /* header.hold: entries claimed, in the bits above bit 0   */
+
 /* ---- the header --------------------------------------------------------------------- */
 typedef struct {
     /* -- written once by the creator, before the segment is published -- */
@@ -251,6 +262,11 @@ typedef struct {
     uint32_t dlx_word;      /* (version << 16) | name length; odd version while written     */
     uint32_t pad_dlx;
     char dlx_name[SHM_GATE_NAME_MAX]; /* the exchange dead letters are published to          */
+
+    /* -- pause state (hold.c): written by any process, read by the receiver's scheduler -- */
+    _Alignas(SHM_CACHELINE) uint64_t hold; /* HOLD_CHANNEL | claimed paused-key entries
+                          * (an upper bound) << HOLD_KEYS_SHIFT; 0 = nothing paused */
+    shm_hold_key hold_keys[SHM_HOLD_KEYS];
 } shm_header;
 
 /* header.shutdown bits */
@@ -598,6 +614,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out);
 int sched_release(shm_chan *c, uint32_t s);
 int sched_requeue(shm_chan *c, uint32_t s);
 uint32_t sched_pop_ready(shm_chan *c);
+int sched_has_ready(shm_chan *c);
 int sched_unpop(shm_chan *c, uint32_t s);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
@@ -630,6 +647,14 @@ int island_add(shm_chan *c, uint64_t pos, uint64_t len);
 void island_remove(shm_chan *c, int i);
 int island_make_at_head(shm_chan *c, uint64_t head, int viewed);
 int island_rebuild(shm_chan *c, const uint64_t *kept_pos, uint32_t nkept);
+/* hold.c */
+/* Is anything paused? One load: the scheduler's fast path when nothing is. */
+static inline int hold_any(shm_chan *c) {
+    /* acquire: pairs with the seq_cst read-modify-writes of header.hold in hold.c */
+    return LOAD_ACQUIRE(&c->hdr->hold) != 0;
+}
+int hold_channel(shm_chan *c);
+int hold_blocks(shm_chan *c, uint32_t s);
 /* pause.c */
 void test_pause(int point); /* a test's pause point (shmchan.h): one load unless armed */
 /* handles.c */

@@ -277,7 +277,7 @@ static int work_pending(shm_chan *c, int shut_seen) {
      * wake_receiver (ring.c) and shm_release. */
     if (LOAD_SEQCST(&h->release_stack) != NIL) return 1;
     if (!shut_seen && LOAD_SEQCST(&h->shutdown)) return 1;
-    if (h->ready_count != 0) return 1;
+    if (sched_has_ready(c)) return 1; /* not if all ready ones are paused (hold.c) */
     return window_has_work(c); /* records to look at, parked ones to wake */
 }
 

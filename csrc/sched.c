@@ -250,20 +250,52 @@ static int ready_push(shm_chan *c, uint32_t s) {
 /* Put back a slot just popped (hand_out could not hand it out). */
 int sched_unpop(shm_chan *c, uint32_t s) { return ready_push(c, s); }
 
-uint32_t sched_pop_ready(shm_chan *c) {
-    shm_header *h = c->hdr;
-    uint32_t n = h->ready_count;
-    if (n == 0) return NIL;
-    /* Only the entry handed out is checked against the message table here; every slot
-     * index is checked where it is used, and a wrong seq copy can only reorder. */
-    if (n > c->cfg.max_messages || !SLOT_OK(c, c->heap[0].slot)) return UINT32_MAX;
-    uint32_t top = c->heap[0].slot;
-    if (c->slots[top].seq != c->heap[0].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
-        return UINT32_MAX;
-    shm_ready last = c->heap[--n];
-    h->ready_count = n;
-    uint32_t i = 0;
-    for (;;) { /* sift down */
+/* The heap index of the lowest-seq ready message that may be handed out now, or
+ * ready_count if none may: the entries held back (hold.c: paused) are skipped. A
+ * held-back entry's children are looked at, an allowed one's are not (their seqs are
+ * higher), so this visits O(held back) entries: a depth-first walk with a small stack,
+ * and a scan of the whole heap if that overflows. Indexes are checked by the caller. */
+#define PICK_STACK 128u
+static uint32_t ready_pick(shm_chan *c) {
+    uint32_t n = c->hdr->ready_count, best = n;
+    if (n > c->cfg.max_messages) return 0; /* the caller reports it */
+    uint32_t stack[PICK_STACK], top = 0;
+    stack[top++] = 0;
+    while (top > 0) {
+        uint32_t i = stack[--top];
+        if (i >= n) continue;
+        if (best < n && c->heap[i].seq >= c->heap[best].seq) continue;
+        uint32_t s = c->heap[i].slot;
+        if (!SLOT_OK(c, s) || !hold_blocks(c, s)) {
+            best = i;
+            continue;
+        }
+        if (top + 2 > PICK_STACK) { /* many held back: look at every entry */
+            best = n;
+            for (uint32_t j = 0; j < n; j++) {
+                s = c->heap[j].slot;
+                if ((best == n || c->heap[j].seq < c->heap[best].seq) &&
+                    (!SLOT_OK(c, s) || !hold_blocks(c, s)))
+                    best = j;
+            }
+            return best;
+        }
+        stack[top++] = 2 * i + 2;
+        stack[top++] = 2 * i + 1;
+    }
+    return best;
+}
+
+/* Is there a ready message that may be handed out now? (the re-check before sleeping) */
+int sched_has_ready(shm_chan *c) {
+    if (c->hdr->ready_count == 0) return 0;
+    if (LIKELY(!hold_any(c))) return 1;
+    return !hold_channel(c) && ready_pick(c) < c->hdr->ready_count;
+}
+
+/* Place `last` in the hole at index i of a heap of n entries, moving it down. */
+static inline void heap_sift_down(shm_chan *c, uint32_t i, uint32_t n, shm_ready last) {
+    for (;;) {
         uint32_t child = 2 * i + 1;
         if (child >= n) break;
         if (child + 1 < n && c->heap[child + 1].seq < c->heap[child].seq) child++;
@@ -272,6 +304,50 @@ uint32_t sched_pop_ready(shm_chan *c) {
         i = child;
     }
     c->heap[i] = last;
+}
+
+/* The paused path of sched_pop_ready: the lowest-seq entry that may go, taken out of
+ * the middle of the heap (its place filled by the last entry, sifted up or down). */
+static uint32_t ready_pop_allowed(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint32_t n = h->ready_count;
+    if (hold_channel(c)) return NIL;
+    uint32_t at = ready_pick(c);
+    if (at >= n) return NIL;
+    if (!SLOT_OK(c, c->heap[at].slot)) return UINT32_MAX;
+    uint32_t top = c->heap[at].slot;
+    if (c->slots[top].seq != c->heap[at].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
+        return UINT32_MAX;
+    shm_ready last = c->heap[--n];
+    h->ready_count = n;
+    if (at == n) return top; /* it was the last entry */
+    uint32_t i = at;
+    while (i > 0 && c->heap[(i - 1) / 2].seq > last.seq) { /* sift up */
+        c->heap[i] = c->heap[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    heap_sift_down(c, i, n, last);
+    return top;
+}
+
+uint32_t sched_pop_ready(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint32_t n = h->ready_count;
+    if (n == 0) return NIL;
+    /* Only the entry handed out is checked against the message table here; every slot
+     * index is checked where it is used, and a wrong seq copy can only reorder. */
+    if (n > c->cfg.max_messages) return UINT32_MAX;
+    /* Paused (hold.c): the lowest-seq message that may go instead of the top. One load
+     * of a header word when nothing is paused. */
+    if (UNLIKELY(hold_any(c))) return ready_pop_allowed(c);
+    if (!SLOT_OK(c, c->heap[0].slot)) return UINT32_MAX;
+    uint32_t top = c->heap[0].slot;
+    if (c->slots[top].seq != c->heap[0].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
+        return UINT32_MAX;
+    shm_ready last = c->heap[--n];
+    h->ready_count = n;
+    uint32_t i = 0;
+    heap_sift_down(c, i, n, last);
     return top;
 }
 

@@ -47,7 +47,7 @@ static int config_ok(const shm_config *cfg) {
     if (cfg->max_keys > SHM_MAX_KEYS_LIMIT) return 0;
     if (cfg->max_messages < 16 || cfg->max_messages > (1u << 24)) return 0;
     if (cfg->order > SHM_ORDER_EAGER) return 0;
-    if (cfg->flags & ~(uint32_t)(SHM_CFG_RAW_ONLY | SHM_CFG_DURABLE)) return 0;
+    if (cfg->flags & ~(uint32_t)(SHM_CFG_RAW_ONLY | SHM_CFG_DURABLE | SHM_CFG_TEMPORARY)) return 0;
     if (cfg->max_producers < 1 || cfg->max_producers > 65536) return 0;
     if (cfg->handover_ns < 1000000ull || cfg->handover_ns > 3600000000000ull) return 0; /* 1 ms..1 h */
     return 1;
@@ -294,6 +294,17 @@ int shm_read_identity(int fd, uint64_t *chan_id) {
     int rc = read_header(fd, &hd); /* the id it reads with the right magic is final */
     if (rc) return rc;
     *chan_id = hd.chan_id;
+    return SHM_OK;
+}
+
+/* The configuration's flags (final once the magic is right, as the id) and, as a hint
+ * (a pread is no atomic load), the receiver's token, of the segment open on fd. */
+int shm_read_flags_fd(int fd, uint32_t *flags, uint64_t *receiver) {
+    shm_header hd;
+    int rc = read_header(fd, &hd);
+    if (rc) return rc;
+    *flags = hd.cfg.flags;
+    *receiver = hd.receiver;
     return SHM_OK;
 }
 

@@ -39,6 +39,7 @@
 
 #define SHM_CFG_RAW_ONLY    1   /* serializer="raw": refuse pickled payloads */
 #define SHM_CFG_DURABLE     2   /* file-backed: records carry a CRC-32C (crc32c.c) */
+#define SHM_CFG_TEMPORARY   4   /* removed when its last user exits (shmchan/temporary.py) */
 
 #define SHM_MAX_KEYS_LIMIT  64
 #define SHM_LAYOUT_VERSION  16
@@ -231,6 +232,20 @@ int  shm_dead_list(shm_chan *c, uint32_t start, shm_msg *out, uint32_t max, uint
                    uint32_t *next);
 int  shm_dead_discard(shm_chan *c, uint32_t slot, uint32_t gen, int *wake);
 int  shm_boot_check(shm_chan *c, uint64_t boot_id);
+
+/* --- pause and resume (hold.c): any process ------------------------------- */
+#define SHM_HOLD_KEYS       64  /* keys paused at once, per channel                   */
+#define SHM_HOLD_KEY_BYTES  48  /* bytes of a paused key's encoding kept for display  */
+int  shm_pause(shm_chan *c, int paused);
+int  shm_pause_key(shm_chan *c, uint64_t hash, const char *blob, uint32_t len);
+int  shm_resume_key(shm_chan *c, uint64_t hash, uint32_t *cleared);
+/* *paused: the channel's flag; entries i < *n: hashes[i], the key's framed encoding
+ * (blob[i * SHM_HOLD_KEY_BYTES ...], lens[i] bytes: 0 if unknown or too long) */
+int  shm_hold_read(shm_chan *c, uint32_t *paused, uint64_t *hashes, uint8_t *blobs,
+                   uint32_t *lens, uint32_t *n);
+/* The configuration's flags of the segment open on fd, and its receiver's token as a
+ * hint (SHM_EMPTY: not initialized yet). */
+int  shm_read_flags_fd(int fd, uint32_t *flags, uint64_t *receiver);
 
 /* --- inspection --------------------------------------------------------- */
 int  shm_stats_read(shm_chan *c, shm_stats *out);

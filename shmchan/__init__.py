@@ -50,6 +50,7 @@ from .errors import (
     TaskNotPicklable,
     TaskTimeout,
     TooManyKeys,
+    TooManyPausedKeys,
     UnsupportedType,
     WorkerDied,
     WrongProcess,
@@ -182,4 +183,5 @@ __all__ = [
     "unlink_exchange",
     "list_exchanges",
     "HandoverExpired",
+    "TooManyPausedKeys",
 ]

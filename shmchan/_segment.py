@@ -19,7 +19,8 @@ module; it builds on the C core (`_lib`, `_shmchan_hot`), `codec`, `errors` and
 * waiting: `SpaceWait` (the senders' one wait: Sender and Exchange alike);
 * repair: `reap_dead_producers`, `resolve_stall`, `HOLDER_REVOKED`;
 * space: `space_advice`, `full_message`;
-* hand-over bytes: `HANDOVER`, `HANDOVER_MAGIC`, `NO_PATH`, `handover_prefix`.
+* hand-over bytes: `HANDOVER`, `HANDOVER_MAGIC`, `NO_PATH`, `handover_prefix`;
+* `attach_hooks`: functions called with every new Segment (temporary.py's).
 
 The periods are read as module attributes (`_segment.MAINTENANCE_SECONDS`) where they
 are used, so that one assignment changes them everywhere.
@@ -81,6 +82,7 @@ __all__ = [
     "HANDOVER_MAGIC",
     "NO_PATH",
     "handover_prefix",
+    "attach_hooks",
 ]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
@@ -187,6 +189,7 @@ class Segment(_hot.SegmentBase):
         self.capacity = int(cfg.capacity)
         self.max_keys = int(cfg.max_keys)
         self.raw_only = bool(cfg.flags & lib.SHM_CFG_RAW_ONLY)
+        self.temporary = bool(cfg.flags & lib.SHM_CFG_TEMPORARY)
         self.lease_ns = int(cfg.lease_ns)
         ident = ffi.new("uint64_t[2]")
         lib.shm_identity(ptr, ident, ident + 1)
@@ -227,6 +230,8 @@ class Segment(_hot.SegmentBase):
         # scratch structs for the calling thread's C calls
         self._local = threading.local()
         _segments.add(self)
+        for hook in attach_hooks:  # e.g. temporary channels' bookkeeping (temporary.py)
+            hook(self)
 
     def scratch(self) -> Any:
         s = getattr(self._local, "s", None)
@@ -298,6 +303,9 @@ class Scratch:
 
 
 _segments: weakref.WeakSet[Segment] = weakref.WeakSet()
+# Called with every Segment this process makes (create or open), once it is built: the
+# way a layer above learns of attachments without this module importing it.
+attach_hooks: list[Callable[[Segment], None]] = []
 
 
 def _reset_after_fork() -> None:

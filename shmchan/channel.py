@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import codec, deadroute, errors, liveness
+from . import hold as _hold
+from . import temporary as _temporary
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     PREFIX,
@@ -131,6 +133,7 @@ class Channel(Attachment):
         path: str | os.PathLike[str] | None = None,
         max_producers: int = 1024,
         dead_letter_exchange: object = None,
+        temporary: bool = False,
     ) -> Channel:
         """Make a new channel. Raises ChannelExists if the name is taken.
 
@@ -152,8 +155,23 @@ class Channel(Attachment):
         * max_producers: processes registered as senders at once.
         * dead_letter_exchange: an Exchange (or its name) to publish dead letters to
           instead of keeping them (see route_dead_letters).
+        * temporary: remove the channel when the last process using it exits, also if
+          they were all killed (then at the next Channel.create on the machine, or the
+          next `shmchan ls` / `rm --stale`); see shmchan/temporary.py. Not with path=.
+
+        Creating a channel first removes the temporary channels no live process uses.
         """
         check_name(name)
+        if not isinstance(temporary, bool):
+            raise errors.UnsupportedType(
+                f"temporary must be True or False, not {type(temporary).__name__}"
+            )
+        if temporary and path is not None:
+            raise errors.InvalidArgument(
+                "temporary=True cannot be combined with path=: a temporary channel lives in "
+                "/dev/shm and goes with its last user; a path= channel is kept on purpose"
+            )
+        _temporary.sweep()
         cfg = ffi.new("shm_config *")
         cfg.capacity = _positive_int("capacity", capacity, minimum=64)
         if order not in _ORDERS:
@@ -194,6 +212,8 @@ class Channel(Attachment):
         cfg.flags = lib.SHM_CFG_RAW_ONLY if serializer == "raw" else 0
         if path is not None:  # records carry a checksum, checked when recovered
             cfg.flags |= lib.SHM_CFG_DURABLE
+        if temporary:
+            cfg.flags |= lib.SHM_CFG_TEMPORARY
         cfg.max_producers = _positive_int("max_producers", max_producers)
         if dead_letter_exchange is not None:
             deadroute.check_route(dead_letter_exchange)
@@ -374,6 +394,36 @@ class Channel(Attachment):
         from . import inspect as _inspect
 
         return _inspect.why_waiting(self, seq)
+
+    @property
+    def temporary(self) -> bool:
+        """True for a channel created with temporary=True: removed when its last user exits."""
+        return self._live().temporary
+
+    def pause(self) -> None:
+        """Pause the channel: its receiver (in any process) hands out nothing from its next
+        poll on, until resume(). Producers still send; handles already out stay valid. The
+        pause is kept in the channel, for whoever receives next (see shmchan/hold.py)."""
+        _hold.pause(self._live())
+
+    def resume(self) -> None:
+        """End pause(): the receiver is woken and hands out again. Keys paused one by one
+        stay paused."""
+        _hold.resume(self._live())
+
+    def pause_key(self, key: codec.Key) -> None:
+        """Hold back messages carrying `key`. Per-key order is kept: nothing behind a
+        held-back message on any of its keys passes it; other keys flow. At most
+        shmchan.hold.MAX_PAUSED_KEYS keys at once (TooManyPausedKeys)."""
+        _hold.pause_key(self._live(), key)
+
+    def resume_key(self, key: codec.Key) -> bool:
+        """End pause_key(key); False if the key was not paused."""
+        return _hold.resume_key(self._live(), key)
+
+    def pause_state(self) -> _hold.PauseState:
+        """What is paused: the channel, and which keys."""
+        return _hold.state(self._live())
 
     def shutdown(self) -> None:
         """Refuse new sends (they raise Closed); the receiver drains what was accepted."""

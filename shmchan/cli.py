@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import shmchan
-from shmchan import demo, exchange, inspect
+from shmchan import demo, exchange, hold, inspect, temporary
+from shmchan.codec import Key
 
 __all__ = ["main"]
 
@@ -125,6 +126,9 @@ def _committed_bytes(path: str) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
+    for name in temporary.sweep():  # temporary channels whose users are all gone
+        print(f"shmchan ls: removed temporary channel {name} (no live process used it)",
+              file=sys.stderr)  # fmt: skip
     names = sorted(shmchan.list_channels())
     paths = {n: inspect.segment_path(n) for n in names}
     maps = inspect.mapping_pids(list(paths.values()))
@@ -146,13 +150,14 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             # Still list it (it exists), but say why there are no numbers.
             print(f"shmchan ls: {name}: {e}", file=sys.stderr)
             used = _in_use(len(mappers))
-            rows.append((name, "?", committed, "?", "?", "?", "?", "?", "?", used))
+            rows.append((name, "?", committed, "?", "?", "?", "?", "?", "?", "?", used))
             failed = True
             continue
         try:
             s = ch.stats()
             age = _age_text(max(now - ch.created, 0.0))
             users = inspect.users(ch, paths[name])
+            paused = _paused_text(ch.pause_state())
             receiver = (
                 str(s.receiver_pid) if s.receiver_pid and inspect.receiver_alive(ch) else "none"
             )
@@ -169,6 +174,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 str(s.inflight),
                 str(s.producers),
                 receiver,
+                paused,
                 age,
                 users_text,
             )
@@ -176,11 +182,25 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if rows:
         header: tuple[str, ...] = ("NAME", "CAPACITY", "COMMITTED", "USED", "QUEUED")
         header = (*header, "INFLIGHT", "PRODUCERS", "RECEIVER")
-        for line in _table((*header, "AGE", "IN USE"), rows):
+        for line in _table((*header, "PAUSED", "AGE", "IN USE"), rows):
             print(line)
     for line in exchange.ls_lines():  # then the exchanges, with their bindings
         print(line)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _paused_text(st: hold.PauseState) -> str:
+    """ls's PAUSED column: "no", "channel", "2 keys", "channel, 1 key"."""
+    parts = ["channel"] if st.paused else []
+    if st.keys:
+        parts.append(f"{len(st.keys)} key" + ("s" if len(st.keys) > 1 else ""))
+    return ", ".join(parts) or "no"
+
+
+def _paused_key_json(st: hold.PauseState, i: int) -> object:
+    """A paused key for JSON: its value, or {"hash": N} if only its hash is kept."""
+    key = st.keys[i]
+    return {"hash": st.hashes[i]} if key is None else _key_json(key)
 
 
 # Counters whose per-second rate stat shows.
@@ -190,11 +210,16 @@ _COUNTERS = ("sent", "delivered", "released", "redelivered", "discarded")
 def _sample(ch: shmchan.Channel, name: str, top: int) -> dict[str, Any]:
     """One sample of everything `stat` shows, as the documented `stat --json` object."""
     s = ch.stats()
+    pst = ch.pause_state()
     return {
         "time": time.time(),
         "name": name,
         "stats": dataclasses.asdict(s),
         "rates": None,
+        "paused": {
+            "channel": pst.paused,
+            "keys": [_paused_key_json(pst, i) for i in range(len(pst.keys))],
+        },
         "held": [
             {
                 "key": _key_json(h.key),
@@ -259,6 +284,12 @@ def _stats_text(sample: dict[str, Any], compact: bool = False) -> str:
             if rates is not None and key in rates:
                 text = f"{text:<14} {rates[key]:>+12,.0f}/s"
             lines.append(f"{key:<{width}}  {text}")
+    paused = sample.get("paused") or {"channel": False, "keys": []}
+    lines += ["", "paused: " + ("yes, the whole channel" if paused["channel"] else "no")]
+    lines += [f"paused keys: {len(paused['keys'])}"]
+    for k in paused["keys"]:
+        hashed = isinstance(k, dict) and "hash" in k  # a key too long to keep for display
+        lines.append("  " + (f"hash {k['hash']:#x}" if hashed else _json_key_text(k)))
     held = sample["held"]
     rows: list[tuple[str, ...]]
     lines += ["", f"held keys: {len(held)}"]
@@ -316,6 +347,11 @@ def _why_text(chain: inspect.WaitChain) -> str:
             f"seq {seq} is not waiting: it is in flight, held by pid {chain.pid} for "
             f"{_age_text(chain.age or 0.0)}, attempt {chain.attempt}"
         )
+    if chain.state == inspect.READY and chain.paused:
+        return (
+            f"seq {seq} is ready, nothing is ahead of it, but it is held back: "
+            f"{chain.paused} (`shmchan resume` ends it)"
+        )
     if chain.state == inspect.READY:
         return f"seq {seq} is not waiting: nothing is ahead of it, the next recv() hands it out"
     if chain.state == inspect.DELAYED:
@@ -329,6 +365,8 @@ def _why_text(chain: inspect.WaitChain) -> str:
         )
     if chain.state != inspect.WAITING:
         return f"seq {seq} is unknown: not sent yet, or dropped when its producer died"
+    if not chain and chain.paused:
+        return f"seq {seq} is waiting: held back, {chain.paused}"
     if not chain:
         return f"seq {seq} is waiting, but nothing holds it back any more: it goes next"
     parts = []
@@ -351,12 +389,16 @@ def _why_text(chain: inspect.WaitChain) -> str:
             f", held by pid {last.pid} for {_age_text(last.age or 0.0)}, "
             f"attempt {last.attempt}{dead}"
         )
+    elif last.state == inspect.READY and chain.paused:
+        text += f", which is ready but held back: {chain.paused}"
     elif last.state == inspect.READY:
         text += ", which is ready: the next recv() hands it out"
     elif last.state == inspect.DELAYED:
         text += f", which is {_delayed_text(last.due)}"
     elif last.state == inspect.DELIVERED:
         text += ", which was just released"
+    if chain.paused and last.state != inspect.READY:
+        text += f"; held back: {chain.paused}"
     if chain.partial:
         text += " (the receiver was busy: this reading may be incomplete)"
     return text
@@ -404,6 +446,7 @@ def _why_json(chain: inspect.WaitChain) -> dict[str, Any]:
         "pid": chain.pid,
         "due": chain.due,
         "partial": chain.partial,
+        "paused": chain.paused,
         "chain": [
             {
                 "key": _key_json(w.key),
@@ -523,11 +566,14 @@ _YOUNG_SECONDS = 10.0  # rm --stale leaves unreadable segments younger than this
 
 
 def _rm_stale() -> int:
+    removed = 0
+    for name in temporary.sweep():
+        print(f"removed temporary channel {name} (no live process used it)")
+        removed += 1
     names = sorted(shmchan.list_channels())
     paths = {n: inspect.segment_path(n) for n in names}
     maps = inspect.mapping_pids(list(paths.values()))
     me = os.getpid()
-    removed = 0
     for name in names:
         if maps.get(paths[name], set()) - {me}:
             continue  # mapped by a live process: in use
@@ -577,6 +623,42 @@ def _rm_stale() -> int:
         removed += 1
     if not removed:
         print("no stale channels or exchanges")
+    return EXIT_OK
+
+
+def _cli_keys(args: argparse.Namespace) -> list[Key]:
+    """The keys of --key (str), --int-key and --bytes-key (hex), in that order."""
+    keys: list[Key] = list(args.key or [])
+    keys += list(args.int_key or [])
+    for text in args.bytes_key or []:
+        try:
+            keys.append(bytes.fromhex(text))
+        except ValueError:
+            raise _UsageError(f"--bytes-key takes hex digits, got {text!r}") from None
+    return keys
+
+
+def _cmd_pause_resume(args: argparse.Namespace) -> int:
+    """`pause` and `resume`: the whole channel, or each key given."""
+    pausing = args.command == "pause"
+    ch = _open(args.name, args.path)
+    try:
+        keys = _cli_keys(args)
+        if not keys and pausing:
+            ch.pause()
+            print(f"paused channel {args.name}: its receiver hands out nothing until resumed")
+        elif not keys:
+            ch.resume()
+            print(f"resumed channel {args.name}")
+        for key in keys:
+            if pausing:
+                ch.pause_key(key)
+                done = "paused"
+            else:
+                done = "resumed" if ch.resume_key(key) else "was not paused:"
+            print(f"{done} key {_key_text(key)} on channel {args.name}")
+    finally:
+        ch.close()
     return EXIT_OK
 
 
@@ -769,6 +851,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--path", metavar="FILE", help="the channel's file, for channels created with path="
     )
     p.set_defaults(func=_cmd_dead)
+
+    for command, text in (
+        ("pause", "pause a channel (its receiver hands out nothing) or, with --key, single "
+         "keys (messages on them, and those behind them, wait)"),
+        ("resume", "resume a paused channel or, with --key, paused keys"),
+    ):  # fmt: skip
+        p = sub.add_parser(command, help=text)
+        p.add_argument("name", metavar="NAME", help="channel name")
+        p.add_argument("--key", action="append", metavar="K", help="a str key (repeatable)")
+        p.add_argument(
+            "--int-key", type=int, action="append", metavar="N", help="an int key (repeatable)"
+        )
+        p.add_argument(
+            "--bytes-key", action="append", metavar="HEX", help="a bytes key, in hex (repeatable)"
+        )
+        p.add_argument(
+            "--path", metavar="FILE", help="the channel's file, for channels created with path="
+        )
+        p.set_defaults(func=_cmd_pause_resume)
 
     p = sub.add_parser(
         "demo",

@@ -36,6 +36,7 @@ __all__ = [
     "NotInWorker",
     "HandoverExpired",
     "InvalidDelay",
+    "TooManyPausedKeys",
 ]
 
 
@@ -180,3 +181,9 @@ class HandoverExpired(Error):
 class InvalidDelay(InvalidArgument):
     """A `delay=` or `ttl=` that is not a finite number of seconds in range (negative,
     NaN, infinite, too long): the message says which and what to pass instead."""
+
+
+class TooManyPausedKeys(Error):
+    """`pause_key` found every entry of the channel's table of paused keys in use (it
+    holds a fixed number of keys: `shmchan.hold.MAX_PAUSED_KEYS`). Resume a key, or
+    pause the whole channel."""

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import codec, liveness
+from . import codec, hold, liveness
 from ._lib import ffi, lib, raise_for
 from ._segment import PREFIX, SHM_DIR
 
@@ -128,6 +128,9 @@ class WaitChain(list[Wait]):
     """Delayed: when it may be handed out, as a time.time() value."""
     partial: bool
     """True if the receiver was too busy for a consistent reading, or the chain was cut."""
+    paused: str | None
+    """Why a pause holds it back, if one does: "channel paused" or "key K paused" (K one
+    of its keys, or of the messages it waits behind); None otherwise."""
 
     def __repr__(self) -> str:
         return f"WaitChain(seq={self.seq}, state={self.state!r}, {list.__repr__(self)})"
@@ -231,6 +234,21 @@ def waiting(ch: Channel, top: int = 20) -> list[Line]:
     raise AssertionError("key blobs kept growing")  # pragma: no cover
 
 
+def _paused_reason(st: hold.PauseState, chain: WaitChain) -> str | None:
+    """The pause that holds back a message waiting or ready (see WaitChain.paused)."""
+    if chain.state not in (WAITING, READY):
+        return None
+    if st.paused:
+        return "channel paused"
+    if not st.hashes:
+        return None
+    paused = set(st.hashes)
+    for key in (*chain.keys, *(w.key for w in chain)):
+        if hold.key_hash(key) in paused:
+            return f"key {key!r} paused"
+    return None
+
+
 def why_waiting(ch: Channel, seq: int) -> WaitChain:
     """What message `seq` waits on; see the module's docstring for the answer's shape."""
     if not isinstance(seq, int) or isinstance(seq, bool):
@@ -277,6 +295,7 @@ def why_waiting(ch: Channel, seq: int) -> WaitChain:
         chain.due = int(me.due_ns) / 1e9 if state == DELAYED else None
         cut = len(chain) == v.n and chain[-1].state == WAITING
         chain.partial = bool(v.partial[0]) or cut
+        chain.paused = _paused_reason(hold.state(seg), chain)
         return chain
     raise AssertionError("key blobs kept growing")  # pragma: no cover
 

@@ -119,6 +119,12 @@ class _Families:
             "Messages waiting on a key, for the channel's deepest lines.",
             labels=["channel", "key"],
         )
+        self.paused = GaugeMetricFamily(
+            "shmchan_paused", "1 while the whole channel is paused.", labels=["channel"]
+        )
+        self.paused_keys = GaugeMetricFamily(
+            "shmchan_paused_keys", "Keys paused one by one (pause_key).", labels=["channel"]
+        )
 
     def add(self, name: str, ch: shmchan.Channel, top: int) -> None:
         s = ch.stats()
@@ -132,11 +138,14 @@ class _Families:
         self.oldest.add_metric([name], max((h.age for h in held), default=0.0))
         for line in lines:
             self.depth.add_metric([name, _key_label(line.key)], float(line.depth))
+        pst = ch.pause_state()
+        self.paused.add_metric([name], 1.0 if pst.paused else 0.0)
+        self.paused_keys.add_metric([name], float(len(pst.hashes)))
 
     def all(self) -> Iterator[Metric]:
         yield from self.gauges.values()
         yield from self.counters.values()
-        yield from (self.receiver, self.oldest, self.depth)
+        yield from (self.receiver, self.oldest, self.depth, self.paused, self.paused_keys)
 
 
 def openmetrics_text(ch: shmchan.Channel, name: str, *, top: int = 10) -> str:

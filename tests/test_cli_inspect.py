@@ -164,7 +164,7 @@ def test_ls_shows_the_receiver_and_who_uses_it(scene: Scene) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].split() == [
         "NAME", "CAPACITY", "COMMITTED", "USED", "QUEUED", "INFLIGHT", "PRODUCERS", "RECEIVER",
-        "AGE", "IN", "USE",
+        "PAUSED", "AGE", "IN", "USE",
     ]  # fmt: skip
     row = next(line for line in lines if line.split()[0] == scene.ch.name)
     at = lines[0].index("QUEUED")

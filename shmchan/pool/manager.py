@@ -151,11 +151,21 @@ class Manager:
         # it back), so a task may wait in a worker's hands behind a long one: the
         # manager, not the hand-over deadline, gives back what a dead worker held.
         self.task_ch = Channel.create(
-            f"{stem}-tasks", capacity, max_keys=64, max_messages=16384, handover=3600
+            f"{stem}-tasks",
+            capacity,
+            max_keys=64,
+            max_messages=16384,
+            handover=3600,
+            temporary=True,  # gone with the last of the executor and its workers
         )
         try:
             self.result_ch = Channel.create(
-                f"{stem}-results", capacity, max_keys=0, max_messages=8192, serializer="raw"
+                f"{stem}-results",
+                capacity,
+                max_keys=0,
+                max_messages=8192,
+                serializer="raw",
+                temporary=True,
             )
         except BaseException:
             self._unlink(self.task_ch)
