@@ -14,6 +14,7 @@ SOURCES = [  # by layer, lowest first (core.h)
     "hash.c",
     "crc32c.c",
     "commit.c",
+    "budget.c",
     "ring.c",
     "sched.c",
     "window.c",

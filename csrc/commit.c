@@ -14,7 +14,8 @@
  *   slots_committed              message table entries [0, n), and as many ready heap
  *   nodes_committed              entries; key nodes; key table entries. Raised by the
  *   keys_committed               receiver only, before its fresh marks (sched.c) or the
- *                                key table's size (sched.c key_grow) pass them
+ *                                key table's size (sched.c key_grow) pass them, and
+ *                                within the tables' budget (budget.c, invariant B)
  *
  * Protocol for a mark M (crash-safe without a lock):
  *   1. read M (acquire), and allocate [M, T) for some T > M with fallocate;
@@ -98,6 +99,13 @@ static int commit_table(shm_chan *c, const void *base, uint32_t size, uint32_t m
     uint64_t target = (uint64_t)cur + step / size;
     if (target < need) target = need;
     if (target > max) target = max;
+    /* the tables' budget (budget.c, invariant B): a chunk if it fits, else what is needed */
+    uint64_t others = budget_tables_now(c) - pg_up((uint64_t)cur * size) -
+                      (twin ? pg_up((uint64_t)cur * twin_size) : 0);
+    uint64_t with_need = others + pg_up((uint64_t)need * size) + (twin ? pg_up((uint64_t)need * twin_size) : 0);
+    if (!budget_allows(c, with_need)) return SHM_FULL;
+    if (!budget_allows(c, others + pg_up(target * size) + (twin ? pg_up(target * twin_size) : 0)))
+        target = need;
     uint64_t off = off_of(c, base);
     uint64_t a = pg_down(off + (uint64_t)cur * size), b = pg_up(off + target * size);
     int rc = alloc_range(c, a, b - a);
@@ -134,6 +142,10 @@ int commit_keys(shm_chan *c, uint32_t n) {
     if (cur > c->keytab_max) cur = 0;
     if (n <= cur) return SHM_OK;
     if (n > c->keytab_max) return SHM_FULL;
+    /* the tables' budget (budget.c, invariant B) */
+    if (!budget_allows(c, budget_tables_now(c) - pg_up((uint64_t)cur * sizeof(shm_key)) +
+                              pg_up((uint64_t)n * sizeof(shm_key))))
+        return SHM_FULL;
     uint64_t off = off_of(c, c->keys);
     uint64_t a = pg_down(off + (uint64_t)cur * sizeof(shm_key)), b = pg_up(off + (uint64_t)n * sizeof(shm_key));
     int rc = alloc_range(c, a, b - a);
@@ -204,6 +216,8 @@ uint64_t commit_give_back_due(shm_chan *c, uint64_t pos) {
     uint64_t cm = LOAD_ACQUIRE(&h->ring_committed); /* pairs with commit_ring's raise */
     uint64_t keep = pg_up(pos % c->cap + REC_HDR + RING_CHUNK_MIN);
     if (keep < ring_first(c)) keep = ring_first(c);
+    if (keep < budget_ring_floor(c)) keep = budget_ring_floor(c); /* invariant B (budget.c) */
+    if (keep > c->cap) keep = c->cap;
     if (cm > c->cap || cm < keep + RING_CHUNK_MIN) { /* nothing worth giving back */
         c->shrink_since = 0;
         return 0;
@@ -255,9 +269,11 @@ int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end) {
         h->keys_active = c->keytab_size;
         return SHM_OK;
     }
+    c->tables_need = 1; /* the first chunks: the budget's floor (budget.c) */
     int rc = commit_slots(c, 1);
     if (rc == SHM_OK) rc = commit_nodes(c, 1);
     if (rc == SHM_OK) rc = commit_keys(c, c->keytab_size);
+    c->tables_need = 0;
     if (rc == SHM_OK) rc = alloc_range(c, ring_off, ring_first(c));
     if (rc == SHM_FULL) errno = c->short_errno;
     if (rc) return SHM_E_SYS;
@@ -278,9 +294,11 @@ int commit_adopt(shm_chan *c) {
     if (h->keys_committed > c->keytab_max) h->keys_committed = 0;
     uint32_t s = h->slots_committed, n = h->nodes_committed, k = h->keys_committed;
     h->slots_committed = h->nodes_committed = h->keys_committed = 0;
+    c->tables_need = 1; /* committed before: only allocated again, whatever the budget */
     (void)commit_slots(c, s ? s : 1);
     (void)commit_nodes(c, n ? n : 1);
     (void)commit_keys(c, k);
+    c->tables_need = 0;
     /* a size is a power of two from KEYTAB_FLOOR on (a first size doubled), or the most */
     uint32_t a = h->keys_active;
     int ok = a <= h->keys_committed && (a == c->keytab_max || (a >= KEYTAB_FLOOR && (a & (a - 1)) == 0));
