@@ -99,6 +99,11 @@ class Stats:
     committed_bytes: int = 0
     """Bytes of shared memory (or of the channel's file) backing the channel now: its
     fixed part plus what its traffic has used so far, never more than its full size."""
+    table_bytes: int = 0
+    """Of committed_bytes, the receiver's tables (messages taken in, their keys): kept
+    within a tenth of ring_committed_bytes, beyond the handles held at once."""
+    ring_committed_bytes: int = 0
+    """Of committed_bytes, the ring's."""
 
 
 class Channel(Attachment):
@@ -284,6 +289,8 @@ class Channel(Attachment):
             shutdown=bool(st.shutdown),
             receiver_pid=liveness.token_pid(receiver) if receiver else None,
             committed_bytes=int(st.committed_bytes),
+            table_bytes=int(st.table_bytes),
+            ring_committed_bytes=int(st.ring_committed),
         )
 
     def dead_letters(self) -> list[DeadLetter]:

@@ -189,6 +189,8 @@ def test_the_tables_stay_within_a_tenth_of_the_committed_ring_at_every_fill(
             if h is not None:
                 h.release()
         tables, ring = _tables_and_ring(ch.name)
+        st = ch.stats()
+        assert (st.table_bytes, st.ring_committed_bytes) == (tables, ring)  # stats agree
         shares.append((fill, tables, ring))
         assert tables <= ring // 10, f"{kind} at {fill:.0%}: {tables} B of tables, {ring} B of ring"
     # Nothing is lost or reordered by the receiver leaving records in the ring.
