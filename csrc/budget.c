@@ -35,8 +35,11 @@
  *   - the first chunks committed at create (commit_create) are a floor: in a ring smaller
  *     than about ten times them (a capacity under about 640 KiB) they alone are more than
  *     a tenth.
- * Giving ring memory back (commit.c commit_give_back_due) keeps at least ten times the
- * tables' bytes, so a give-back never breaks B.
+ * A drained ring that gives memory back (commit.c commit_give_back) gives back the node
+ * and key tables' growth with it, so after a burst of parked keys the share is small
+ * again; the message table keeps its memory (slot generations), so after a give-back
+ * the tables may pass a tenth of the ring by the slots committed before it (at most a
+ * tenth of the ring as it was, plus the handles held at once).
  *
  * Layer 1 beside commit.c: reads header marks only, calls nothing above. */
 #include "core.h"
@@ -71,5 +74,3 @@ int budget_allows(shm_chan *c, uint64_t bytes) {
     return bytes <= ring / 10;
 }
 
-/* The ring a give-back must keep so that B still holds afterwards. */
-uint64_t budget_ring_floor(shm_chan *c) { return pages(10 * budget_tables_now(c)); }

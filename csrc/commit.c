@@ -210,14 +210,48 @@ int commit_ring(shm_chan *c, uint64_t pos, uint64_t end) {
  * since the mark is lowered before the punch. */
 #define SHRINK_IDLE_NS 1000000000ull /* a drained ring this long idle gives back its tail */
 
+/* The tables give back with the ring, so that they stay within a tenth of it (budget.c):
+ * when no node is in use and no key has a chain, every node is free and every key table
+ * entry empty (a key with a line or a holder has a node: sched.c), so the node table
+ * starts again from its first chunk and the key table from its first size, and what lay
+ * past them is punched. The message table keeps its memory: a slot's generation is what
+ * makes a stale handle harmless, and it must never start again. Receiver only, between
+ * rx_begin and rx_end (handles.c's poll): inspectors retry, and a receiver killed here
+ * leaves dirty set, so the next one rebuilds its tables from the marks it finds. Each
+ * mark is lowered before its pages are punched, and the key table's size before its
+ * mark (keytab_view_size reads the size within the mark). */
+static void give_back_tables(shm_chan *c) {
+    shm_header *h = c->hdr;
+    if (h->nodes_used != 0 || h->skip_keys != 0) return;
+    uint32_t first_nodes = TABLE_CHUNK / sizeof(shm_node);
+    if (h->nodes_committed > first_nodes && h->nodes_committed <= c->max_nodes) {
+        uint32_t n = h->nodes_committed;
+        h->free_nodes = NIL;
+        STORE_RELAXED(&h->fresh_nodes, 1); /* read by nodes_touched (core.h) */
+        STORE_RELAXED(&h->nodes_committed, first_nodes); /* as in commit_table */
+        uint64_t a = pg_up(off_of(c, c->nodes) + (uint64_t)first_nodes * sizeof(shm_node));
+        uint64_t b = pg_up(off_of(c, c->nodes) + (uint64_t)n * sizeof(shm_node));
+        if (b > a) (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a, (off_t)(b - a));
+    }
+    uint32_t first_keys = KEYTAB_MIN;
+    if (c->keytab_size > first_keys && first_keys < c->keytab_max && h->keys_committed <= c->keytab_max) {
+        uint32_t k = h->keys_committed;
+        memset(c->keys, 0, sizeof(shm_key) * (size_t)first_keys);
+        c->keytab_size = first_keys;
+        STORE_RELAXED(&h->keys_active, first_keys); /* as in sched.c key_grow */
+        STORE_RELAXED(&h->keys_committed, first_keys);
+        uint64_t a = pg_up(off_of(c, c->keys) + (uint64_t)first_keys * sizeof(shm_key));
+        uint64_t b = pg_up(off_of(c, c->keys) + (uint64_t)k * sizeof(shm_key));
+        if (b > a) (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a, (off_t)(b - a));
+    }
+}
+
 uint64_t commit_give_back_due(shm_chan *c, uint64_t pos) {
     shm_header *h = c->hdr;
     if (LOAD_RELAXED(&h->commit_all)) return 0;
     uint64_t cm = LOAD_ACQUIRE(&h->ring_committed); /* pairs with commit_ring's raise */
     uint64_t keep = pg_up(pos % c->cap + REC_HDR + RING_CHUNK_MIN);
     if (keep < ring_first(c)) keep = ring_first(c);
-    if (keep < budget_ring_floor(c)) keep = budget_ring_floor(c); /* invariant B (budget.c) */
-    if (keep > c->cap) keep = c->cap;
     if (cm > c->cap || cm < keep + RING_CHUNK_MIN) { /* nothing worth giving back */
         c->shrink_since = 0;
         return 0;
@@ -243,6 +277,7 @@ void commit_give_back(shm_chan *c, uint64_t keep) {
     uint64_t off = off_of(c, c->ring);
     (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(off + keep),
                     (off_t)(cm - keep)); /* best effort: a failure only keeps the memory */
+    give_back_tables(c);
 }
 
 /* ---- create, adopt, report -------------------------------------------------------------- */

@@ -563,7 +563,6 @@ static inline uint64_t ring_need(const shm_chan *c, uint64_t pos, uint64_t end) 
 uint64_t budget_bytes(uint64_t slots, uint64_t nodes, uint64_t keys);
 uint64_t budget_tables_now(shm_chan *c);
 int budget_allows(shm_chan *c, uint64_t bytes);
-uint64_t budget_ring_floor(shm_chan *c);
 /* ring.c */
 void ring_init(shm_chan *c);
 int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall);
