@@ -219,7 +219,35 @@ int commit_ring(shm_chan *c, uint64_t pos, uint64_t end) {
  * rx_begin and rx_end (handles.c's poll): inspectors retry, and a receiver killed here
  * leaves dirty set, so the next one rebuilds its tables from the marks it finds. Each
  * mark is lowered before its pages are punched, and the key table's size before its
- * mark (keytab_view_size reads the size within the mark). */
+ * mark (keytab_view_size reads the size within the mark). The punch itself waits for a
+ * later idle poll, SHRINK_IDLE_NS on (punch_tables): an inspector in another process
+ * that read the old size just before may still be reading entries past the new one, and
+ * on a full filesystem touching a punched page there could fault. A receiver that dies
+ * before the punch leaves those pages allocated above the marks, which invariant C
+ * allows. */
+static void give_back_range(shm_chan *c, int i, uint64_t a, uint64_t b) {
+    if (b <= a) return;
+    if (c->punch_end[i] == 0) c->punch_from[i] = a;
+    if (a < c->punch_from[i]) c->punch_from[i] = a;
+    if (b > c->punch_end[i]) c->punch_end[i] = b;
+    c->punch_at = coarse_ns() + SHRINK_IDLE_NS;
+}
+
+/* The punches give_back_tables left for later, once due. Only ranges still above the
+ * marks are punched (a table that grew again meanwhile keeps what it uses). */
+static void punch_tables(shm_chan *c) {
+    if (c->punch_at == 0 || coarse_ns() < c->punch_at) return;
+    shm_header *h = c->hdr;
+    uint64_t above[2] = {pg_up(off_of(c, c->nodes) + (uint64_t)h->nodes_committed * sizeof(shm_node)),
+                         pg_up(off_of(c, c->keys) + (uint64_t)h->keys_committed * sizeof(shm_key))};
+    for (int i = 0; i < 2; i++) {
+        uint64_t a = c->punch_from[i] > above[i] ? c->punch_from[i] : above[i], b = c->punch_end[i];
+        if (b > a) (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a, (off_t)(b - a));
+        c->punch_from[i] = c->punch_end[i] = 0;
+    }
+    c->punch_at = 0;
+}
+
 static void give_back_tables(shm_chan *c) {
     shm_header *h = c->hdr;
     if (h->nodes_used != 0 || h->skip_keys != 0) return;
@@ -231,7 +259,7 @@ static void give_back_tables(shm_chan *c) {
         STORE_RELAXED(&h->nodes_committed, first_nodes); /* as in commit_table */
         uint64_t a = pg_up(off_of(c, c->nodes) + (uint64_t)first_nodes * sizeof(shm_node));
         uint64_t b = pg_up(off_of(c, c->nodes) + (uint64_t)n * sizeof(shm_node));
-        if (b > a) (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a, (off_t)(b - a));
+        give_back_range(c, 0, a, b);
     }
     uint32_t first_keys = KEYTAB_MIN;
     if (c->keytab_size > first_keys && first_keys < c->keytab_max && h->keys_committed <= c->keytab_max) {
@@ -242,13 +270,14 @@ static void give_back_tables(shm_chan *c) {
         STORE_RELAXED(&h->keys_committed, first_keys);
         uint64_t a = pg_up(off_of(c, c->keys) + (uint64_t)first_keys * sizeof(shm_key));
         uint64_t b = pg_up(off_of(c, c->keys) + (uint64_t)k * sizeof(shm_key));
-        if (b > a) (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a, (off_t)(b - a));
+        give_back_range(c, 1, a, b);
     }
 }
 
 uint64_t commit_give_back_due(shm_chan *c, uint64_t pos) {
     shm_header *h = c->hdr;
     if (LOAD_RELAXED(&h->commit_all)) return 0;
+    punch_tables(c);
     uint64_t cm = LOAD_ACQUIRE(&h->ring_committed); /* pairs with commit_ring's raise */
     uint64_t keep = pg_up(pos % c->cap + REC_HDR + RING_CHUNK_MIN);
     if (keep < ring_first(c)) keep = ring_first(c);

@@ -447,6 +447,8 @@ struct shm_chan {
     pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
     int tables_need;    /* receiver: the table commits under way make room for a message
                          * needed now, which the tables' budget lets pass (budget.c) */
+    uint64_t punch_at;  /* receiver: table pages given back are punched from then on ... */
+    uint64_t punch_from[2], punch_end[2]; /* ... these file ranges (nodes, keys): commit.c */
 };
 
 /* The longest a receiver skips work it judged useless (window.c, compact.c). */
