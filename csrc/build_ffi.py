@@ -15,6 +15,7 @@ SOURCES = [  # by layer, lowest first (core.h)
     "crc32c.c",
     "hold.c",
     "commit.c",
+    "budget.c",
     "ring.c",
     "sched.c",
     "window.c",

@@ -14,7 +14,8 @@
  *   slots_committed              message table entries [0, n), and as many ready heap
  *   nodes_committed              entries; key nodes; key table entries. Raised by the
  *   keys_committed               receiver only, before its fresh marks (sched.c) or the
- *                                key table's size (sched.c key_grow) pass them
+ *                                key table's size (sched.c key_grow) pass them, and
+ *                                within the tables' budget (budget.c, invariant B)
  *
  * Protocol for a mark M (crash-safe without a lock):
  *   1. read M (acquire), and allocate [M, T) for some T > M with fallocate;
@@ -98,6 +99,13 @@ static int commit_table(shm_chan *c, const void *base, uint32_t size, uint32_t m
     uint64_t target = (uint64_t)cur + step / size;
     if (target < need) target = need;
     if (target > max) target = max;
+    /* the tables' budget (budget.c, invariant B): a chunk if it fits, else what is needed */
+    uint64_t others = budget_tables_now(c) - pg_up((uint64_t)cur * size) -
+                      (twin ? pg_up((uint64_t)cur * twin_size) : 0);
+    uint64_t with_need = others + pg_up((uint64_t)need * size) + (twin ? pg_up((uint64_t)need * twin_size) : 0);
+    if (!budget_allows(c, with_need)) return SHM_FULL;
+    if (!budget_allows(c, others + pg_up(target * size) + (twin ? pg_up(target * twin_size) : 0)))
+        target = need;
     uint64_t off = off_of(c, base);
     uint64_t a = pg_down(off + (uint64_t)cur * size), b = pg_up(off + target * size);
     int rc = alloc_range(c, a, b - a);
@@ -134,6 +142,10 @@ int commit_keys(shm_chan *c, uint32_t n) {
     if (cur > c->keytab_max) cur = 0;
     if (n <= cur) return SHM_OK;
     if (n > c->keytab_max) return SHM_FULL;
+    /* the tables' budget (budget.c, invariant B) */
+    if (!budget_allows(c, budget_tables_now(c) - pg_up((uint64_t)cur * sizeof(shm_key)) +
+                              pg_up((uint64_t)n * sizeof(shm_key))))
+        return SHM_FULL;
     uint64_t off = off_of(c, c->keys);
     uint64_t a = pg_down(off + (uint64_t)cur * sizeof(shm_key)), b = pg_up(off + (uint64_t)n * sizeof(shm_key));
     int rc = alloc_range(c, a, b - a);
@@ -198,9 +210,74 @@ int commit_ring(shm_chan *c, uint64_t pos, uint64_t end) {
  * since the mark is lowered before the punch. */
 #define SHRINK_IDLE_NS 1000000000ull /* a drained ring this long idle gives back its tail */
 
+/* The tables give back with the ring, so that they stay within a tenth of it (budget.c):
+ * when no node is in use and no key has a chain, every node is free and every key table
+ * entry empty (a key with a line or a holder has a node: sched.c), so the node table
+ * starts again from its first chunk and the key table from its first size, and what lay
+ * past them is punched. The message table keeps its memory: a slot's generation is what
+ * makes a stale handle harmless, and it must never start again. Receiver only, between
+ * rx_begin and rx_end (handles.c's poll): inspectors retry, and a receiver killed here
+ * leaves dirty set, so the next one rebuilds its tables from the marks it finds. Each
+ * mark is lowered before its pages are punched, and the key table's size before its
+ * mark (keytab_view_size reads the size within the mark). The punch itself waits for a
+ * later idle poll, SHRINK_IDLE_NS on (punch_tables): an inspector in another process
+ * that read the old size just before may still be reading entries past the new one, and
+ * on a full filesystem touching a punched page there could fault. A receiver that dies
+ * before the punch leaves those pages allocated above the marks, which invariant C
+ * allows. */
+static void give_back_range(shm_chan *c, int i, uint64_t a, uint64_t b) {
+    if (b <= a) return;
+    if (c->punch_end[i] == 0) c->punch_from[i] = a;
+    if (a < c->punch_from[i]) c->punch_from[i] = a;
+    if (b > c->punch_end[i]) c->punch_end[i] = b;
+    c->punch_at = coarse_ns() + SHRINK_IDLE_NS;
+}
+
+/* The punches give_back_tables left for later, once due. Only ranges still above the
+ * marks are punched (a table that grew again meanwhile keeps what it uses). */
+static void punch_tables(shm_chan *c) {
+    if (c->punch_at == 0 || coarse_ns() < c->punch_at) return;
+    shm_header *h = c->hdr;
+    uint64_t above[2] = {pg_up(off_of(c, c->nodes) + (uint64_t)h->nodes_committed * sizeof(shm_node)),
+                         pg_up(off_of(c, c->keys) + (uint64_t)h->keys_committed * sizeof(shm_key))};
+    for (int i = 0; i < 2; i++) {
+        uint64_t a = c->punch_from[i] > above[i] ? c->punch_from[i] : above[i], b = c->punch_end[i];
+        if (b > a) (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a, (off_t)(b - a));
+        c->punch_from[i] = c->punch_end[i] = 0;
+    }
+    c->punch_at = 0;
+}
+
+static void give_back_tables(shm_chan *c) {
+    shm_header *h = c->hdr;
+    if (h->nodes_used != 0 || h->skip_keys != 0) return;
+    uint32_t first_nodes = TABLE_CHUNK / sizeof(shm_node);
+    if (h->nodes_committed > first_nodes && h->nodes_committed <= c->max_nodes) {
+        uint32_t n = h->nodes_committed;
+        h->free_nodes = NIL;
+        STORE_RELAXED(&h->fresh_nodes, 1); /* read by nodes_touched (core.h) */
+        STORE_RELAXED(&h->nodes_committed, first_nodes); /* as in commit_table */
+        uint64_t a = pg_up(off_of(c, c->nodes) + (uint64_t)first_nodes * sizeof(shm_node));
+        uint64_t b = pg_up(off_of(c, c->nodes) + (uint64_t)n * sizeof(shm_node));
+        give_back_range(c, 0, a, b);
+    }
+    uint32_t first_keys = KEYTAB_MIN;
+    if (c->keytab_size > first_keys && first_keys < c->keytab_max && h->keys_committed <= c->keytab_max) {
+        uint32_t k = h->keys_committed;
+        memset(c->keys, 0, sizeof(shm_key) * (size_t)first_keys);
+        c->keytab_size = first_keys;
+        STORE_RELAXED(&h->keys_active, first_keys); /* as in sched.c key_grow */
+        STORE_RELAXED(&h->keys_committed, first_keys);
+        uint64_t a = pg_up(off_of(c, c->keys) + (uint64_t)first_keys * sizeof(shm_key));
+        uint64_t b = pg_up(off_of(c, c->keys) + (uint64_t)k * sizeof(shm_key));
+        give_back_range(c, 1, a, b);
+    }
+}
+
 uint64_t commit_give_back_due(shm_chan *c, uint64_t pos) {
     shm_header *h = c->hdr;
     if (LOAD_RELAXED(&h->commit_all)) return 0;
+    punch_tables(c);
     uint64_t cm = LOAD_ACQUIRE(&h->ring_committed); /* pairs with commit_ring's raise */
     uint64_t keep = pg_up(pos % c->cap + REC_HDR + RING_CHUNK_MIN);
     if (keep < ring_first(c)) keep = ring_first(c);
@@ -229,6 +306,7 @@ void commit_give_back(shm_chan *c, uint64_t keep) {
     uint64_t off = off_of(c, c->ring);
     (void)fallocate(c->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(off + keep),
                     (off_t)(cm - keep)); /* best effort: a failure only keeps the memory */
+    give_back_tables(c);
 }
 
 /* ---- create, adopt, report -------------------------------------------------------------- */
@@ -255,9 +333,11 @@ int commit_create(shm_chan *c, uint64_t ring_off, uint64_t producers_end) {
         h->keys_active = c->keytab_size;
         return SHM_OK;
     }
+    c->tables_need = 1; /* the first chunks: the budget's floor (budget.c) */
     int rc = commit_slots(c, 1);
     if (rc == SHM_OK) rc = commit_nodes(c, 1);
     if (rc == SHM_OK) rc = commit_keys(c, c->keytab_size);
+    c->tables_need = 0;
     if (rc == SHM_OK) rc = alloc_range(c, ring_off, ring_first(c));
     if (rc == SHM_FULL) errno = c->short_errno;
     if (rc) return SHM_E_SYS;
@@ -278,9 +358,11 @@ int commit_adopt(shm_chan *c) {
     if (h->keys_committed > c->keytab_max) h->keys_committed = 0;
     uint32_t s = h->slots_committed, n = h->nodes_committed, k = h->keys_committed;
     h->slots_committed = h->nodes_committed = h->keys_committed = 0;
+    c->tables_need = 1; /* committed before: only allocated again, whatever the budget */
     (void)commit_slots(c, s ? s : 1);
     (void)commit_nodes(c, n ? n : 1);
     (void)commit_keys(c, k);
+    c->tables_need = 0;
     /* a size is a power of two from KEYTAB_FLOOR on (a first size doubled), or the most */
     uint32_t a = h->keys_active;
     int ok = a <= h->keys_committed && (a == c->keytab_max || (a >= KEYTAB_FLOOR && (a & (a - 1)) == 0));

@@ -36,7 +36,8 @@
  * except for the back-edges listed after.
  *   0  pause.c hash.c crc32c.c   tests' pause points; the key hash; checksums
  *      hold.c                    pause and resume (operators' holds on a channel or key)
- *   1  commit.c                  committing memory to the regions as they grow
+ *   1  commit.c budget.c         committing memory to the regions as they grow; the
+ *                                tables' budget (a tenth of the committed ring)
  *   2  ring.c                    the intake ring: claims, commits, head, rewinds
  *   3  sched.c                   the key table and the key lines, the ready heap
  *   4  window.c                  taking records in from the ring; parked records
@@ -481,6 +482,10 @@ struct shm_chan {
                             * this receiver took its seat (recovered): their checksums are
                             * checked when taken in and when handed out (crc32c.c) */
     pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
+    int tables_need;    /* receiver: the table commits under way make room for a message
+                         * needed now, which the tables' budget lets pass (budget.c) */
+    uint64_t punch_at;  /* receiver: table pages given back are punched from then on ... */
+    uint64_t punch_from[2], punch_end[2]; /* ... these file ranges (nodes, keys): commit.c */
 };
 
 /* The longest a receiver skips work it judged useless (window.c, compact.c). */
@@ -593,6 +598,10 @@ static inline uint64_t ring_need(const shm_chan *c, uint64_t pos, uint64_t end) 
     uint64_t off = pos % c->cap;
     return off + (end - pos) > c->cap ? c->cap : off + (end - pos);
 }
+/* budget.c */
+uint64_t budget_bytes(uint64_t slots, uint64_t nodes, uint64_t keys);
+uint64_t budget_tables_now(shm_chan *c);
+int budget_allows(shm_chan *c, uint64_t bytes);
 /* ring.c */
 void ring_init(shm_chan *c);
 int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall);

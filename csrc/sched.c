@@ -385,8 +385,18 @@ static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
 
 /* Room in the window for a message with nkeys keys: a slot, nodes and key entries, each
  * within what is committed (commit.c), committing more if need be. 0: the window is
- * full for now (at its size, or the filesystem gives no more). */
+ * full for now (at its size, or the filesystem gives no more, or the tables' budget is
+ * spent and a message is still ready: budget.c). */
+static int has_room(shm_chan *c, uint32_t nkeys);
+
 int sched_has_room(shm_chan *c, uint32_t nkeys) {
+    c->tables_need = c->hdr->ready_count == 0; /* the next to hand out: budget.c */
+    int ok = has_room(c, nkeys);
+    c->tables_need = 0;
+    return ok;
+}
+
+static int has_room(shm_chan *c, uint32_t nkeys) {
     shm_header *h = c->hdr;
     if (h->free_slots == NIL) {
         if (!SLOT_OK(c, h->fresh_slots)) return 0;

@@ -473,6 +473,10 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     o->layout_version = SHM_LAYOUT_VERSION;
     o->receiver = LOAD_ACQUIRE(&h->receiver); /* pairs with shm_rx_acquire */
     o->committed_bytes = commit_bytes(c);
+    o->table_bytes = budget_tables_now(c);
+    /* acquire: pairs with commit_ring's raise; a snapshot for people */
+    uint64_t ring = LOAD_ACQUIRE(&h->ring_committed);
+    o->ring_committed = ring < c->cap ? ring : c->cap;
     return SHM_OK;
 }
 

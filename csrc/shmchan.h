@@ -107,6 +107,8 @@ typedef struct {
     uint32_t layout_version;
     uint64_t receiver;      /* token of the receiver, 0 = none           */
     uint64_t committed_bytes; /* bytes of the segment backed by memory (commit.c) */
+    uint64_t table_bytes;     /* of which the receiver's tables (budget.c)            */
+    uint64_t ring_committed;  /* of which the ring (commit.c)                         */
 } shm_stats;
 
 typedef struct shm_chan shm_chan;   /* one process's attachment (opaque) */

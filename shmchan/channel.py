@@ -106,6 +106,11 @@ class Stats:
     keys; counted in `queued` too."""
     expired: int = 0
     """Messages that became dead letters because their `ttl` passed, ever."""
+    table_bytes: int = 0
+    """Of committed_bytes, the receiver's tables (messages taken in, their keys): kept
+    within a tenth of ring_committed_bytes, beyond the handles held at once."""
+    ring_committed_bytes: int = 0
+    """Of committed_bytes, the ring's."""
 
 
 class Channel(Attachment):
@@ -317,6 +322,8 @@ class Channel(Attachment):
             receiver_pid=liveness.token_pid(receiver) if receiver else None,
             committed_bytes=int(st.committed_bytes),
             **_timer_counts(seg),
+            table_bytes=int(st.table_bytes),
+            ring_committed_bytes=int(st.ring_committed),
         )
 
     def route_dead_letters(self, exchange: object) -> None:

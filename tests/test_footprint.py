@@ -153,9 +153,86 @@ def test_the_tables_cost_a_tenth_of_the_ring_idle_and_a_fixed_amount_per_message
         ch.close()
 
 
+def _keys_for(kind: str, i: int) -> tuple[str, ...]:
+    if kind == "one key":
+        return ("k",)
+    if kind == "distinct keys":
+        return (f"u{i}",)
+    if kind == "hot key backlog":
+        return ("hot",)
+    return ("hot", f"u{i}")  # waiting on a hot key, each bringing a new key
+
+
+@pytest.mark.parametrize(
+    "kind", ["one key", "distinct keys", "hot key backlog", "hot key and new keys"]
+)
+def test_the_tables_stay_within_a_tenth_of_the_committed_ring_at_every_fill(
+    make_channel: Any, kind: str
+) -> None:
+    # Small records (64 bytes, one key) queued up to several fills, the receiver polling
+    # as they come (taking in, parking) but holding at most the hot key's handle: the
+    # tables' committed bytes stay within a tenth of the ring's (invariant B, budget.c).
+    capacity = 16 * MiB
+    ch = make_channel(capacity=capacity)
+    tx, rx = ch.sender(), ch.receiver()
+    held = []
+    if kind.startswith("hot"):
+        tx.send(b"h", keys=("hot",))
+        held.append(rx.recv(timeout=5))
+    sent, shares = 0, []
+    for fill in (0.002, 0.03, 0.2, 0.6):
+        while ch.stats().used_bytes < fill * capacity:
+            batch = [(b"x" * 64, _keys_for(kind, sent + j)) for j in range(500)]
+            tx.send_many(batch, timeout=10)
+            sent += len(batch)
+            h = rx.try_recv()  # a poll: the receiver looks at what came
+            if h is not None:
+                h.release()
+        tables, ring = _tables_and_ring(ch.name)
+        st = ch.stats()
+        assert (st.table_bytes, st.ring_committed_bytes) == (tables, ring)  # stats agree
+        shares.append((fill, tables, ring))
+        assert tables <= ring // 10, f"{kind} at {fill:.0%}: {tables} B of tables, {ring} B of ring"
+    # Nothing is lost or reordered by the receiver leaving records in the ring.
+    for h in held:
+        h.release()
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        try:
+            rx.recv(timeout=1).release()  # one handle at a time: the tables hold no more
+        except shmchan.Empty:
+            break
+    st = ch.stats()
+    assert st.queued == 0 and st.released == st.sent, (st, shares)
+    # Drained and idle, the ring gives memory back, and the node and key tables with it.
+    with pytest.raises(shmchan.Empty):
+        rx.recv(timeout=2.0)
+    tables, ring = _tables_and_ring(ch.name)
+    assert ring <= 2 * MiB and tables <= ring // 10, f"{kind}, drained: {tables} B, {ring} B"
+
+
+def test_a_consumer_holding_many_small_handles_gets_every_one(make_channel: Any) -> None:
+    # The budget never refuses a recv: a message free to go is handed out even when the
+    # handles held make the tables pass their tenth of the ring (budget.c: live handles).
+    ch = make_channel(capacity=16 * MiB)
+    tx, rx = ch.sender(), ch.receiver()
+    n = 5000
+    tx.send_many([(b"x" * 64, (f"u{i}",)) for i in range(n)], timeout=10)
+    held = rx.recv_many(n, timeout=5)
+    while len(held) < n:
+        held += rx.recv_many(n, timeout=5)
+    tables, ring = _tables_and_ring(ch.name)
+    assert tables > ring // 10  # the cost of the handles held, which the budget allows
+    for h in held:
+        h.release()
+    assert ch.stats().inflight == 0
+
+
 def test_the_key_table_grows_with_the_keys_in_use(make_channel: Any) -> None:
     # Many distinct keys waiting at once (parked behind one held key) make the key table
-    # grow past its first size; the order on every key is kept through the growth.
+    # grow past its first size; the order on every key is kept through the growth. The
+    # padding makes the ring commit enough for the tables' budget (a tenth of it) to
+    # allow the growth.
     ch = make_channel(capacity=64 * MiB)
     tx, rx = ch.sender(), ch.receiver()
     seg = os.open(os.path.join(DEV_SHM, f"shmchan.{ch.name}"), os.O_RDONLY)
@@ -169,7 +246,7 @@ def test_the_key_table_grows_with_the_keys_in_use(make_channel: Any) -> None:
     hot = rx.recv(timeout=5)
     n = 6000
     for i in range(n):
-        tx.send(struct.pack("<I", i), keys=("hot", f"u{i}", f"v{i % 300}"))
+        tx.send(struct.pack("<I", i) + bytes(400), keys=("hot", f"u{i}", f"v{i % 300}"))
     assert rx.try_recv() is None  # all of them wait for "hot"
     grown = table_size()
     os.close(seg)

@@ -7,7 +7,13 @@ in /dev/shm (`st_blocks * 512`), which is what counts against a container's /dev
   and a sender attached and one message through;
 * the same channel after a burst that queued N bytes (1 KiB messages with a key, none
   received yet): the figure is the footprint over 1.1 N + 2 MiB, at most 1 by target;
-* an idle `KeyedExecutor(max_workers=2)` after one task: its two channels together.
+* an idle `KeyedExecutor(max_workers=2)` after one task: its two channels together;
+* the tables' share: a channel filled with small records (64-byte payloads) to several
+  fills, the receiver polling as they come but holding no more than a hot key's handle;
+  at each fill, the receiver's tables' committed bytes over the ring's (`Stats.table_bytes`
+  / `Stats.ring_committed_bytes`), by how the records are keyed: one key for all,
+  a distinct key each, a backlog on a held hot key, and that backlog bringing a new key
+  each. The figure is the worst share over the fills, at most 10 % by target.
 """
 
 from __future__ import annotations
@@ -66,6 +72,57 @@ def _executor_idle() -> float:
         return sum(_allocated(n) for n in mine) / MIB
 
 
+_SHARE_FILLS = (0.002, 0.03, 0.2, 0.6)
+_SHARE_KINDS = {
+    "one": "one key for all",
+    "distinct": "a distinct key each",
+    "hot": "a backlog on a held hot key",
+    "hot_new": "a hot-key backlog, a new key each",
+}
+
+
+def _share_keys(kind: str, i: int) -> tuple[str, ...]:
+    if kind == "one":
+        return ("k",)
+    if kind == "distinct":
+        return (f"u{i}",)
+    if kind == "hot":
+        return ("hot",)
+    return ("hot", f"u{i}")
+
+
+def _tables_share(kind: str, capacity: int) -> list[float]:
+    """The tables' share of the committed ring (%) at each of _SHARE_FILLS."""
+    name = unique("footprint-tables")
+    ch = shmchan.Channel.create(name, capacity=capacity)
+    shares = []
+    try:
+        tx, rx = ch.sender(), ch.receiver()
+        hot = None
+        if kind.startswith("hot"):
+            tx.send(b"h", keys=("hot",))
+            hot = rx.recv(timeout=10)
+        sent = 0
+        for fill in _SHARE_FILLS:
+            while ch.stats().used_bytes < fill * capacity:
+                batch = [(b"x" * 64, _share_keys(kind, sent + j)) for j in range(500)]
+                tx.send_many(batch, timeout=10)
+                sent += len(batch)
+                h = rx.try_recv()  # a poll: the receiver takes in or parks what came
+                if h is not None:
+                    h.release()
+            st = ch.stats()
+            shares.append(100.0 * st.table_bytes / max(st.ring_committed_bytes, 1))
+        if hot is not None:
+            hot.release()
+        tx.close()
+        rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(name)
+    return shares
+
+
 def _run_footprint(run: Run) -> None:
     sz = run.sizes
     burst = (8 if run.quick else 32) * MIB
@@ -80,6 +137,25 @@ def _run_footprint(run: Run) -> None:
         run.progress.step("footprint: a default channel")
         executor.append(_executor_idle())
         run.progress.step("footprint: an idle KeyedExecutor")
+    capacity = (16 if run.quick else 64) * MIB
+    for kind, label in _SHARE_KINDS.items():
+        per_fill = [_tables_share(kind, capacity) for _ in range(sz.reps)]
+        worst = [max(shares) for shares in per_fill]
+        at = ", ".join(
+            f"{fill:.1%}: {max(p[i] for p in per_fill):.1f}%" for i, fill in enumerate(_SHARE_FILLS)
+        )
+        run.results.append(
+            Result(
+                f"footprint_tables_{kind}",
+                f"tables / committed ring, 64 B records, {label}",
+                SHMCHAN,
+                "%",
+                False,
+                worst,
+                note=f"worst over fills of a {capacity // MIB} MiB channel ({at})",
+            )
+        )
+        run.progress.step(f"footprint: the tables' share, {label}")
     run.results += [
         Result(
             "footprint_idle",
@@ -114,7 +190,7 @@ def _run_footprint(run: Run) -> None:
 
 
 def _steps_footprint(sizes: Sizes, nsys: int) -> int:
-    return 2 * sizes.reps
+    return 2 * sizes.reps + len(_SHARE_KINDS)
 
 
 def _median(results: list[Result], workload: str) -> float | None:
@@ -145,7 +221,20 @@ def _targets_footprint(results: list[Result]) -> list[Target]:
             "<=",
             "/dev/shm held by an idle executor's two channels",
         ),
+        Target(
+            "tables' share of the committed ring %",
+            _worst_share(results),
+            10.0,
+            "<=",
+            "worst over fills and keyings of small records, no handles held but a hot key's",
+        ),
     ]
+
+
+def _worst_share(results: list[Result]) -> float | None:
+    medians = [_median(results, f"footprint_tables_{kind}") for kind in _SHARE_KINDS]
+    known = [m for m in medians if m is not None]
+    return max(known) if known else None
 
 
 register(
