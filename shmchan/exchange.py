@@ -51,7 +51,7 @@ import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import _shmchan_hot as _hot  # Exchange.publish's fast path (csrc/hot/publish.c)
 import posix_ipc
@@ -621,6 +621,18 @@ class Exchange(_hot.PublisherBase):
         self._router = None
         self._sender_cache = {}
         self._fast_clear()
+
+    if TYPE_CHECKING:  # implemented in C (csrc/hot/publish.c): its signature for callers
+
+        def publish(
+            self,
+            payload: object,
+            routing_key: str = "",
+            keys: Any = (),
+            timeout: float | None = None,
+            *,
+            mandatory: bool = False,
+        ) -> Published: ...
 
     def _fast_reset(self) -> None:
         """Point publish()'s C fast path at this process's attachment, with no route."""

@@ -806,3 +806,127 @@ def test_an_unpicklable_payload_is_refused_before_any_channel_gets_it(
     with pytest.raises(shmchan.PayloadNotPicklable, match="lock"):
         ex.publish(threading.Lock(), routing_key="x", keys=("k",))
     assert [c.stats().sent for c in chans] == [0, 0]
+
+
+# ---- publish's C fast path (csrc/hot/publish.c) -----------------------------------------
+
+
+@pytest.fixture
+def slow_calls(monkeypatch: Any) -> list[tuple[Any, ...]]:
+    """The publishes that went to the Python path (Exchange._publish_slow), in order."""
+    calls: list[tuple[Any, ...]] = []
+    slow = shmchan.Exchange._publish_slow
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls.append(args)
+        return slow(self, *args)
+
+    monkeypatch.setattr(shmchan.Exchange, "_publish_slow", counting)
+    return calls
+
+
+def test_a_known_route_publishes_without_python(
+    make_exchange: Any, make_channel: Any, slow_calls: list[Any]
+) -> None:
+    """A publish of bytes with plain keys whose route this process worked out before
+    (two or more channels) is one C call: only the first of 50 goes to Python, and every
+    copy arrives in every channel, in order, with the seqs the result names."""
+    ex = make_exchange("direct")
+    chans = [make_channel() for _ in range(4)]
+    for c in chans:
+        ex.bind(c.name, "k")
+    results = [ex.publish(b"m%d" % i, "k", keys=("a", 7, b"b")) for i in range(50)]
+    assert len(slow_calls) == 1
+    for got in results:
+        assert isinstance(got, shmchan.Published) and got.missing == ()
+        assert set(got) == {c.name for c in chans}
+    for c in chans:
+        copies = drain(c)
+        assert [p for p, _, _ in copies] == [b"m%d" % i for i in range(50)]
+        assert [got[c.name] for got in results] == [seq for _, _, seq in copies]
+    assert ex.stats().published == 50 and ex.stats().routed == 200
+
+
+def _rebind(ex_name: str, unbind: str, bind: str, ready: Any) -> None:
+    ex = shmchan.Exchange.open(ex_name)
+    ex.unbind(unbind)
+    ex.bind(bind)
+    ready.set()
+
+
+def test_the_fast_path_follows_binding_changes_of_other_processes(
+    make_exchange: Any, make_channel: Any, slow_calls: list[Any]
+) -> None:
+    """The remembered routes are dropped when another process changes the bindings (the
+    exchange's version in shared memory moved): the next publish goes where the new
+    bindings say, and the one after is fast again."""
+    ex = make_exchange("fanout")
+    a, b, c = make_channel(), make_channel(), make_channel()
+    ex.bind(a.name)
+    ex.bind(b.name)
+    ex.publish(b"1")
+    ex.publish(b"2")
+    assert len(slow_calls) == 1
+    ready = CTX.Event()
+    with running(CTX.Process(target=_rebind, args=(ex.name, b.name, c.name, ready))):
+        assert ready.wait(WAIT)
+    assert names_of(ex.publish(b"3")) == {a.name, c.name}
+    assert names_of(ex.publish(b"4")) == {a.name, c.name}
+    assert len(slow_calls) == 2
+    assert [p for p, _, _ in drain(a)] == [b"1", b"2", b"3", b"4"]
+    assert [p for p, _, _ in drain(b)] == [b"1", b"2"]
+    assert [p for p, _, _ in drain(c)] == [b"3", b"4"]
+
+
+def test_what_the_fast_path_does_not_take_goes_to_python(
+    make_exchange: Any, make_channel: Any, slow_calls: list[Any]
+) -> None:
+    """Pickled payloads, unusual keys, a str subclass as routing key and bad arguments
+    take the Python path, which refuses or publishes them as before; a channel of a
+    remembered route removed meanwhile is reported missing, and no copy of the refused
+    attempt is left in the other channel."""
+    ex = make_exchange("fanout")
+    a, b = make_channel(), make_channel()
+    ex.bind(a.name)
+    ex.bind(b.name)
+    ex.publish(b"warm")
+    assert len(slow_calls) == 1
+
+    class Key(str):
+        pass
+
+    ex.publish({"a": 1})
+    ex.publish(b"x", keys=frozenset({"k"}))
+    ex.publish(b"x", Key(""))
+    assert len(slow_calls) == 4
+    with pytest.raises(shmchan.InvalidArgument):
+        ex.publish(b"x", timeout=-1)
+    with pytest.raises(TypeError, match="mandatory is keyword-only"):
+        ex.publish(b"x", "", (), None, True)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ex.publish(b"x", bogus=1)  # type: ignore[call-arg]
+    with pytest.raises(shmchan.TooManyKeys):
+        ex.publish(b"x", keys=[f"k{i}" for i in range(1000)])
+    assert len(drain(a)) == 4 and len(drain(b)) == 4
+    name = b.name
+    b.unlink()
+    got = ex.publish(b"after")
+    assert names_of(got) == {a.name} and got.missing == (name,)
+    assert [p for p, _, _ in drain(a)] == [b"after"]
+    assert a.stats().used_bytes == 0
+    ex.close()
+    with pytest.raises(shmchan.Closed):
+        ex.publish(b"closed")
+
+
+def test_a_removed_exchange_refuses_a_fast_publish(make_exchange: Any, make_channel: Any) -> None:
+    ex = make_exchange("fanout")
+    chans = [make_channel(), make_channel()]
+    for c in chans:
+        ex.bind(c.name)
+    ex.publish(b"1")
+    ex.publish(b"2")
+    shmchan.unlink_exchange(ex.name)
+    with pytest.raises(shmchan.ExchangeRemoved):
+        ex.publish(b"3")
+    assert [[p for p, _, _ in drain(c)] for c in chans] == [[b"1", b"2"]] * 2

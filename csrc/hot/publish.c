@@ -314,7 +314,14 @@ static PyObject *Publisher_fast_route(PublisherObject *self, PyObject *args) {
 static PyMethodDef Publisher_methods[] = {
     {"publish", (PyCFunction)(void (*)(void))Publisher_publish, METH_FASTCALL | METH_KEYWORDS,
      "publish(payload, routing_key='', keys=(), timeout=None, *, mandatory=False) -> "
-     "Published"},
+     "Published\n\n"
+     "Send `payload` with `keys` to every channel whose binding matches `routing_key`, all\n"
+     "or nothing. Returns a Published: {channel name: the seq its copy got}, empty if\n"
+     "nothing matched, and in `.missing` the matched channels that do not exist (removed,\n"
+     "not yet created again): they got no copy. With `mandatory=True` that is refused\n"
+     "instead: Unroutable if nothing matched or a matched channel is missing, and no\n"
+     "channel gets the message. Full (after `timeout`) if some matched channel stayed\n"
+     "full: then no channel got it."},
     {"_fast_attach", (PyCFunction)Publisher_fast_attach, METH_VARARGS,
      "_fast_attach(exchange_address, owner): publish through that exchange"},
     {"_fast_route", (PyCFunction)Publisher_fast_route, METH_VARARGS,
