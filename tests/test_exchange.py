@@ -704,8 +704,10 @@ _PAUSED_PUBLISHER = r"""
 import sys
 import shmchan
 from shmchan._lib import lib
-notify, wait, point, name = sys.argv[1:]
+notify, wait, point, name, prime = sys.argv[1:]
 ex = shmchan.Exchange.open(name)
+if prime == "1":  # the route is known: the publish below takes the C fast path
+    ex.publish(b"prime", keys=("k",))
 lib.shm_test_pause_at(getattr(lib, point), int(notify), int(wait))
 try:
     print("published", sorted(ex.publish(b"both-or-none", keys=("k",))), flush=True)
@@ -715,13 +717,19 @@ except shmchan.Error as e:
 
 
 @contextlib.contextmanager
-def _publisher_paused_at(point: str, ex_name: str) -> Iterator[tuple[subprocess.Popen, int]]:
-    """A process publishing once through `ex_name`, stopped at the core's pause point
+def _publisher_paused_at(
+    point: str, ex_name: str, primed: bool = False
+) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A process publishing once through `ex_name` (after publishing b"prime", if
+    `primed`: then through publish's C fast path), stopped at the core's pause point
     `point`; yields it and the fd that lets it go on (one byte)."""
     r_notify, w_notify = os.pipe()
     r_wait, w_wait = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _PAUSED_PUBLISHER, str(w_notify), str(r_wait), point, ex_name],
+        [
+            sys.executable, "-c", _PAUSED_PUBLISHER, str(w_notify), str(r_wait), point, ex_name,
+            str(int(primed)),
+        ],  # fmt: skip
         pass_fds=(w_notify, r_wait),
         env=child_env(),
         stdout=subprocess.PIPE,
@@ -740,9 +748,10 @@ def _publisher_paused_at(point: str, ex_name: str) -> Iterator[tuple[subprocess.
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("primed", [False, True], ids=["python", "fast"])
 @pytest.mark.parametrize("then", ["unlinked", "re-created"])
 def test_a_committed_publish_survives_the_removal_of_its_exchange(
-    make_exchange: Any, make_channel: Any, then: str
+    make_exchange: Any, make_channel: Any, then: str, primed: bool
 ) -> None:
     """A publisher to two channels killed after committing and settling the first copy;
     the exchange is removed (and created again) before the second copy is settled. The
@@ -753,7 +762,7 @@ def test_a_committed_publish_survives_the_removal_of_its_exchange(
     chans = [make_channel(), make_channel()]
     for c in chans:
         ex.bind(c.name)
-    with _publisher_paused_at("SHM_PAUSE_EXCH_SETTLED", ex.name) as (proc, _):
+    with _publisher_paused_at("SHM_PAUSE_EXCH_SETTLED", ex.name, primed) as (proc, _):
         proc.kill()
     shmchan.unlink_exchange(ex.name)
     assert ex.name not in shmchan.list_exchanges()
@@ -764,7 +773,8 @@ def test_a_committed_publish_survives_the_removal_of_its_exchange(
         with pytest.raises(shmchan.ExchangeRemoved):
             ex.publish(b"late")  # the removed exchange publishes no more
         got = [drain(c) for c in chans]
-        assert [[p for p, _, _ in g] for g in got] == [[b"both-or-none"]] * 2, got
+        first = [b"prime"] if primed else []
+        assert [[p for p, _, _ in g] for g in got] == [first + [b"both-or-none"]] * 2, got
         # the last settlement removed the retired segment
         left = [e for e in os.listdir("/dev/shm") if e.endswith("." + ex.name)]
         assert left == ([f"shmchan-x.{ex.name}"] if again else []), left
@@ -775,8 +785,9 @@ def test_a_committed_publish_survives_the_removal_of_its_exchange(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("primed", [False, True], ids=["python", "fast"])
 def test_removing_an_exchange_aborts_a_publish_not_yet_committed(
-    make_exchange: Any, make_channel: Any
+    make_exchange: Any, make_channel: Any, primed: bool
 ) -> None:
     """A publish that has gated its first copy when its exchange is removed cannot
     commit any more: it is refused (ExchangeRemoved) and no channel gets it; the name is
@@ -785,12 +796,13 @@ def test_removing_an_exchange_aborts_a_publish_not_yet_committed(
     chans = [make_channel(), make_channel()]
     for c in chans:
         ex.bind(c.name)
-    with _publisher_paused_at("SHM_PAUSE_EXCH_GATED", ex.name) as (proc, go):
+    with _publisher_paused_at("SHM_PAUSE_EXCH_GATED", ex.name, primed) as (proc, go):
         shmchan.unlink_exchange(ex.name)
         os.write(go, b"x")
         out, _ = proc.communicate(timeout=WAIT)
     assert out.split() == ["refused", "ExchangeRemoved"], out
-    assert [drain(c) for c in chans] == [[], []]
+    first = [b"prime"] if primed else []
+    assert [[p for p, _, _ in drain(c)] for c in chans] == [first, first]
     assert not [e for e in os.listdir("/dev/shm") if e.endswith("." + ex.name)]
 
 
