@@ -567,8 +567,8 @@ class Exchange(_hot.PublisherBase):
     processes may open the same exchange, bind, unbind and publish.
 
     `publish` is implemented in C (csrc/hot/publish.c) for a routing key whose route
-    this process already worked out (two or more channels, none missing), a bytes
-    payload and plain keys: one call into the core. Everything else goes to
+    this process already worked out (none of its channels missing), a bytes payload and
+    plain keys: one call into the core. Everything else goes to
     `_publish_slow`, which also hands each route it works out to the C side."""
 
     def __init__(self, att: _Attachment) -> None:
@@ -815,7 +815,7 @@ class Exchange(_hot.PublisherBase):
                     raise
         lib.exch_note(att.ptr, target.idx, target.nidx, len(seqs))
         if type(routing_key) is str:  # the C fast path takes it from here (or forgets it)
-            fast = len(target.senders) >= 2 and not target.missing
+            fast = bool(target.senders) and not target.missing
             self._fast_route(
                 routing_key,
                 self._version,

@@ -11,17 +11,21 @@
  *   - the exchange's bindings version (exch_version, an acquire load in shared memory)
  *     still equals the tagged one: a bind or unbind in any process changes it, and the
  *     publish goes to Python, which compiles the bindings again and hands over anew;
- *   - the routing key (an exact str) has a route, of two or more channels, none missing
- *     (a route with a missing channel must look for it on every publish: Python's);
+ *   - the routing key (an exact str) has a route, none of its channels missing (a route
+ *     with a missing channel must look for it on every publish: Python's);
  *   - the payload is bytes or bytearray and the keys are plain (keys.c encodes them
  *     once, on the stack, for every copy); the timeout is None or a non-negative number;
  *   - every channel's attachment is open and registered as a producer in this process
  *     (cleared when its Channel is closed and in a forked child).
  *
- * Otherwise, and whenever exch_publish does not return SHM_OK, the call goes to
- * `_publish_slow` (Python) with the same arguments. That is safe because a publish that
- * did not return SHM_OK published nothing (exch_publish aborted it): the slow path
- * waits for room, re-routes, or raises, and publishes at most once.
+ * A route of one channel is a plain send (shm_send: one copy is all or nothing by
+ * itself), as the Python layer makes it; two or more are one exch_publish.
+ *
+ * Otherwise, and whenever the core call does not return SHM_OK, the call goes to
+ * `_publish_slow` (Python) with the same arguments. That is safe because a call that
+ * did not return SHM_OK published nothing (exch_publish aborted it; shm_send wrote
+ * nothing): the slow path waits for room, re-routes, or raises, and publishes at most
+ * once.
  *
  * The routes are held in a dict (routing key -> capsule of a route); the dict is emptied
  * when the version moves, when the Python layer asks (`_fast_clear`: close, fork, a
@@ -192,8 +196,17 @@ static PyObject *Publisher_publish(PublisherObject *self, PyObject *const *args,
         int wakes[r->n];
         uint32_t failed = 0;
         shm_stall stall;
-        int rc = core.publish(self->x, r->chans, r->n, SHM_PAYLOAD_RAW, data, (uint64_t)len,
+        int rc = SHM_REMOVED;
+        if (r->n == 1) { /* the exchange's removal refuses it here (exch_publish: txn_begin) */
+            wakes[0] = 0;
+            if (!core.removed(self->x))
+                rc = hot_core.send(r->chans[0], SHM_PAYLOAD_RAW, data, (uint64_t)len,
+                                   (const char *)kb.buf, kb.len, kb.n, &seqs[0], &stall,
+                                   &wakes[0]);
+        } else {
+            rc = core.publish(self->x, r->chans, r->n, SHM_PAYLOAD_RAW, data, (uint64_t)len,
                               (const char *)kb.buf, kb.len, kb.n, seqs, wakes, &failed, &stall);
+        }
         for (uint32_t i = 0; i < r->n; i++)
             if (wakes[i]) wake_post(&r->segs[i]->wk, WAKE_RX, 1); /* that receiver sleeps */
         if (rc == SHM_OK) {
@@ -243,7 +256,7 @@ static PyObject *Publisher_fast_clear(PublisherObject *self, PyObject *unused) {
  * bindings' version is `version`, routing_key goes to segments[i] (its channel called
  * names[i], in the order exch_publish writes them) through the table entries `bindings`.
  * Routes of another version are dropped. No segments: routing_key has no fast route (it
- * goes to fewer than two channels, or to a missing one). */
+ * goes nowhere, or to a missing channel). */
 static PyObject *Publisher_fast_route(PublisherObject *self, PyObject *args) {
     PyObject *rk, *segs, *names, *idx;
     unsigned long long version;
@@ -259,8 +272,8 @@ static PyObject *Publisher_fast_route(PublisherObject *self, PyObject *args) {
         }
         Py_RETURN_NONE;
     }
-    if (n < 2 || n > EXCH_MAX_BINDINGS || PyList_GET_SIZE(names) != n || ni > EXCH_MAX_BINDINGS)
-        return PyErr_Format(PyExc_ValueError, "_fast_route: 2 to %d channels, one name each",
+    if (n > EXCH_MAX_BINDINGS || PyList_GET_SIZE(names) != n || ni > EXCH_MAX_BINDINGS)
+        return PyErr_Format(PyExc_ValueError, "_fast_route: at most %d channels, one name each",
                             EXCH_MAX_BINDINGS);
     route *r = PyMem_Calloc(1, sizeof *r);
     if (r == NULL) return PyErr_NoMemory();
