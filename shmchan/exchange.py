@@ -552,10 +552,10 @@ _local = threading.local()
 # publish()'s C fast path calls the core through the functions of the cffi module loaded
 # here (whichever build it is) and returns a Published.
 _hot.bind_exchange(
-    {
-        name: address(ffi.addressof(lib, name))
-        for name in ("exch_publish", "exch_version", "exch_removed", "exch_note")
-    },
+    address(ffi.addressof(lib, "exch_publish")),
+    address(ffi.addressof(lib, "exch_version")),
+    address(ffi.addressof(lib, "exch_removed")),
+    address(ffi.addressof(lib, "exch_note")),
     Published,
 )
 

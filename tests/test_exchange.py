@@ -725,11 +725,9 @@ def _publisher_paused_at(
     `point`; yields it and the fd that lets it go on (one byte)."""
     r_notify, w_notify = os.pipe()
     r_wait, w_wait = os.pipe()
+    argv = [str(w_notify), str(r_wait), point, ex_name, str(int(primed))]
     proc = subprocess.Popen(
-        [
-            sys.executable, "-c", _PAUSED_PUBLISHER, str(w_notify), str(r_wait), point, ex_name,
-            str(int(primed)),
-        ],  # fmt: skip
+        [sys.executable, "-c", _PAUSED_PUBLISHER, *argv],
         pass_fds=(w_notify, r_wait),
         env=child_env(),
         stdout=subprocess.PIPE,

@@ -354,37 +354,31 @@ PyTypeObject PublisherType = {
     .tp_methods = Publisher_methods,
 };
 
-/* bind_exchange(addresses, published_type): the core's exch_publish, exch_version,
- * exch_removed and exch_note (addresses in the loaded cffi module, by name) and the
- * result type, a dict subclass with a `missing` slot. */
+/* bind_exchange(publish, version, removed, note, published_type): the addresses of the
+ * core's exch_publish, exch_version, exch_removed and exch_note in the loaded cffi module,
+ * and the result type, a dict subclass with a `missing` slot. */
 static PyObject *bind_exchange(PyObject *mod, PyObject *args) {
-    PyObject *addrs, *ptype;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &addrs, &PyType_Type, &ptype)) return NULL;
+    unsigned long long fp[4];
+    PyObject *ptype;
+    if (!PyArg_ParseTuple(args, "KKKKO!", &fp[0], &fp[1], &fp[2], &fp[3], &PyType_Type, &ptype))
+        return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)ptype, &PyDict_Type))
         return PyErr_Format(PyExc_TypeError, "the result type must subclass dict");
-    static const char *const fnames[] = {"exch_publish", "exch_version", "exch_removed",
-                                         "exch_note"};
-    void *fp[4];
-    for (int i = 0; i < 4; i++) {
-        PyObject *v = PyDict_GetItemString(addrs, fnames[i]);
-        if (v == NULL) return PyErr_Format(PyExc_KeyError, "no address for %s", fnames[i]);
-        fp[i] = PyLong_AsVoidPtr(v);
-        if (fp[i] == NULL) {
-            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s is NULL", fnames[i]);
-            return NULL;
-        }
-    }
-    core.publish = (exch_publish_fn)fp[0];
-    core.version = (exch_version_fn)fp[1];
-    core.removed = (exch_removed_fn)fp[2];
-    core.note = (exch_note_fn)fp[3];
+    for (int i = 0; i < 4; i++)
+        if (fp[i] == 0) return PyErr_Format(PyExc_ValueError, "a core function's address is 0");
+    core.publish = (exch_publish_fn)(uintptr_t)fp[0];
+    core.version = (exch_version_fn)(uintptr_t)fp[1];
+    core.removed = (exch_removed_fn)(uintptr_t)fp[2];
+    core.note = (exch_note_fn)(uintptr_t)fp[3];
     Py_XSETREF(published_type, (PyTypeObject *)Py_NewRef(ptype));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef publish_functions[] = {
     {"bind_exchange", bind_exchange, METH_VARARGS,
-     "bind_exchange(addresses, published_type): wire up Exchange.publish's fast path"},
+     "bind_exchange(publish, version, removed, note, published_type): wire up\n"
+     "Exchange.publish's fast path (the addresses of exch_publish, exch_version,\n"
+     "exch_removed and exch_note)"},
     {NULL},
 };
 
