@@ -632,7 +632,15 @@ class Exchange(_hot.PublisherBase):
             timeout: float | None = None,
             *,
             mandatory: bool = False,
-        ) -> Published: ...
+        ) -> Published:
+            """Send `payload` with `keys` to every channel whose binding matches
+            `routing_key`, all or nothing. Returns a Published: {channel name: the seq its
+            copy got}, empty if nothing matched, and in `.missing` the matched channels
+            that do not exist (removed, not yet created again): they got no copy. With
+            `mandatory=True` that is refused instead: Unroutable if nothing matched or a
+            matched channel is missing, and no channel gets the message. Full (after
+            `timeout`) if some matched channel stayed full: then no channel got it."""
+            ...
 
     def _fast_reset(self) -> None:
         """Point publish()'s C fast path at this process's attachment, with no route."""
