@@ -260,6 +260,7 @@ class _Router:
         self.direct: dict[str, list[int]] = {}
         self.root = _Node()
         self.targets: dict[str, _Target] = {}  # routing key -> where it goes (Exchange)
+        self.version = -1  # the bindings' version it was compiled under (set by Exchange)
         for b, (_, _, pattern) in enumerate(bindings):
             if kind == _DIRECT:
                 self.direct.setdefault(pattern, []).append(b)
@@ -761,6 +762,7 @@ class Exchange(_hot.PublisherBase):
             with self._lock:
                 version, rows = self._read_bindings(att)
                 router = _Router(att.kind, [(i, chan, pat) for i, chan, pat, _ in rows])
+                router.version = version
                 self._router, self._version = router, version
                 self._sender_cache = {}
         return router
@@ -826,7 +828,7 @@ class Exchange(_hot.PublisherBase):
             fast = bool(target.senders) and not target.missing
             self._fast_route(
                 routing_key,
-                self._version,
+                router.version,  # (another thread may have compiled a newer one meanwhile)
                 target.segs if fast else [],
                 target.names if fast else [],
                 target.bindings if fast else [],
