@@ -51,8 +51,9 @@ import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import _shmchan_hot as _hot  # Exchange.publish's fast path (csrc/hot/publish.c)
 import posix_ipc
 
 from . import codec, errors, liveness
@@ -63,6 +64,7 @@ from ._segment import (
     Attachment,
     Segment,
     SpaceWait,
+    address,
     check_name,
     deadline_of,
     list_names,
@@ -258,6 +260,7 @@ class _Router:
         self.direct: dict[str, list[int]] = {}
         self.root = _Node()
         self.targets: dict[str, _Target] = {}  # routing key -> where it goes (Exchange)
+        self.version = -1  # the bindings' version it was compiled under (set by Exchange)
         for b, (_, _, pattern) in enumerate(bindings):
             if kind == _DIRECT:
                 self.direct.setdefault(pattern, []).append(b)
@@ -370,6 +373,7 @@ def _reset_after_fork() -> None:
         a.after_fork()
     for ex in list(_exchanges):
         ex._lock = threading.Lock()
+        ex._fast_reset()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -517,8 +521,8 @@ class _Target:
     """Where one routing key goes under one version of the bindings: the channels (by
     name, sorted: exch_publish writes them in this order) and the bindings that matched."""
 
-    __slots__ = ("senders", "names", "segs", "chans", "idx", "nidx", "raw_only", "max_keys",
-                 "registered", "missing")  # fmt: skip
+    __slots__ = ("senders", "names", "segs", "chans", "idx", "nidx", "bindings", "raw_only",
+                 "max_keys", "registered", "missing")  # fmt: skip
 
     def __init__(self, senders: list[Sender], bindings: list[int], missing: list[str]) -> None:
         self.senders = senders
@@ -528,6 +532,7 @@ class _Target:
         self.chans = ffi.new("shm_chan *[]", [seg.ptr for seg in self.segs] or 1)
         self.idx = ffi.new("uint32_t[]", bindings or 1)
         self.nidx = len(bindings)
+        self.bindings = bindings
         self.raw_only = any(seg.raw_only for seg in self.segs)
         self.max_keys = min((seg.max_keys for seg in self.segs), default=0)
         self.registered = -1  # the value of _forks when every segment was registered
@@ -545,12 +550,27 @@ class _Scratch:
 
 _local = threading.local()
 
+# publish()'s C fast path calls the core through the functions of the cffi module loaded
+# here (whichever build it is) and returns a Published.
+_hot.bind_exchange(
+    address(ffi.addressof(lib, "exch_publish")),
+    address(ffi.addressof(lib, "exch_version")),
+    address(ffi.addressof(lib, "exch_removed")),
+    address(ffi.addressof(lib, "exch_note")),
+    Published,
+)
 
-class Exchange:
+
+class Exchange(_hot.PublisherBase):
     """Routes each publish to the channels bound to it: every matched channel or none.
 
     Use `Exchange.create(name, kind=...)` or `Exchange.open(name)`; any number of
-    processes may open the same exchange, bind, unbind and publish."""
+    processes may open the same exchange, bind, unbind and publish.
+
+    `publish` is implemented in C (csrc/hot/publish.c) for a routing key whose route
+    this process already worked out (none of its channels missing), a bytes payload and
+    plain keys: one call into the core. Everything else goes to
+    `_publish_slow`, which also hands each route it works out to the C side."""
 
     def __init__(self, att: _Attachment) -> None:
         self._att: _Attachment | None = att
@@ -560,6 +580,7 @@ class Exchange:
         self._version = -1
         self._sender_cache: dict[str, Sender] = {}  # refreshed with the bindings
         self._lock = threading.Lock()
+        self._fast_reset()
         _exchanges.add(self)
 
     @classmethod
@@ -600,6 +621,35 @@ class Exchange:
         self._att = None
         self._router = None
         self._sender_cache = {}
+        self._fast_clear()
+
+    if TYPE_CHECKING:  # implemented in C (csrc/hot/publish.c): its signature for callers
+
+        def publish(
+            self,
+            payload: object,
+            routing_key: str = "",
+            keys: Any = (),
+            timeout: float | None = None,
+            *,
+            mandatory: bool = False,
+        ) -> Published:
+            """Send `payload` with `keys` to every channel whose binding matches
+            `routing_key`, all or nothing. Returns a Published: {channel name: the seq its
+            copy got}, empty if nothing matched, and in `.missing` the matched channels
+            that do not exist (removed, not yet created again): they got no copy. With
+            `mandatory=True` that is refused instead: Unroutable if nothing matched or a
+            matched channel is missing, and no channel gets the message. Full (after
+            `timeout`) if some matched channel stayed full: then no channel got it."""
+            ...
+
+    def _fast_reset(self) -> None:
+        """Point publish()'s C fast path at this process's attachment, with no route."""
+        att = self._att
+        if att is None:
+            self._fast_clear()
+        else:
+            self._fast_attach(address(att.ptr), att)
 
     def unlink(self) -> None:
         """Remove the exchange's name (see unlink_exchange)."""
@@ -712,22 +762,24 @@ class Exchange:
             with self._lock:
                 version, rows = self._read_bindings(att)
                 router = _Router(att.kind, [(i, chan, pat) for i, chan, pat, _ in rows])
+                router.version = version
                 self._router, self._version = router, version
                 self._sender_cache = {}
         return router
 
     # -- publishing ---------------------------------------------------------------------
 
-    def publish(
+    def _publish_slow(
         self,
         payload: object,
         routing_key: str = "",
         keys: Any = (),
         timeout: float | None = None,
-        *,
         mandatory: bool = False,
     ) -> Published:
-        """Send `payload` with `keys` to every channel whose binding matches `routing_key`,
+        """publish() for whatever its C fast path leaves to Python.
+
+        Send `payload` with `keys` to every channel whose binding matches `routing_key`,
         all or nothing. Returns a Published: {channel name: the seq its copy got}, empty
         if nothing matched, and in `.missing` the matched channels that do not exist
         (removed, not yet created again): they got no copy. With `mandatory=True` that is
@@ -772,7 +824,23 @@ class Exchange:
                 if retries == 3:
                     raise
         lib.exch_note(att.ptr, target.idx, target.nidx, len(seqs))
+        if type(routing_key) is str:  # the C fast path takes it from here (or forgets it)
+            fast = bool(target.senders) and not target.missing
+            self._fast_route(
+                routing_key,
+                router.version,  # (another thread may have compiled a newer one meanwhile)
+                target.segs if fast else [],
+                target.names if fast else [],
+                target.bindings if fast else [],
+            )
         return Published(zip(target.names, seqs, strict=True), target.missing)
+
+    def _published_removed(self) -> None:
+        """The C fast path's publish went through, but the exchange was removed while
+        it settled its copies: it may have held the last committed slot."""
+        att = self._att
+        if att is not None:
+            _drop_retired(att)
 
     def _copies(
         self,

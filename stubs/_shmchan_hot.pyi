@@ -130,3 +130,29 @@ def wait_words(
 ) -> int: ...
 def notify() -> None: ...
 def private_value() -> int: ...
+
+# Exchange.publish's fast path (csrc/hot/publish.c)
+class PublisherBase:
+    def publish(
+        self,
+        payload: object,
+        routing_key: str = "",
+        keys: Any = (),
+        timeout: float | None = None,
+        *,
+        mandatory: bool = False,
+    ) -> Any: ...
+    def _fast_attach(self, exchange_address: int, owner: object) -> None: ...
+    def _fast_route(
+        self,
+        routing_key: str,
+        version: int,
+        segments: list[Any],
+        names: list[str],
+        bindings: list[int],
+    ) -> None: ...
+    def _fast_clear(self) -> None: ...
+
+def bind_exchange(
+    publish: int, version: int, removed: int, note: int, published_type: type[dict[str, int]]
+) -> None: ...

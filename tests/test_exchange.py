@@ -704,8 +704,10 @@ _PAUSED_PUBLISHER = r"""
 import sys
 import shmchan
 from shmchan._lib import lib
-notify, wait, point, name = sys.argv[1:]
+notify, wait, point, name, prime = sys.argv[1:]
 ex = shmchan.Exchange.open(name)
+if prime == "1":  # the route is known: the publish below takes the C fast path
+    ex.publish(b"prime", keys=("k",))
 lib.shm_test_pause_at(getattr(lib, point), int(notify), int(wait))
 try:
     print("published", sorted(ex.publish(b"both-or-none", keys=("k",))), flush=True)
@@ -715,13 +717,17 @@ except shmchan.Error as e:
 
 
 @contextlib.contextmanager
-def _publisher_paused_at(point: str, ex_name: str) -> Iterator[tuple[subprocess.Popen, int]]:
-    """A process publishing once through `ex_name`, stopped at the core's pause point
+def _publisher_paused_at(
+    point: str, ex_name: str, primed: bool = False
+) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A process publishing once through `ex_name` (after publishing b"prime", if
+    `primed`: then through publish's C fast path), stopped at the core's pause point
     `point`; yields it and the fd that lets it go on (one byte)."""
     r_notify, w_notify = os.pipe()
     r_wait, w_wait = os.pipe()
+    argv = [str(w_notify), str(r_wait), point, ex_name, str(int(primed))]
     proc = subprocess.Popen(
-        [sys.executable, "-c", _PAUSED_PUBLISHER, str(w_notify), str(r_wait), point, ex_name],
+        [sys.executable, "-c", _PAUSED_PUBLISHER, *argv],
         pass_fds=(w_notify, r_wait),
         env=child_env(),
         stdout=subprocess.PIPE,
@@ -740,9 +746,10 @@ def _publisher_paused_at(point: str, ex_name: str) -> Iterator[tuple[subprocess.
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("primed", [False, True], ids=["python", "fast"])
 @pytest.mark.parametrize("then", ["unlinked", "re-created"])
 def test_a_committed_publish_survives_the_removal_of_its_exchange(
-    make_exchange: Any, make_channel: Any, then: str
+    make_exchange: Any, make_channel: Any, then: str, primed: bool
 ) -> None:
     """A publisher to two channels killed after committing and settling the first copy;
     the exchange is removed (and created again) before the second copy is settled. The
@@ -753,7 +760,7 @@ def test_a_committed_publish_survives_the_removal_of_its_exchange(
     chans = [make_channel(), make_channel()]
     for c in chans:
         ex.bind(c.name)
-    with _publisher_paused_at("SHM_PAUSE_EXCH_SETTLED", ex.name) as (proc, _):
+    with _publisher_paused_at("SHM_PAUSE_EXCH_SETTLED", ex.name, primed) as (proc, _):
         proc.kill()
     shmchan.unlink_exchange(ex.name)
     assert ex.name not in shmchan.list_exchanges()
@@ -764,7 +771,8 @@ def test_a_committed_publish_survives_the_removal_of_its_exchange(
         with pytest.raises(shmchan.ExchangeRemoved):
             ex.publish(b"late")  # the removed exchange publishes no more
         got = [drain(c) for c in chans]
-        assert [[p for p, _, _ in g] for g in got] == [[b"both-or-none"]] * 2, got
+        first = [b"prime"] if primed else []
+        assert [[p for p, _, _ in g] for g in got] == [first + [b"both-or-none"]] * 2, got
         # the last settlement removed the retired segment
         left = [e for e in os.listdir("/dev/shm") if e.endswith("." + ex.name)]
         assert left == ([f"shmchan-x.{ex.name}"] if again else []), left
@@ -775,8 +783,9 @@ def test_a_committed_publish_survives_the_removal_of_its_exchange(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("primed", [False, True], ids=["python", "fast"])
 def test_removing_an_exchange_aborts_a_publish_not_yet_committed(
-    make_exchange: Any, make_channel: Any
+    make_exchange: Any, make_channel: Any, primed: bool
 ) -> None:
     """A publish that has gated its first copy when its exchange is removed cannot
     commit any more: it is refused (ExchangeRemoved) and no channel gets it; the name is
@@ -785,12 +794,13 @@ def test_removing_an_exchange_aborts_a_publish_not_yet_committed(
     chans = [make_channel(), make_channel()]
     for c in chans:
         ex.bind(c.name)
-    with _publisher_paused_at("SHM_PAUSE_EXCH_GATED", ex.name) as (proc, go):
+    with _publisher_paused_at("SHM_PAUSE_EXCH_GATED", ex.name, primed) as (proc, go):
         shmchan.unlink_exchange(ex.name)
         os.write(go, b"x")
         out, _ = proc.communicate(timeout=WAIT)
     assert out.split() == ["refused", "ExchangeRemoved"], out
-    assert [drain(c) for c in chans] == [[], []]
+    first = [b"prime"] if primed else []
+    assert [[p for p, _, _ in drain(c)] for c in chans] == [first, first]
     assert not [e for e in os.listdir("/dev/shm") if e.endswith("." + ex.name)]
 
 
@@ -806,3 +816,131 @@ def test_an_unpicklable_payload_is_refused_before_any_channel_gets_it(
     with pytest.raises(shmchan.PayloadNotPicklable, match="lock"):
         ex.publish(threading.Lock(), routing_key="x", keys=("k",))
     assert [c.stats().sent for c in chans] == [0, 0]
+
+
+# ---- publish's C fast path (csrc/hot/publish.c) -----------------------------------------
+
+
+@pytest.fixture
+def slow_calls(monkeypatch: Any) -> list[tuple[Any, ...]]:
+    """The publishes that went to the Python path (Exchange._publish_slow), in order."""
+    calls: list[tuple[Any, ...]] = []
+    slow = shmchan.Exchange._publish_slow
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls.append(args)
+        return slow(self, *args)
+
+    monkeypatch.setattr(shmchan.Exchange, "_publish_slow", counting)
+    return calls
+
+
+@pytest.mark.parametrize("channels", [1, 4])
+def test_a_known_route_publishes_without_python(
+    make_exchange: Any, make_channel: Any, slow_calls: list[Any], channels: int
+) -> None:
+    """A publish of bytes with plain keys whose route this process worked out before is
+    one C call: only the first of 50 goes to Python, and every copy arrives in every
+    channel, in order, with the seqs the result names."""
+    ex = make_exchange("direct")
+    chans = [make_channel() for _ in range(channels)]
+    for c in chans:
+        ex.bind(c.name, "k")
+    results = [ex.publish(b"m%d" % i, "k", keys=("a", 7, b"b")) for i in range(50)]
+    assert len(slow_calls) == 1
+    for got in results:
+        assert isinstance(got, shmchan.Published) and got.missing == ()
+        assert set(got) == {c.name for c in chans}
+    for c in chans:
+        copies = drain(c)
+        assert [p for p, _, _ in copies] == [b"m%d" % i for i in range(50)]
+        assert [got[c.name] for got in results] == [seq for _, _, seq in copies]
+    assert ex.stats().published == 50 and ex.stats().routed == 50 * channels
+
+
+def _rebind(ex_name: str, unbind: str, bind: str, ready: Any) -> None:
+    ex = shmchan.Exchange.open(ex_name)
+    ex.unbind(unbind)
+    ex.bind(bind)
+    ready.set()
+
+
+def test_the_fast_path_follows_binding_changes_of_other_processes(
+    make_exchange: Any, make_channel: Any, slow_calls: list[Any]
+) -> None:
+    """The remembered routes are dropped when another process changes the bindings (the
+    exchange's version in shared memory moved): the next publish goes where the new
+    bindings say, and the one after is fast again."""
+    ex = make_exchange("fanout")
+    a, b, c = make_channel(), make_channel(), make_channel()
+    ex.bind(a.name)
+    ex.bind(b.name)
+    ex.publish(b"1")
+    ex.publish(b"2")
+    assert len(slow_calls) == 1
+    ready = CTX.Event()
+    with running(CTX.Process(target=_rebind, args=(ex.name, b.name, c.name, ready))):
+        assert ready.wait(WAIT)
+    assert names_of(ex.publish(b"3")) == {a.name, c.name}
+    assert names_of(ex.publish(b"4")) == {a.name, c.name}
+    assert len(slow_calls) == 2
+    assert [p for p, _, _ in drain(a)] == [b"1", b"2", b"3", b"4"]
+    assert [p for p, _, _ in drain(b)] == [b"1", b"2"]
+    assert [p for p, _, _ in drain(c)] == [b"3", b"4"]
+
+
+def test_what_the_fast_path_does_not_take_goes_to_python(
+    make_exchange: Any, make_channel: Any, slow_calls: list[Any]
+) -> None:
+    """Pickled payloads, unusual keys, a str subclass as routing key and bad arguments
+    take the Python path, which refuses or publishes them as before; a channel of a
+    remembered route removed meanwhile is reported missing, and no copy of the refused
+    attempt is left in the other channel."""
+    ex = make_exchange("fanout")
+    a, b = make_channel(), make_channel()
+    ex.bind(a.name)
+    ex.bind(b.name)
+    ex.publish(b"warm")
+    assert len(slow_calls) == 1
+
+    class Key(str):
+        pass
+
+    ex.publish({"a": 1})
+    ex.publish(b"x", keys=frozenset({"k"}))
+    ex.publish(b"x", Key(""))
+    assert len(slow_calls) == 4
+    with pytest.raises(shmchan.InvalidArgument):
+        ex.publish(b"x", timeout=-1)
+    with pytest.raises(TypeError, match="mandatory is keyword-only"):
+        ex.publish(b"x", "", (), None, True)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ex.publish(b"x", bogus=1)  # type: ignore[call-arg]
+    with pytest.raises(shmchan.TooManyKeys):
+        ex.publish(b"x", keys=[f"k{i}" for i in range(1000)])
+    assert len(drain(a)) == 4 and len(drain(b)) == 4
+    name = b.name
+    b.unlink()
+    got = ex.publish(b"after")
+    assert names_of(got) == {a.name} and got.missing == (name,)
+    assert [p for p, _, _ in drain(a)] == [b"after"]
+    assert a.stats().used_bytes == 0
+    ex.close()
+    with pytest.raises(shmchan.Closed):
+        ex.publish(b"closed")
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_a_removed_exchange_refuses_a_fast_publish(
+    make_exchange: Any, make_channel: Any, channels: int
+) -> None:
+    ex = make_exchange("fanout")
+    chans = [make_channel() for _ in range(channels)]
+    for c in chans:
+        ex.bind(c.name)
+    ex.publish(b"1")
+    ex.publish(b"2")
+    shmchan.unlink_exchange(ex.name)
+    with pytest.raises(shmchan.ExchangeRemoved):
+        ex.publish(b"3")
+    assert [[p for p, _, _ in drain(c)] for c in chans] == [[b"1", b"2"]] * channels

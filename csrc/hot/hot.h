@@ -238,6 +238,9 @@ PyObject *hot_handles_from(PyObject *mod, PyObject *args);
 PyObject *hot_batch_new(SegmentObject *seg, const shm_msg *msgs, Py_ssize_t n);
 PyObject *hot_batch_from_handles(PyObject *mod, PyObject *args);
 
+/* publish.c: PublisherBase and bind_exchange(), added to the module by its init */
+int hot_publish_init(PyObject *m);
+
 /* handover.c */
 PyObject *hot_hand_over(PyObject *mod, PyObject *args);
 PyObject *hot_adopt_many(PyObject *mod, PyObject *args);

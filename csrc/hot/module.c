@@ -160,7 +160,7 @@ PyMODINIT_FUNC PyInit__shmchan_hot(void) {
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL) return NULL;
-    if (PyModule_AddFunctions(m, wake_module_methods) < 0) {
+    if (PyModule_AddFunctions(m, wake_module_methods) < 0 || hot_publish_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }
