@@ -268,7 +268,11 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
                                PyObject *kwnames) {
     static const char *const names[] = {"timeout"};
     PyObject *a[1] = {Py_None};
-    if (hot_parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) return NULL;
+    if (kwnames == NULL && nargs <= 1) { /* recv() or recv(timeout): no parsing to do */
+        if (nargs) a[0] = args[0];
+    } else if (hot_parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) {
+        return NULL;
+    }
     PyObject *timeout = a[0];
     if (!timeout_plain(timeout) || self->seg == NULL) /* Python checks it, or says why */
         return PyObject_CallMethodOneArg((PyObject *)self, hot_s_recv_slow, timeout);
