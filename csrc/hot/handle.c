@@ -73,6 +73,15 @@ int hot_release_core(HandleObject *h, int nack) {
     return r & 0xFF;
 }
 
+/* The core refused a release with error r (< 0): Handle._released raises it. */
+static PyObject *release_failed(HandleObject *h, int r) {
+    PyObject *code = PyLong_FromLong(r);
+    if (code == NULL) return NULL;
+    PyObject *res = PyObject_CallMethodOneArg((PyObject *)h, hot_s_released, code);
+    Py_DECREF(code);
+    return res;
+}
+
 /* Release (nack = 0) or give back (nack = 1) once. Returns a new bool reference (True if
  * this call released a current handle) or NULL with an exception set. */
 static PyObject *handle_finish(HandleObject *h, int nack) {
@@ -80,11 +89,7 @@ static PyObject *handle_finish(HandleObject *h, int nack) {
     int r = hot_release_core(h, nack);
     if (r == SHM_OK) Py_RETURN_TRUE;
     if (r > 0) Py_RETURN_FALSE; /* stale: released, redelivered or revoked meanwhile */
-    PyObject *code = PyLong_FromLong(r); /* an error: Handle._released raises it */
-    if (code == NULL) return NULL;
-    PyObject *res = PyObject_CallMethodOneArg((PyObject *)h, hot_s_released, code);
-    Py_DECREF(code);
-    return res;
+    return release_failed(h, r);
 }
 
 static void Handle_dealloc(PyObject *self) {
@@ -109,7 +114,9 @@ static void Handle_dealloc(PyObject *self) {
 
 static PyObject *Handle_release(HandleObject *h, PyObject *unused) {
     if (h->done) Py_RETURN_NONE;
-    PyObject *res = handle_finish(h, 0);
+    int r = hot_release_core(h, 0);
+    if (r >= 0) Py_RETURN_NONE; /* released, or stale (a no-op) */
+    PyObject *res = release_failed(h, r);
     if (res == NULL) return NULL;
     Py_DECREF(res);
     Py_RETURN_NONE;
