@@ -45,6 +45,7 @@
 
 #define INGEST_BATCH 1024u /* records looked at per call: bounds one call's work */
 #define READY_AHEAD 256u   /* take new records in while fewer than this are ready */
+#define READY_LOW 128u     /* ... once fewer than this are (window_ingest) */
 #define WALK_BATCH 4096u   /* records ingest_pos moves over per call at most */
 
 enum { ADMIT_TAKE, ADMIT_PARK, ADMIT_STOP };
@@ -504,14 +505,24 @@ int window_has_work(shm_chan *c) {
 }
 
 /* One intake step of the receiver's poll: wake parked records whose key freed up, look
- * at up to INGEST_BATCH new records, move ingest_pos. *moved: something changed. */
+ * at up to INGEST_BATCH new records, move ingest_pos. *moved: something changed.
+ *
+ * New records are looked at in batches: only once fewer than READY_LOW messages are
+ * ready, and then until READY_AHEAD are. A receiver taking one message per poll so pays
+ * the scan's set-up once per READY_AHEAD - READY_LOW messages rather than per message.
+ * Holding the scan back reorders nothing: records not yet looked at come after every
+ * record looked at in the ring, so in seq order (ring order is seq order), and the
+ * ready heap hands out lowest seq first; parked records woken above and placeholders
+ * are dealt with on every poll, as before. It delays no hand-out either: READY_LOW
+ * messages are ready to go meanwhile, and an empty heap always scans. */
 int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
     shm_header *h = c->hdr;
     int rc = window_writing(c, moved);
     test_pause(SHM_PAUSE_INGEST_WAKE); /* a placeholder may commit here (wake_key) */
     if (rc == SHM_OK) rc = window_wake(c, moved);
     if (rc) return rc;
-    for (uint32_t i = 0; i < INGEST_BATCH && h->ready_count < READY_AHEAD; i++) {
+    uint32_t batch = h->ready_count < READY_LOW ? INGEST_BATCH : 0;
+    for (uint32_t i = 0; i < batch && h->ready_count < READY_AHEAD; i++) {
         uint64_t pos = h->scan_pos, len;
         shm_record *r;
         rc = ring_peek(c, pos, &r, &len, stall);

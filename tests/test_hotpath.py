@@ -1251,3 +1251,51 @@ def test_recv_many_of_one_that_waits_returns_a_list(tx, rx, timeout):
         sender.join()
     assert isinstance(got, list) and [h.payload for h in got] == [b"late"]
     rx.release_many(got)
+
+
+def test_a_handle_made_in_a_dropped_handles_memory_starts_fresh(tx, rx):
+    """Dropped Handles' memory is kept for the next ones: each must still come with its
+    own message, payload and keys, not yet done, and tracked by the collector."""
+    n = 600  # more than the kept memory holds, so some come fresh and some reused
+    for i in range(n):
+        tx.send(b"p%d" % i, keys=(f"k{i}",))
+    held = []
+    for i in range(n):
+        h = rx.recv(timeout=5)
+        assert (h.seq, h.payload, h.keys, h._done) == (i + 1, b"p%d" % i, (f"k{i}",), False)
+        assert gc.is_tracked(h)
+        if i % 3 == 0:
+            held.append(h)  # some stay alive across others' reuse
+        elif i % 3 == 1:
+            h.release()
+        del h  # i % 3 == 2: released by being dropped
+    assert [h.seq for h in held] == list(range(1, n + 1, 3))
+    assert all(h.payload == b"p%d" % (h.seq - 1) for h in held)
+    rx.release_many(held)
+    assert rx.try_recv() is None
+    assert shmchan.Channel.open(tx._seg.name).stats().inflight == 0
+
+
+def test_dropping_a_held_handle_still_frees_its_key(tx, rx):
+    tx.send(b"a", keys=("k",))
+    tx.send(b"b", keys=("k",))
+    h = rx.recv(timeout=5)
+    assert rx.try_recv() is None  # "k" is held
+    del h
+    assert rx.recv(timeout=5).payload == b"b"
+
+
+def test_a_woken_message_goes_before_later_ready_ones(tx, rx):
+    """New records are looked at in batches while enough messages are ready; a message
+    woken meanwhile (its key freed) still goes before every later message."""
+    tx.send(b"first", keys=("a",))
+    h0 = rx.recv(timeout=5)
+    tx.send(b"second", keys=("a",))  # waits for "a"
+    tx.send_many([(b"x", f"b{i}") for i in range(300)])
+    first_free = rx.recv(timeout=5)
+    assert first_free.seq == 3  # the message behind "a" (seq 2) waits
+    h0.release()
+    assert rx.recv(timeout=5).seq == 2  # woken: before seqs 4.. already ready
+    tx.send_many([(b"y", f"c{i}") for i in range(50)])
+    seqs = [rx.recv(timeout=5).seq for _ in range(349)]
+    assert seqs == list(range(4, 353))

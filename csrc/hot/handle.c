@@ -8,11 +8,41 @@
  * core's shm_unmoved says the record did not move meanwhile, else Python's slow path
  * (`_payload_slow`, `_keys_slow`) decides. `data` pins the record (shm_handle_view) and
  * hands out a slice of the mapping's memoryview.
+ *
+ * Handles are made and dropped once per message, so a dropped Handle's memory is kept
+ * for the next one (a free list of up to FREE_HANDLES, as CPython keeps for its own
+ * small objects): allocating and freeing a garbage-collected object was an eighth of a
+ * consumer's time. Only memory is reused, never a handle: an object on the list has
+ * been deallocated completely (its message released or handed over, its references
+ * dropped, untracked by the collector, its reference to the type dropped), and comes
+ * back zeroed, as tp_alloc gives it. Only objects of exactly hot_handle_type are kept
+ * (their size and allocator are that type's); bind() empties the list before it
+ * changes the type.
  */
 #include "hot.h"
 
+#define FREE_HANDLES 256 /* a recv_many(256)'s worth */
+static HandleObject *free_handles[FREE_HANDLES];
+static int nfree_handles;
+
+void hot_handles_flush(void) {
+    while (nfree_handles > 0) hot_handle_type->tp_free((PyObject *)free_handles[--nfree_handles]);
+}
+
+static HandleObject *handle_alloc(void) {
+    PyTypeObject *t = hot_handle_type;
+    if (nfree_handles == 0) return (HandleObject *)t->tp_alloc(t, 0);
+    HandleObject *h = free_handles[--nfree_handles];
+    /* as PyType_GenericAlloc: zeroed fields, a new reference (and one to a heap type),
+     * tracked by the collector if the type is collected */
+    memset((char *)h + sizeof(PyObject), 0, sizeof(HandleObject) - sizeof(PyObject));
+    (void)PyObject_Init((PyObject *)h, t);
+    if (PyType_IS_GC(t)) PyObject_GC_Track(h);
+    return h;
+}
+
 PyObject *hot_make_handle(SegmentObject *seg, const shm_msg *m) {
-    HandleObject *h = (HandleObject *)hot_handle_type->tp_alloc(hot_handle_type, 0);
+    HandleObject *h = handle_alloc();
     if (h == NULL) return NULL;
     h->seg = (SegmentObject *)Py_NewRef(seg);
     h->slot = (uint32_t)m->slot;
@@ -43,6 +73,15 @@ int hot_release_core(HandleObject *h, int nack) {
     return r & 0xFF;
 }
 
+/* The core refused a release with error r (< 0): Handle._released raises it. */
+static PyObject *release_failed(HandleObject *h, int r) {
+    PyObject *code = PyLong_FromLong(r);
+    if (code == NULL) return NULL;
+    PyObject *res = PyObject_CallMethodOneArg((PyObject *)h, hot_s_released, code);
+    Py_DECREF(code);
+    return res;
+}
+
 /* Release (nack = 0) or give back (nack = 1) once. Returns a new bool reference (True if
  * this call released a current handle) or NULL with an exception set. */
 static PyObject *handle_finish(HandleObject *h, int nack) {
@@ -50,11 +89,7 @@ static PyObject *handle_finish(HandleObject *h, int nack) {
     int r = hot_release_core(h, nack);
     if (r == SHM_OK) Py_RETURN_TRUE;
     if (r > 0) Py_RETURN_FALSE; /* stale: released, redelivered or revoked meanwhile */
-    PyObject *code = PyLong_FromLong(r); /* an error: Handle._released raises it */
-    if (code == NULL) return NULL;
-    PyObject *res = PyObject_CallMethodOneArg((PyObject *)h, hot_s_released, code);
-    Py_DECREF(code);
-    return res;
+    return release_failed(h, r);
 }
 
 static void Handle_dealloc(PyObject *self) {
@@ -67,12 +102,21 @@ static void Handle_dealloc(PyObject *self) {
     Py_CLEAR(h->seg);
     Py_CLEAR(h->keys);
     Py_CLEAR(h->payload);
+    /* Kept for the next Handle: the subclass's deallocator (subtype_dealloc) untracked it
+     * before calling us, and drops its reference to the type after we return. */
+    if (Py_TYPE(self) == hot_handle_type && nfree_handles < FREE_HANDLES &&
+        Py_TYPE(self)->tp_basicsize == (Py_ssize_t)sizeof(HandleObject)) {
+        free_handles[nfree_handles++] = h;
+        return;
+    }
     Py_TYPE(self)->tp_free(self);
 }
 
 static PyObject *Handle_release(HandleObject *h, PyObject *unused) {
     if (h->done) Py_RETURN_NONE;
-    PyObject *res = handle_finish(h, 0);
+    int r = hot_release_core(h, 0);
+    if (r >= 0) Py_RETURN_NONE; /* released, or stale (a no-op) */
+    PyObject *res = release_failed(h, r);
     if (res == NULL) return NULL;
     Py_DECREF(res);
     Py_RETURN_NONE;

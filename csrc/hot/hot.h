@@ -233,6 +233,7 @@ PyObject *hot_get_seg(SegmentObject *s);
 PyObject *hot_make_handle(SegmentObject *seg, const shm_msg *m);
 int hot_release_core(HandleObject *h, int nack);
 PyObject *hot_handles_from(PyObject *mod, PyObject *args);
+void hot_handles_flush(void); /* frees the kept Handle memory (before bind changes the type) */
 
 /* batch.c */
 PyObject *hot_batch_new(SegmentObject *seg, const shm_msg *msgs, Py_ssize_t n);

@@ -98,6 +98,7 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     hot_core.handle_send_many = (send_many_handles_fn)fp[8];
     hot_core.handle_adopt_many = (adopt_many_fn)fp[9];
     hot_core.timers_wait = (timers_wait_fn)fp[10];
+    if (hot_handle_type != NULL) hot_handles_flush(); /* the kept memory is the old type's */
     Py_XSETREF(hot_handle_type, (PyTypeObject *)Py_NewRef(htype));
     Py_INCREF(btype); /* held for good: the module's types outlive every batch */
     hot_batch_type = (PyTypeObject *)btype;

@@ -270,7 +270,11 @@ static PyObject *Receiver_recv(ReceiverObject *self, PyObject *const *args, Py_s
                                PyObject *kwnames) {
     static const char *const names[] = {"timeout"};
     PyObject *a[1] = {Py_None};
-    if (hot_parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) return NULL;
+    if (kwnames == NULL && nargs <= 1) { /* recv() or recv(timeout): no parsing to do */
+        if (nargs) a[0] = args[0];
+    } else if (hot_parse_args("recv", args, nargs, kwnames, names, 0, 1, a) < 0) {
+        return NULL;
+    }
     PyObject *timeout = a[0];
     if (!timeout_plain(timeout) || self->seg == NULL) /* Python checks it, or says why */
         return PyObject_CallMethodOneArg((PyObject *)self, hot_s_recv_slow, timeout);
@@ -292,7 +296,11 @@ static PyObject *Receiver_recv_many(ReceiverObject *self, PyObject *const *args,
                                     Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"max_items", "timeout"};
     PyObject *a[2] = {NULL, Py_None};
-    if (hot_parse_args("recv_many", args, nargs, kwnames, names, 0, 2, a) < 0) return NULL;
+    if (kwnames == NULL && nargs <= 2) { /* positional only: no parsing to do */
+        for (Py_ssize_t i = 0; i < nargs; i++) a[i] = args[i];
+    } else if (hot_parse_args("recv_many", args, nargs, kwnames, names, 0, 2, a) < 0) {
+        return NULL;
+    }
     PyObject *timeout = a[1];
     long n = a[0] == NULL ? 256 : PyLong_CheckExact(a[0]) ? PyLong_AsLong(a[0]) : -1;
     if (n == -1 && PyErr_Occurred()) PyErr_Clear(); /* huge: the slow path says why */
