@@ -602,7 +602,8 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
     if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
     uint64_t doff = 0, koff = 0;
     uint32_t i = 0;
-    if (*done == 0) {
+    const int checked = *done == 0; /* every message passed check_message below */
+    if (checked) {
         /* All or nothing for bad input: every message is checked before the first one is
          * sent, so a batch with one oversize or malformed message sends none of it. */
         uint64_t rec;
@@ -635,8 +636,9 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
         uint32_t g = 0;
         while (i + g < n && d <= data_total && data_lens[i + g] <= data_total - d &&
                kk <= keys_total && keys_lens[i + g] <= keys_total - kk &&
-               check_message(c, kinds[i + g], data_lens[i + g], keys_lens[i + g], nkeys[i + g],
-                             &rec) == SHM_OK &&
+               (checked ? (rec = rec_size(nkeys[i + g], keys_lens[i + g], data_lens[i + g]), 1)
+                        : check_message(c, kinds[i + g], data_lens[i + g], keys_lens[i + g],
+                                        nkeys[i + g], &rec) == SHM_OK) &&
                rec <= GROUP_RECORD && total + rec <= cap) {
             total += rec;
             d += data_lens[i + g];

@@ -76,7 +76,7 @@ typedef struct {
     size_t len, cap;
 } gbuf;
 
-static int gbuf_put(gbuf *b, const void *src, size_t n) {
+static int gbuf_grow_put(gbuf *b, const void *src, size_t n) {
     if (n > PY_SSIZE_T_MAX - b->len) {
         PyErr_SetString(EXC_INVALID, "send_many: the batch is too large for this process");
         return -1;
@@ -92,8 +92,28 @@ static int gbuf_put(gbuf *b, const void *src, size_t n) {
         b->p = p;
         b->cap = cap;
     }
-    if (n) memcpy(b->p + b->len, src, n);
+    if (n && src) memcpy(b->p + b->len, src, n);
     b->len += n;
+    return 0;
+}
+
+/* Append n bytes: inline while there is room (the per-message fields of a batch are a
+ * few bytes each, copied with constant sizes), growing otherwise. */
+static inline int gbuf_put(gbuf *b, const void *src, size_t n) {
+    if (__builtin_expect(b->p != NULL && b->cap - b->len >= n, 1)) {
+        memcpy(b->p + b->len, src, n);
+        b->len += n;
+        return 0;
+    }
+    return gbuf_grow_put(b, src, n);
+}
+
+/* Room for n more bytes, so that the puts that follow take the inline path. */
+static int gbuf_reserve(gbuf *b, size_t n) {
+    if (b->cap - b->len >= n) return 0;
+    size_t len = b->len;
+    if (gbuf_grow_put(b, NULL, n) < 0) return -1;
+    b->len = len;
     return 0;
 }
 
@@ -197,6 +217,11 @@ static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
     keyblob kb;
     int rc = 0;
     p->n = PyTuple_GET_SIZE(tup);
+    size_t un = (size_t)p->n;
+    if (gbuf_reserve(&p->kinds, 4 * un) < 0 || gbuf_reserve(&p->lens, 8 * un) < 0 ||
+        gbuf_reserve(&p->klens, 4 * un) < 0 || gbuf_reserve(&p->nkeys, 4 * un) < 0 ||
+        gbuf_reserve(&p->blob, 8 * un) < 0)
+        rc = -1;
     for (Py_ssize_t i = 0; i < p->n && rc == 0; i++) {
         PyObject *item = PyTuple_GET_ITEM(tup, i);
         /* a tuple of its own too (a copy if it is a list), for the same reason */
@@ -380,6 +405,10 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         goto out;
     }
     uint32_t raw = SHM_PAYLOAD_RAW, none = 0;
+    size_t un = (size_t)p.n;
+    if (gbuf_reserve(&p.kinds, 4 * un) < 0 || gbuf_reserve(&p.klens, 4 * un) < 0 ||
+        gbuf_reserve(&p.nkeys, 4 * un) < 0 || gbuf_reserve(&p.blob, 8 * un) < 0)
+        goto out;
     if (a[2] != Py_None) {
         keyseq = PySequence_Fast(a[2], "send_batch: keys must be None or a sequence");
         if (keyseq == NULL) goto out;

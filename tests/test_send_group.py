@@ -1,0 +1,158 @@
+"""send_many and send_batch claim ring space for a run of small records at once (a group,
+csrc/ring.c): order, seqs, keys and payloads are those of the batch; large records in
+the batch go one by one; a full channel is waited on; and a producer killed inside a
+group leaves every record whole or absent."""
+
+from __future__ import annotations
+
+import array
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import shmchan
+from tests.procs import child_env
+
+
+def _drain(rx: shmchan.Receiver) -> list[tuple[int, bytes, tuple[Any, ...]]]:
+    out = []
+    while (h := rx.try_recv()) is not None:
+        out.append((h.seq, h.payload, h.keys))
+        h.release()
+    return out
+
+
+def test_a_mixed_batch_arrives_in_order_with_consecutive_seqs(make_channel: Any) -> None:
+    ch = make_channel(capacity=4 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    # small records (grouped) with large ones (sent alone) between them, keys of every kind
+    items: list[tuple[bytes, Any]] = []
+    for i in range(600):
+        size = 3000 if i % 97 == 5 else i % 50
+        keys: Any = [(), i % 7, f"k{i % 5}", (b"b", i % 3, "s"), None][i % 5]
+        items.append((bytes([i & 0xFF]) * size, keys))
+    seqs = tx.send_many(items, timeout=5)
+    assert seqs == list(range(seqs[0], seqs[0] + len(items)))
+    got = _drain(rx)
+    assert [s for s, _, _ in got] == seqs
+    for (_, payload, keys), (sent, sent_keys) in zip(got, items, strict=True):
+        assert payload == sent
+        want = () if sent_keys is None else sent_keys
+        want = tuple(dict.fromkeys(want if isinstance(want, tuple) else (want,)))
+        assert keys == want
+
+
+def test_send_batch_groups_keep_every_message(make_channel: Any) -> None:
+    ch = make_channel(capacity=4 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    n = 1000
+    lens = array.array("Q", [(i % 9) * 8 for i in range(n)])
+    data = b"".join(bytes([i & 0xFF]) * lens[i] for i in range(n))
+    seqs = list(tx.send_batch(data, lens, [i % 13 for i in range(n)], timeout=5))
+    got = _drain(rx)
+    assert [s for s, _, _ in got] == seqs
+    assert [p for _, p, _ in got] == [bytes([i & 0xFF]) * lens[i] for i in range(n)]
+    assert [k for _, _, k in got] == [(i % 13,) for i in range(n)]
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_larger_than_the_channel_waits_for_space_and_loses_nothing(
+    make_channel: Any,
+) -> None:
+    ch = make_channel(capacity=64 << 10)
+    tx, rx = ch.sender(), ch.receiver()
+    n = 5000  # about 10 times the channel
+    items = [(i.to_bytes(4, "little") * 16, i % 11) for i in range(n)]
+    got: list[int] = []
+    done = threading.Event()
+
+    def consume() -> None:
+        deadline = time.monotonic() + 30
+        while len(got) < n and time.monotonic() < deadline:
+            try:
+                h = rx.recv(timeout=0.5)
+            except shmchan.Empty:
+                continue
+            got.append(int.from_bytes(h.payload[:4], "little"))
+            h.release()
+        done.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    try:
+        seqs = tx.send_many(items, timeout=20)
+    finally:
+        done.wait(40)
+        t.join(10)
+    assert len(seqs) == n
+    assert got == list(range(n))  # one key order per producer: all of it, in order
+
+
+_GROUP_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tx = shmchan.Sender.open(name)
+    tx.send(b"before", "k", timeout=5)  # registered: the batch takes the C path
+    lib.shm_test_pause_at(lib.SHM_PAUSE_SEND_GROUP, notify, wait)
+    tx.send_many([(bytes([i]) * 40, "k") for i in range(8)], timeout=5)
+"""
+
+
+def _kill_at_group_pause(name: str) -> None:
+    r_notify, w_notify = os.pipe()
+    r_wait, w_wait = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_GROUP_VICTIM), name, str(w_notify), str(r_wait)],
+        pass_fds=(w_notify, r_wait),
+        env=child_env(),
+    )
+    try:
+        os.close(w_notify)
+        os.close(r_wait)
+        ready, _, _ = select.select([r_notify], [], [], 60)
+        assert ready, "the child never reached its send_many group"
+        assert os.read(r_notify, 1) == b"\0"
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        os.close(r_notify)
+        os.close(w_wait)
+
+
+@pytest.mark.timeout(120)
+def test_a_producer_killed_inside_a_group_leaves_whole_records_and_stops_nobody(
+    make_channel: Any,
+) -> None:
+    ch = make_channel(capacity=1 << 20)
+    rx = ch.receiver()
+    # killed with the group's first record committed and its second claimed, unwritten
+    _kill_at_group_pause(ch.name)
+    with ch.sender() as tx:
+        after = tx.send(b"after", "k", timeout=5)
+    got: list[tuple[int, bytes, tuple[Any, ...]]] = []
+    deadline = time.monotonic() + 30
+    while not any(s == after for s, _, _ in got) and time.monotonic() < deadline:
+        try:
+            h = rx.recv(timeout=0.5)
+        except shmchan.Empty:
+            continue
+        got.append((h.seq, h.payload, h.keys))
+        h.release()
+    payloads = [p for _, p, _ in got]
+    assert payloads == [b"before", bytes([0]) * 40, b"after"], payloads
+    assert all(k == ("k",) for _, _, k in got)
+    assert ch.stats().discarded >= 1  # the dead claim was repaired, not delivered
+    assert rx.try_recv() is None
