@@ -22,6 +22,8 @@ static int keys_encode(keyblob *kb, PyObject *keys, uint32_t max_keys) {
         PyObject **items = PySequence_Fast_ITEMS(keys);
         for (Py_ssize_t i = 0; i < n; i++)
             if (hot_key_append(kb, items[i]) != 1) goto python;
+    } else if (hot_key_single(kb, keys)) {
+        return 1 <= max_keys;
     } else if (hot_key_append(kb, keys) != 1) {
         goto python;
     }
@@ -36,7 +38,11 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
                              PyObject *kwnames) {
     static const char *const names[] = {"obj", "keys", "timeout"};
     PyObject *a[3] = {NULL, NULL, Py_None};
-    if (hot_parse_args("send", args, nargs, kwnames, names, 1, 3, a) < 0) return NULL;
+    if (kwnames == NULL && nargs >= 1 && nargs <= 3) { /* positional: the common call */
+        for (Py_ssize_t i = 0; i < nargs; i++) a[i] = args[i];
+    } else if (hot_parse_args("send", args, nargs, kwnames, names, 1, 3, a) < 0) {
+        return NULL;
+    }
     PyObject *keys = a[1] ? a[1] : Py_None; /* the default () and None both mean no keys */
     SegmentObject *seg = self->seg;
     const char *data = NULL;
