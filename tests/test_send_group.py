@@ -156,3 +156,26 @@ def test_a_producer_killed_inside_a_group_leaves_whole_records_and_stops_nobody(
     assert all(k == ("k",) for _, _, k in got)
     assert ch.stats().discarded >= 1  # the dead claim was repaired, not delivered
     assert rx.try_recv() is None
+
+
+@pytest.mark.timeout(60)
+def test_recv_batch_that_waits_returns_the_messages_sent_meanwhile(make_channel: Any) -> None:
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    with pytest.raises(shmchan.Empty):
+        rx.recv_batch(8, timeout=0.01)
+    timer = threading.Timer(0.2, lambda: tx.send_many([(b"m%d" % i, i) for i in range(5)]))
+    timer.start()
+    try:
+        got: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 5 and time.monotonic() < deadline:
+            b = rx.recv_batch(8, timeout=10)  # waits: nothing is queued when it starts
+            assert isinstance(b, shmchan.Batch)
+            got += [b.payload(i) for i in range(len(b))]
+            assert [b.keys(i) for i in range(len(b))] == [(int(p[1:]),) for p in got[-len(b) :]]
+            b.release()
+    finally:
+        timer.join(10)
+    assert got == [b"m%d" % i for i in range(5)]
+    assert rx.try_recv() is None
