@@ -6,12 +6,6 @@ group leaves every record whole or absent."""
 from __future__ import annotations
 
 import array
-import os
-import select
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from typing import Any
@@ -19,7 +13,7 @@ from typing import Any
 import pytest
 
 import shmchan
-from tests.procs import child_env
+from tests.procs import kill_at_pause
 
 
 def _drain(rx: shmchan.Receiver) -> list[tuple[int, bytes, tuple[Any, ...]]]:
@@ -108,30 +102,6 @@ _GROUP_VICTIM = """
 """
 
 
-def _kill_at_group_pause(name: str) -> None:
-    r_notify, w_notify = os.pipe()
-    r_wait, w_wait = os.pipe()
-    child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(_GROUP_VICTIM), name, str(w_notify), str(r_wait)],
-        pass_fds=(w_notify, r_wait),
-        env=child_env(),
-    )
-    try:
-        os.close(w_notify)
-        os.close(r_wait)
-        ready, _, _ = select.select([r_notify], [], [], 60)
-        assert ready, "the child never reached its send_many group"
-        assert os.read(r_notify, 1) == b"\0"
-        child.send_signal(signal.SIGKILL)
-        assert child.wait(30) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(30)
-        os.close(r_notify)
-        os.close(w_wait)
-
-
 @pytest.mark.timeout(120)
 def test_a_producer_killed_inside_a_group_leaves_whole_records_and_stops_nobody(
     make_channel: Any,
@@ -139,7 +109,7 @@ def test_a_producer_killed_inside_a_group_leaves_whole_records_and_stops_nobody(
     ch = make_channel(capacity=1 << 20)
     rx = ch.receiver()
     # killed with the group's first record committed and its second claimed, unwritten
-    _kill_at_group_pause(ch.name)
+    kill_at_pause(_GROUP_VICTIM, ch.name, "its send_many group")
     with ch.sender() as tx:
         after = tx.send(b"after", "k", timeout=5)
     got: list[tuple[int, bytes, tuple[Any, ...]]] = []
