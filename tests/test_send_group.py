@@ -149,3 +149,51 @@ def test_recv_batch_that_waits_returns_the_messages_sent_meanwhile(make_channel:
         timer.join(10)
     assert got == [b"m%d" % i for i in range(5)]
     assert rx.try_recv() is None
+
+
+def test_groups_step_over_islands_of_pinned_views(make_channel: Any) -> None:
+    # Views held on records the ring has lapped (islands): the groups behind them claim
+    # around them and never write into their bytes.
+    ch = make_channel(capacity=256 << 10)
+    tx, rx = ch.sender(), ch.receiver()
+    pinned: list[tuple[shmchan.Handle, memoryview, bytes]] = []
+    n = 0
+    for round_ in range(300):
+        big = bytes([round_ & 0xFF]) * 3000  # alone: larger than a group's records
+        tx.send(big, f"p{round_}", timeout=5)
+        batch = [(n.to_bytes(4, "little") * 8, n % 7) for n in range(n, n + 40)]
+        n += len(batch)
+        tx.send_many(batch, timeout=5)  # Full after 5 s fails the test
+        h = rx.recv(timeout=5)
+        assert h.payload == big
+        if round_ % 5 == 0:
+            pinned.append((h, h.data, big))  # pins the record where it lies
+        else:
+            h.release()
+        for want, _ in batch:
+            m = rx.recv(timeout=5)
+            assert m.payload == want
+            m.release()
+        if len(pinned) > 8:
+            h, view, want = pinned.pop(0)
+            assert view == want  # never overwritten while it was an island
+            h.release()
+    for h, view, want in pinned:
+        assert view == want
+        h.release()
+    assert rx.try_recv() is None
+
+
+def test_groups_in_a_file_backed_channel_read_back_after_reopening(
+    chan_name: str, tmp_path: Any
+) -> None:
+    path = str(tmp_path / "seg")
+    items = [(bytes([i & 0xFF]) * (i % 60), (f"k{i % 9}", i % 4)) for i in range(500)]
+    with shmchan.Channel.create(chan_name, path=path, capacity=1 << 20) as ch:
+        seqs = ch.sender().send_many(items, timeout=5)
+    with shmchan.Channel.open(chan_name, path=path) as ch:
+        rx = ch.receiver()
+        got = _drain(rx)
+        rx.close()
+    assert [s for s, _, _ in got] == seqs
+    assert [(p, k) for _, p, k in got] == items
