@@ -63,17 +63,19 @@
  *
  * Groups (send_group below, for shm_send_many): a run of small records from one batch is
  * claimed with one CAS of the tail's owner word for all of their bytes (steps 1-3 with
- * the group's total). Inside the claimed range, before publishing record i, its producer
- * writes the header of record i + 1 as a claim of its own -- owner = our token, meta = 0
- * (CLAIMED), seq = seq + 1 -- and after the last record the next tail (EMPTY), so that a
- * walker or the receiver that passes record i finds a claim naming us, exactly as if we
- * had won record i + 1's CAS. Each record then goes from CLAIMED straight to COMMITTED
- * (body first, then meta, release): it is small, so walkers that meet it CLAIMED wait
- * only as long as a copy of a few hundred bytes. Killed inside a group, the producer
- * leaves its committed records whole, one CLAIMED record naming it (repaired as above:
- * a discard record, whose successor header the repairer writes), and beyond it bytes no
- * walker can reach. Order is that of the batch; one CAS, one hint raise and one shutdown
- * check per group instead of per record.
+ * the group's total). Inside the claimed range, before publishing record i's length,
+ * its producer writes the header of record i + 1 as a claim of its own -- owner = our
+ * token, meta = 0 (CLAIMED), seq = seq + 1 -- and after the last record the next tail
+ * (EMPTY), so that whoever passes record i finds a claim naming us, exactly as if we
+ * had won record i + 1's CAS. Steps 4-5 run for every record first (fixed fields,
+ * hashes, successor, WRITING), then step 6 for each in order (body, COMMITTED): each
+ * record is CLAIMED only for a few stores, as after a single claim, so a frozen
+ * producer holds up only the messages on its keys (at most GROUP_COUNT placeholders).
+ * Killed inside a group, the producer leaves committed records whole, WRITING ones
+ * (discarded once it is found dead), at most one CLAIMED record naming it (repaired as
+ * above: a discard record, whose successor header the repairer writes), and beyond it
+ * bytes no walker can reach. Order is that of the batch; one CAS, one hint raise and one
+ * shutdown check per group instead of per record.
  *
  * Gated records (an exchange's publish, exchange.c): step 6 ends in GATED instead of
  * COMMITTED, with a gate trailer naming a transaction word in the exchange's segment.
@@ -505,6 +507,7 @@ int shm_send(shm_chan *c, uint32_t kind, const char *data, uint64_t len, const c
  * waits behind a group for a few microseconds at most. */
 #define GROUP_RECORD 1024u
 #define GROUP_BYTES (32u << 10)
+#define GROUP_COUNT 32u /* unfinished records one frozen producer leaves: half SHM_WRITING_MAX */
 
 /* Turn [pos, pos + len) of our claim into one CANCELLED record (nothing in it was
  * published), passing seq on. */
@@ -536,41 +539,59 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
     const uint64_t mine = OWNER_CLAIM(c->token);
     const int durable = (c->cfg.flags & SHM_CFG_DURABLE) != 0;
     shm_producer *p = &c->producers[c->producer - 1];
-    uint64_t end = pos + total;
-    for (uint32_t i = 0; i < k; i++) {
+    const uint64_t end = pos + total;
+    /* Pass 1: each record's fixed part and key hashes, its successor's header, then its
+     * length (WRITING). Every record is CLAIMED for a few stores only, as after a single
+     * send's CAS: a producer frozen (SIGSTOP) inside a group holds up only the messages
+     * on its keys, never the whole channel. */
+    uint64_t at = pos, s = seq;
+    const uint8_t *kp = keys;
+    uint32_t m = 0; /* records published WRITING */
+    for (; m < k; m++) {
+        shm_record *r = rec_at(c, at);
+        uint64_t n = rec_size(nkeys[m], klens[m], lens[m]);
+        if (UNLIKELY(key_hashes(kp, klens[m], nkeys[m], r->hashes) != SHM_OK)) {
+            /* a blob that changed since it was checked: the rest of the group goes out
+             * as one cancelled record; the records before it are finished below */
+            cancel_range(c, at, end - at, s);
+            break;
+        }
+        r->kind = kinds[m];
+        r->nkeys = nkeys[m];
+        r->data_len = lens[m];
+        r->keys_len = klens[m];
+        r->slot = 0;
+        if (m + 1 < k) { /* the next record: a claim of ours, as if won by CAS */
+            shm_record *nx = rec_at(c, at + n);
+            /* relaxed: published by the release store of our meta just below, which
+             * whoever reaches at + n has acquired (walkers in claim, ring_peek). */
+            STORE_RELAXED(&nx->owner, mine);
+            STORE_RELAXED(&nx->meta, 0);
+            STORE_RELAXED(&nx->seq, s + 1);
+        } else {
+            prepare_successor(c, at + n, s + 1); /* the next tail */
+        }
+        /* release: pairs with walkers' acquire load of meta in claim() and ring_peek's:
+         * the successor's header, the fixed fields and the hashes are complete when seen. */
+        STORE_RELEASE(&r->meta, META(n, REC_WRITING));
+        at += n;
+        s++;
+        kp += klens[m];
+    }
+    if (m == k) hint_raise(c, end); /* other producers may claim behind the group now */
+    /* Pass 2: the bodies, each record COMMITTED in order. */
+    for (uint32_t i = 0; i < m; i++) {
         shm_record *r = rec_at(c, pos);
         uint64_t n = rec_size(nkeys[i], klens[i], lens[i]);
-        if (UNLIKELY(key_hashes(keys, klens[i], nkeys[i], r->hashes) != SHM_OK)) {
-            /* a blob that changed since it was checked: the rest of the group goes
-             * out as one cancelled record */
-            cancel_range(c, pos, end - pos, seq);
-            return SHM_E_INVALID;
-        }
-        r->kind = kinds[i];
-        r->nkeys = nkeys[i];
-        r->data_len = lens[i];
-        r->keys_len = klens[i];
-        r->slot = 0;
         uint8_t *b = (uint8_t *)r + REC_BODY + 16u * nkeys[i]; /* past hashes and links */
         memcpy(b, keys, klens[i]);
         if (lens[i]) memcpy(b + align8(klens[i]), data, lens[i]);
         r->pad = 0;
         r->crc = durable ? rec_checksum(r, n) : 0;
-        if (i + 1 < k) { /* the next record: a claim of ours, as if won by CAS */
-            shm_record *s = rec_at(c, pos + n);
-            /* relaxed: published by the release store of our meta just below, which
-             * whoever reaches pos + n has acquired (walkers in claim, ring_peek). */
-            STORE_RELAXED(&s->owner, mine);
-            STORE_RELAXED(&s->meta, 0);
-            STORE_RELAXED(&s->seq, seq + 1);
-        } else {
-            prepare_successor(c, pos + n, seq + 1); /* the next tail */
-        }
-        /* release: pairs with walkers' acquire load of meta in claim() and with
-         * ring_peek's: the body and the successor's header are complete when seen. */
+        /* release: pairs with ring_peek's acquire load: the body is complete when seen */
         STORE_RELEASE(&r->meta, META(n, REC_COMMITTED));
         STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
-        if (i == 0) test_pause(SHM_PAUSE_SEND_GROUP); /* record 1 is claimed, unpublished */
+        if (i == 0) test_pause(SHM_PAUSE_SEND_GROUP); /* the rest are WRITING */
         seqs_out[i] = seq;
         *sent = i + 1;
         pos += n;
@@ -578,8 +599,7 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
         data += lens[i];
         keys += klens[i];
     }
-    hint_raise(c, end);
-    return SHM_OK;
+    return m == k ? SHM_OK : SHM_E_INVALID;
 }
 
 int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *data,
@@ -627,7 +647,7 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
                (checked ? (rec = rec_size(nkeys[i + g], keys_lens[i + g], data_lens[i + g]), 1)
                         : check_message(c, kinds[i + g], data_lens[i + g], keys_lens[i + g],
                                         nkeys[i + g], &rec) == SHM_OK) &&
-               rec <= GROUP_RECORD && total + rec <= cap) {
+               rec <= GROUP_RECORD && total + rec <= cap && g < GROUP_COUNT) {
             total += rec;
             d += data_lens[i + g];
             kk += keys_lens[i + g];
