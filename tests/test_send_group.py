@@ -8,10 +8,6 @@ from __future__ import annotations
 import array
 import contextlib
 import os
-import select
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from typing import Any
@@ -19,7 +15,7 @@ from typing import Any
 import pytest
 
 import shmchan
-from tests.procs import child_env, kill_at_pause
+from tests.procs import child_at_pause, kill_at_pause
 
 
 def _drain(rx: shmchan.Receiver) -> list[tuple[int, bytes, tuple[Any, ...]]]:
@@ -209,18 +205,7 @@ def test_groups_in_a_file_backed_channel_read_back_after_reopening(
 def test_a_producer_frozen_inside_a_group_holds_up_only_its_keys(make_channel: Any) -> None:
     ch = make_channel(capacity=1 << 20)
     rx = ch.receiver()
-    r_notify, w_notify = os.pipe()
-    r_wait, w_wait = os.pipe()
-    child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(_GROUP_VICTIM), ch.name, str(w_notify), str(r_wait)],
-        pass_fds=(w_notify, r_wait),
-        env=child_env(),
-    )
-    try:
-        os.close(w_notify)
-        os.close(r_wait)
-        ready, _, _ = select.select([r_notify], [], [], 60)
-        assert ready, "the child never reached its send_many group"
+    with child_at_pause(_GROUP_VICTIM, ch.name, "its send_many group") as (child, go_on):
         # stopped inside the group (alive): another producer's message on another key
         with ch.sender() as tx:
             tx.send(b"other", "other", timeout=5)
@@ -232,7 +217,7 @@ def test_a_producer_frozen_inside_a_group_holds_up_only_its_keys(make_channel: A
                 got.append(h.payload)
                 h.release()
         assert got == [b"before", bytes([0]) * 40, b"other"], got
-        os.write(w_wait, b"\0")  # let it finish: the rest of its batch arrives
+        os.write(go_on, b"\0")  # let it finish: the rest of its batch arrives
         assert child.wait(30) == 0
         while len(got) < 10 and time.monotonic() < deadline + 20:
             with contextlib.suppress(shmchan.Empty):
@@ -240,9 +225,3 @@ def test_a_producer_frozen_inside_a_group_holds_up_only_its_keys(make_channel: A
                 got.append(h.payload)
                 h.release()
         assert got[3:] == [bytes([i]) * 40 for i in range(1, 8)]
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(30)
-        os.close(r_notify)
-        os.close(w_wait)
