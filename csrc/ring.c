@@ -61,6 +61,22 @@
  *   - COMMITTED: the message is whole and is delivered.
  * A message is thus visible whole or not at all; a send that returned is committed.
  *
+ * Groups (send_group below, for shm_send_many): a run of small records from one batch is
+ * claimed with one CAS of the tail's owner word for all of their bytes (steps 1-3 with
+ * the group's total). Inside the claimed range, before publishing record i's length,
+ * its producer writes the header of record i + 1 as a claim of its own -- owner = our
+ * token, meta = 0 (CLAIMED), seq = seq + 1 -- and after the last record the next tail
+ * (EMPTY), so that whoever passes record i finds a claim naming us, exactly as if we
+ * had won record i + 1's CAS. Steps 4-5 run for every record first (fixed fields,
+ * hashes, successor, WRITING), then step 6 for each in order (body, COMMITTED): each
+ * record is CLAIMED only for a few stores, as after a single claim, so a frozen
+ * producer holds up only the messages on its keys (at most GROUP_COUNT placeholders).
+ * Killed inside a group, the producer leaves committed records whole, WRITING ones
+ * (discarded once it is found dead), at most one CLAIMED record naming it (repaired as
+ * above: a discard record, whose successor header the repairer writes), and beyond it
+ * bytes no walker can reach. Order is that of the batch; one CAS, one hint raise and one
+ * shutdown check per group instead of per record.
+ *
  * Gated records (an exchange's publish, exchange.c): step 6 ends in GATED instead of
  * COMMITTED, with a gate trailer naming a transaction word in the exchange's segment.
  * The consumer treats GATED like WRITING (a stall naming the claimant). The publisher
@@ -330,7 +346,8 @@ int rec_checksum_ok(shm_chan *c, const shm_record *r, uint64_t len) {
 }
 
 /* Compute the hashes of an encoded key blob: a sequence of (u16 little-endian length,
- * that many bytes). The blob comes from Python; it is still checked. */
+ * that many bytes). The blob comes from Python; it is still checked. out NULL: only
+ * check it. */
 static int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *out) {
     uint32_t off = 0;
     for (uint32_t i = 0; i < nkeys; i++) {
@@ -338,7 +355,7 @@ static int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, ui
         uint32_t kl = (uint32_t)keys[off] | ((uint32_t)keys[off + 1] << 8);
         off += 2;
         if (keys_len - off < kl) return SHM_E_INVALID;
-        out[i] = hash_bytes(keys + off, kl);
+        if (out) out[i] = hash_bytes(keys + off, kl);
         off += kl;
     }
     return off == keys_len ? SHM_OK : SHM_E_INVALID;
@@ -506,6 +523,107 @@ int shm_send_timed(shm_chan *c, uint32_t kind, const char *data, uint64_t len, c
     return rc;
 }
 
+/* Records of at most GROUP_RECORD bytes are sent in groups of at most GROUP_BYTES (and a
+ * quarter of the capacity, so that a group fits whenever a quarter of the ring is free):
+ * large enough that the claim's cost is spread thin, small enough that another producer
+ * waits behind a group for a few microseconds at most. */
+#define GROUP_RECORD 1024u
+#define GROUP_BYTES (32u << 10)
+#define GROUP_COUNT 32u /* unfinished records one frozen producer leaves: half SHM_WRITING_MAX */
+
+/* Turn [pos, pos + len) of our claim into one CANCELLED record (nothing in it was
+ * published), passing seq on. */
+static void cancel_range(shm_chan *c, uint64_t pos, uint64_t len, uint64_t seq) {
+    prepare_successor(c, pos + len, seq);
+    STORE_RELEASE(&rec_at(c, pos)->meta, META(len, REC_CANCELLED)); /* pairs with ring_peek */
+    hint_raise(c, pos + len);
+}
+
+/* Send k messages of the caller's arrays (checked by check_message: each record at most
+ * GROUP_RECORD bytes, total bytes in all) as one group (see the top of this file).
+ * *sent: how many went (SHM_OK: all k), their seqs in seqs_out. */
+static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *kinds,
+                      const uint8_t *data, const uint64_t *lens, const uint8_t *keys,
+                      const uint32_t *klens, const uint32_t *nkeys, uint64_t *seqs_out,
+                      uint32_t *sent, shm_stall *stall) {
+    uint64_t pos = 0, seq = 0;
+    *sent = 0;
+    uint32_t down = LOAD_ACQUIRE(&c->hdr->shutdown); /* pairs with shm_shutdown */
+    if (UNLIKELY(down)) return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
+    int rc = claim(c, total, &pos, &seq, stall);
+    if (rc) return rc;
+    /* seq_cst: after our claim, as in send_one (pairs with shm_shutdown's store). */
+    down = LOAD_SEQCST(&c->hdr->shutdown);
+    if (UNLIKELY(down)) {
+        cancel_range(c, pos, total, seq);
+        return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
+    }
+    const uint64_t mine = OWNER_CLAIM(c->token);
+    const int durable = (c->cfg.flags & SHM_CFG_DURABLE) != 0;
+    shm_producer *p = &c->producers[c->producer - 1];
+    const uint64_t end = pos + total;
+    /* Pass 1: each record's fixed part and key hashes, its successor's header, then its
+     * length (WRITING). Every record is CLAIMED for a few stores only, as after a single
+     * send's CAS: a producer frozen (SIGSTOP) inside a group holds up only the messages
+     * on its keys, never the whole channel. */
+    uint64_t at = pos, s = seq;
+    const uint8_t *kp = keys;
+    uint32_t m = 0; /* records published WRITING */
+    for (; m < k; m++) {
+        shm_record *r = rec_at(c, at);
+        uint64_t n = rec_size(nkeys[m], klens[m], lens[m]);
+        if (UNLIKELY(key_hashes(kp, klens[m], nkeys[m], r->hashes) != SHM_OK)) {
+            /* a blob that changed since it was checked: the rest of the group goes out
+             * as one cancelled record; the records before it are finished below */
+            cancel_range(c, at, end - at, s);
+            break;
+        }
+        r->kind = kinds[m];
+        r->nkeys = nkeys[m];
+        r->data_len = lens[m];
+        r->keys_len = klens[m];
+        r->slot = 0;
+        if (m + 1 < k) { /* the next record: a claim of ours, as if won by CAS */
+            shm_record *nx = rec_at(c, at + n);
+            /* relaxed: published by the release store of our meta just below, which
+             * whoever reaches at + n has acquired (walkers in claim, ring_peek). */
+            STORE_RELAXED(&nx->owner, mine);
+            STORE_RELAXED(&nx->meta, 0);
+            STORE_RELAXED(&nx->seq, s + 1);
+        } else {
+            prepare_successor(c, at + n, s + 1); /* the next tail */
+        }
+        /* release: pairs with walkers' acquire load of meta in claim() and ring_peek's:
+         * the successor's header, the fixed fields and the hashes are complete when seen. */
+        STORE_RELEASE(&r->meta, META(n, REC_WRITING));
+        at += n;
+        s++;
+        kp += klens[m];
+    }
+    if (m == k) hint_raise(c, end); /* other producers may claim behind the group now */
+    /* Pass 2: the bodies, each record COMMITTED in order. */
+    for (uint32_t i = 0; i < m; i++) {
+        shm_record *r = rec_at(c, pos);
+        uint64_t n = rec_size(nkeys[i], klens[i], lens[i]);
+        uint8_t *b = (uint8_t *)r + REC_BODY + 16u * nkeys[i]; /* past hashes and links */
+        memcpy(b, keys, klens[i]);
+        if (lens[i]) memcpy(b + align8(klens[i]), data, lens[i]);
+        r->pad = 0;
+        r->crc = durable ? rec_checksum(r, n) : 0;
+        /* release: pairs with ring_peek's acquire load: the body is complete when seen */
+        STORE_RELEASE(&r->meta, META(n, REC_COMMITTED));
+        STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
+        if (i == 0) test_pause(SHM_PAUSE_SEND_GROUP); /* the rest are WRITING */
+        seqs_out[i] = seq;
+        *sent = i + 1;
+        pos += n;
+        seq++;
+        data += lens[i];
+        keys += klens[i];
+    }
+    return m == k ? SHM_OK : SHM_E_INVALID;
+}
+
 int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *data,
                   uint64_t data_total, const uint64_t *data_lens, const char *keys,
                   uint64_t keys_total, const uint32_t *keys_lens, const uint32_t *nkeys,
@@ -514,16 +632,17 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
     if (UNLIKELY(c->producer == 0)) return SHM_E_INVALID;
     uint64_t doff = 0, koff = 0;
     uint32_t i = 0;
-    if (*done == 0) {
+    const int checked = *done == 0; /* every message passed check_message below */
+    if (checked) {
         /* All or nothing for bad input: every message is checked before the first one is
          * sent, so a batch with one oversize or malformed message sends none of it. */
-        uint64_t hashes[SHM_MAX_KEYS_LIMIT], rec;
+        uint64_t rec;
         for (uint32_t j = 0; j < n; j++) {
             if (doff > data_total || data_lens[j] > data_total - doff || koff > keys_total ||
                 keys_lens[j] > keys_total - koff)
                 return SHM_E_INVALID;
             int bad = check_message(c, kinds[j], data_lens[j], keys_lens[j], nkeys[j], &rec);
-            if (!bad) bad = key_hashes((const uint8_t *)keys + koff, keys_lens[j], nkeys[j], hashes);
+            if (!bad) bad = key_hashes((const uint8_t *)keys + koff, keys_lens[j], nkeys[j], NULL);
             if (bad) return bad;
             doff += data_lens[j];
             koff += keys_lens[j];
@@ -535,11 +654,39 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
         koff += keys_lens[i];
     }
     int rc = SHM_OK;
-    for (; i < n; i++) {
+    while (i < n) {
         if (data_lens[i] > data_total - doff || doff > data_total || keys_lens[i] > keys_total - koff ||
             koff > keys_total) {
             rc = SHM_E_INVALID;
             break;
+        }
+        /* a group: the small records from i on, as many as GROUP_BYTES allow */
+        uint64_t cap = c->limit / 4 < GROUP_BYTES ? c->limit / 4 : GROUP_BYTES;
+        uint64_t total = 0, d = doff, kk = koff, rec;
+        uint32_t g = 0;
+        while (i + g < n && d <= data_total && data_lens[i + g] <= data_total - d &&
+               kk <= keys_total && keys_lens[i + g] <= keys_total - kk &&
+               (checked ? (rec = rec_size(nkeys[i + g], keys_lens[i + g], data_lens[i + g]), 1)
+                        : check_message(c, kinds[i + g], data_lens[i + g], keys_lens[i + g],
+                                        nkeys[i + g], &rec) == SHM_OK) &&
+               rec <= GROUP_RECORD && total + rec <= cap && g < GROUP_COUNT) {
+            total += rec;
+            d += data_lens[i + g];
+            kk += keys_lens[i + g];
+            g++;
+        }
+        if (g > 1) {
+            uint32_t sent;
+            rc = send_group(c, g, total, kinds + i, (const uint8_t *)data + doff, data_lens + i,
+                            (const uint8_t *)keys + koff, keys_lens + i, nkeys + i,
+                            seqs_out + i, &sent, stall);
+            for (uint32_t j = 0; j < sent; j++, i++) {
+                doff += data_lens[i];
+                koff += keys_lens[i];
+            }
+            if (rc == SHM_OK) continue;
+            if (rc != SHM_FULL || sent) break;
+            /* no room for the group: one message, if it fits, is progress */
         }
         rc = send_one(c, kinds[i], (const uint8_t *)data + doff, data_lens[i],
                       (const uint8_t *)keys + koff, keys_lens[i], nkeys[i], &seqs_out[i], stall,
@@ -547,6 +694,7 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
         if (rc) break;
         doff += data_lens[i];
         koff += keys_lens[i];
+        i++;
     }
     if (i > *done) wake_receiver(c, wake);
     *done = i;

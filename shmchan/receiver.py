@@ -184,7 +184,7 @@ class Receiver(_hot.ReceiverBase):
         return handles
 
     def _recv_batch_slow(self, max_items: object, timeout: float | None) -> Batch:
-        """recv_batch() when its one poll found nothing (or an argument needs checking):
+        """recv_batch() for arguments its C path does not take (they are checked here):
         wait as recv_many does, then turn the Handles into one Batch."""
         handles = self.recv_many(max_items, timeout)  # type: ignore[arg-type]  # checked there
         try:

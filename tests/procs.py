@@ -7,10 +7,12 @@ import contextlib
 import mmap
 import multiprocessing
 import os
+import select
 import signal
 import struct
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -157,3 +159,40 @@ def tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, in
         yield seg, owner_at, owner
     finally:
         seg.close()
+
+
+@contextlib.contextmanager
+def child_at_pause(
+    script: str, chan_name: str, what: str
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """Run `script` (it arms a pause point on argv[2], argv[3]) in a child process and
+    wait until it stops at the point; yields the child and the fd whose write lets it go
+    on. The child is killed on the way out if it still runs."""
+    r_notify, w_notify = os.pipe()
+    r_wait, w_wait = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), chan_name, str(w_notify), str(r_wait)],
+        pass_fds=(w_notify, r_wait),
+        env=child_env(),
+    )
+    try:
+        os.close(w_notify)
+        os.close(r_wait)
+        ready, _, _ = select.select([r_notify], [], [], 60)
+        assert ready, f"the child never reached {what}"
+        assert os.read(r_notify, 1) == b"\0"
+        yield child, w_wait
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        os.close(r_notify)
+        os.close(w_wait)
+
+
+def kill_at_pause(script: str, chan_name: str, what: str) -> None:
+    """Run `script` (it arms a pause point on argv[2], argv[3]) in a child process, wait
+    until it stops at the point, and SIGKILL it there."""
+    with child_at_pause(script, chan_name, what) as (child, _):
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL

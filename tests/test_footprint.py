@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
-import signal
 import struct
 import subprocess
 import sys
@@ -24,7 +22,7 @@ import pytest
 
 import shmchan
 from shmchan import liveness
-from tests.procs import child_env, layout_fact, take_receiver_seat
+from tests.procs import child_env, kill_at_pause, layout_fact, take_receiver_seat
 
 MiB = 1 << 20
 DEV_SHM = "/dev/shm"
@@ -518,32 +516,6 @@ def test_every_default_fits_a_64_mib_dev_shm_side_by_side() -> None:
 # ---- crash safety --------------------------------------------------------------------------
 
 
-def _kill_at_pause(script: str, chan_name: str, what: str) -> None:
-    """Run `script` (it arms a pause point on argv[2], argv[3]) in a child process, wait
-    until it stops at the point, and SIGKILL it there."""
-    r_notify, w_notify = os.pipe()
-    r_wait, w_wait = os.pipe()
-    child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script), chan_name, str(w_notify), str(r_wait)],
-        pass_fds=(w_notify, r_wait),
-        env=child_env(),
-    )
-    try:
-        os.close(w_notify)
-        os.close(r_wait)
-        ready, _, _ = select.select([r_notify], [], [], 60)
-        assert ready, f"the child never reached {what}"
-        assert os.read(r_notify, 1) == b"\0"
-        child.send_signal(signal.SIGKILL)
-        assert child.wait(30) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(30)
-        os.close(r_notify)
-        os.close(w_wait)
-
-
 _COMMIT_VICTIM = """
     import os, sys
     import shmchan
@@ -561,7 +533,7 @@ def test_a_producer_killed_while_committing_a_chunk_stops_nobody(chan_name: str)
     ch = shmchan.Channel.create(chan_name, capacity=64 * MiB)
     try:
         # killed between its fallocate and raising the mark
-        _kill_at_pause(_COMMIT_VICTIM, chan_name, "a ring commit")
+        kill_at_pause(_COMMIT_VICTIM, chan_name, "a ring commit")
         # another producer goes on through the same chunk, and everything arrives whole
         tx, rx = ch.sender(), ch.receiver()
         for _i in range(2000):
@@ -604,7 +576,7 @@ def test_a_receiver_killed_while_the_key_table_grows_loses_nothing(chan_name: st
         for i in range(n):
             tx.send(struct.pack("<I", i), keys=("hot", f"u{i}"))
         # killed half way through the rehash
-        _kill_at_pause(_GROW_VICTIM, chan_name, "the key table's growth")
+        kill_at_pause(_GROW_VICTIM, chan_name, "the key table's growth")
         rx = take_receiver_seat(ch)
         # first: handed out again if its holder had it (the growth may come before that)
         hot = rx.recv(timeout=10)
@@ -653,7 +625,7 @@ def test_a_receiver_killed_while_a_small_key_table_grows_loses_nothing(
         n = 600  # evens wait behind "hot", odds go at once: both kinds of entries grow
         for i in range(n):
             tx.send(i, keys=("hot", f"u{i}") if i % 2 == 0 else (f"u{i}",))
-        _kill_at_pause(_SMALL_GROW_VICTIM, chan_name, "the key table's growth")
+        kill_at_pause(_SMALL_GROW_VICTIM, chan_name, "the key table's growth")
         rx = take_receiver_seat(ch)
         check_core(rx)
         got: list[int] = []
@@ -756,7 +728,7 @@ def test_a_receiver_killed_while_giving_memory_back_stops_nobody(chan_name: str)
         tx = ch.sender()
         _burst(tx, 12000)
         # the receiver drains, idles, and is killed holding the tail, memory given back
-        _kill_at_pause(_GIVE_BACK_VICTIM, chan_name, "a give-back")
+        kill_at_pause(_GIVE_BACK_VICTIM, chan_name, "a give-back")
         assert allocated(chan_name) <= 2 * MiB
         # a producer steps over the dead receiver's claim; a new receiver gets it all
         _burst(tx, 12000)

@@ -121,6 +121,7 @@ def _bind_hot(encode_keys: Any) -> None:
         shmchan.Handle,
         codec.encode_payload,
         encode_keys,
+        shmchan.Batch,  # as shmchan.handle binds it: later tests get Batch objects
     )
 
 

@@ -118,6 +118,7 @@ typedef struct {
 #define KEY_TOO_MANY 4  /* SHM_MAX_KEYS_LIMIT distinct keys already                */
 void hot_keys_init(keyblob *kb);
 int hot_key_append(keyblob *kb, PyObject *k);
+int hot_key_single(keyblob *kb, PyObject *k); /* one key, common types: 1, or 0 */
 /* The n keys of a blob of len bytes, as a new tuple; NULL without an exception if the
  * blob is malformed, with one (MemoryError) if a key could not be made. */
 PyObject *hot_keys_from_blob(const uint8_t *buf, size_t len, size_t n);

@@ -114,6 +114,55 @@ int hot_key_append(keyblob *kb, PyObject *k) {
     return 1;
 }
 
+/* The blob of one key on its own, for the common cases made without the general path's
+ * calls: an exact int within 64 bits, an exact bytes, an exact ASCII str (its UTF-8 is its
+ * data). kb is freshly initialized. Returns 1 if made, 0 if hot_key_append must see to
+ * it (the same bytes, by the same rules as key_body). */
+int hot_key_single(keyblob *kb, PyObject *k) {
+    uint8_t num[8], tag;
+    const uint8_t *body;
+    size_t blen;
+    if (PyLong_CheckExact(k)) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(k, &overflow);
+        if (overflow || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return 0;
+        }
+        unsigned long long mag = v < 0 ? ~(unsigned long long)v : (unsigned long long)v;
+        int bits = mag ? 64 - __builtin_clzll(mag) : 0;
+        blen = (size_t)(bits / 8 + 1);
+        for (size_t i = 0; i < blen; i++) num[blen - 1 - i] = (uint8_t)((unsigned long long)v >> (8 * i));
+        tag = 'i';
+        body = num;
+    } else if (PyUnicode_CheckExact(k) && PyUnicode_IS_COMPACT_ASCII(k)) {
+        tag = 's';
+        body = (const uint8_t *)PyUnicode_DATA(k);
+        blen = (size_t)PyUnicode_GET_LENGTH(k);
+    } else if (PyBytes_CheckExact(k)) {
+        tag = 'b';
+        body = (const uint8_t *)PyBytes_AS_STRING(k);
+        blen = (size_t)PyBytes_GET_SIZE(k);
+    } else {
+        return 0;
+    }
+    if (blen + 1 > MAX_KEY_ENC || blen + 3 > kb->cap) return 0;
+    uint8_t *f = kb->buf;
+    f[0] = (uint8_t)((blen + 1) & 0xFF);
+    f[1] = (uint8_t)((blen + 1) >> 8);
+    f[2] = tag;
+    if (blen <= 16) {
+        for (size_t i = 0; i < blen; i++) f[3 + i] = body[i];
+    } else {
+        memcpy(f + 3, body, blen);
+    }
+    kb->start[0] = 0;
+    kb->n = 1;
+    kb->len = (uint32_t)(blen + 3);
+    kb->last = blen + 1;
+    return 1;
+}
+
 /* One key from its encoding (tag + body); a new reference, or NULL without an
  * exception if the encoding is malformed. */
 static PyObject *key_decode(const uint8_t *enc, size_t size) {

@@ -43,6 +43,7 @@ typedef struct {
     shm_msg *msgs;   /* room for the n messages asked for */
     shm_stall stall; /* the stuck claim, after SHM_STALLED */
     int nogil;
+    int batch; /* poll_fast makes one Batch of what it got (recv_batch), not Handles */
 } pollbuf;
 
 static int core_recv(SegmentObject *seg, pollbuf *pb, uint32_t n, uint32_t *got, int arm,
@@ -62,6 +63,11 @@ static PyObject *poll_fast(SegmentObject *seg, pollbuf *pb, uint32_t n, int arm,
     uint32_t got = 0, wake = 0;
     *rc = core_recv(seg, pb, n, &got, arm, &wake);
     if (wake) wake_sender(&seg->wk);
+    if (pb->batch && got) { /* no Python object per message */
+        PyObject *b = hot_batch_new(seg, pb->msgs, got);
+        if (b == NULL) give_back(seg, pb->msgs, 0, got);
+        return b;
+    }
     PyObject *out = PyList_New(got);
     if (out == NULL) {
         give_back(seg, pb->msgs, 0, got);
@@ -141,6 +147,7 @@ static PyObject *refuse(ReceiverObject *self, PyObject *name, int rc) {
  * asyncio receive (shmchan/aio.py) then waits on the futex word instead (csrc/hot/wake.c).
  * Returns a new reference, or NULL with an exception. */
 #define RECEIVE_ARMED 2 /* receive()'s block: one poll that leaves the sleep announced */
+#define RECEIVE_BATCH 0x80000000u /* or'ed into receive()'s n: return one Batch (recv_batch) */
 
 static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int block) {
     SegmentObject *seg = self->seg;
@@ -149,8 +156,11 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
     if (h == NULL) return NULL;
     Py_DECREF(h);
     h = NULL;
+    int as_batch = (n & RECEIVE_BATCH) != 0;
+    n &= ~RECEIVE_BATCH;
     shm_msg one;
-    pollbuf pb = {.msgs = n <= 1 ? &one : PyMem_Malloc((size_t)n * sizeof(shm_msg)), .nogil = 1};
+    pollbuf pb = {.msgs = n <= 1 ? &one : PyMem_Malloc((size_t)n * sizeof(shm_msg)), .nogil = 1,
+                  .batch = as_batch};
     if (pb.msgs == NULL) return PyErr_NoMemory();
     Py_INCREF(seg);
     double spin_until = monotonic() + self->spin, stall_until = 0.0;
@@ -173,7 +183,7 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
             h = poll_one(seg, &pb, arm, &rc);
         } else {
             h = poll_fast(seg, &pb, n, arm, &rc);
-            if (h != NULL && PyList_GET_SIZE(h) == 0) Py_CLEAR(h);
+            if (h != NULL && PyList_CheckExact(h) && PyList_GET_SIZE(h) == 0) Py_CLEAR(h);
         }
         if (h != NULL || PyErr_Occurred()) break;
         if (rc == SHM_AGAIN) { /* records arrived meanwhile: look at them before sleeping */
@@ -402,8 +412,9 @@ static PyMemberDef Receiver_members[] = {
 };
 
 /* recv_batch(max_items=256, timeout=None) -> Batch: like recv_many, but the messages
- * come as one Batch object instead of a Handle each. The one-poll path is here; waiting
- * goes through Receiver._recv_batch_slow (recv_many, then the Handles become a Batch). */
+ * come as one Batch object instead of a Handle each, also after a wait (receive() with
+ * RECEIVE_BATCH). Arguments that need checking go through Receiver._recv_batch_slow
+ * (recv_many, then the Handles become a Batch). */
 static PyObject *Receiver_recv_batch(ReceiverObject *self, PyObject *const *args,
                                      Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"max_items", "timeout"};
@@ -427,6 +438,12 @@ static PyObject *Receiver_recv_batch(ReceiverObject *self, PyObject *const *args
             if (b == NULL) give_back(seg, self->msgs, 0, got);
             return b;
         }
+    }
+    if (n >= 1 && timeout_plain(a[1]) && self->seg != NULL) { /* wait, as recv_many does */
+        double deadline;
+        if (plain_deadline(a[1], &deadline) < 0) return NULL;
+        uint32_t want = n > (long)MAX_BATCH ? MAX_BATCH : (uint32_t)n;
+        return receive(self, want | RECEIVE_BATCH, deadline, 1);
     }
     PyObject *mi = a[0] ? Py_NewRef(a[0]) : PyLong_FromLong(256);
     if (mi == NULL) return NULL;

@@ -22,6 +22,8 @@ static int keys_encode(keyblob *kb, PyObject *keys, uint32_t max_keys) {
         PyObject **items = PySequence_Fast_ITEMS(keys);
         for (Py_ssize_t i = 0; i < n; i++)
             if (hot_key_append(kb, items[i]) != 1) goto python;
+    } else if (hot_key_single(kb, keys)) {
+        return 1 <= max_keys;
     } else if (hot_key_append(kb, keys) != 1) {
         goto python;
     }
@@ -36,13 +38,17 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
                              PyObject *kwnames) {
     static const char *const names[] = {"obj", "keys", "timeout", "delay", "ttl"};
     PyObject *a[5] = {NULL, NULL, Py_None, NULL, NULL};
-    if (nargs > 3) /* delay and ttl are keyword-only */
-        return PyErr_Format(PyExc_TypeError, "send() takes at most 3 positional arguments");
-    if (hot_parse_args("send", args, nargs, kwnames, names, 1, 5, a) < 0) return NULL;
-    if (a[3] != NULL || a[4] != NULL) /* a delay or a ttl: the Python side (timers.py) */
-        return PyObject_CallMethod((PyObject *)self, "_send_timed", "OOOOO", a[0],
-                                   a[1] ? a[1] : Py_None, a[2], a[3] ? a[3] : Py_None,
-                                   a[4] ? a[4] : Py_None);
+    if (kwnames == NULL && nargs >= 1 && nargs <= 3) { /* positional: the common call */
+        for (Py_ssize_t i = 0; i < nargs; i++) a[i] = args[i];
+    } else {
+        if (nargs > 3) /* delay and ttl are keyword-only */
+            return PyErr_Format(PyExc_TypeError, "send() takes at most 3 positional arguments");
+        if (hot_parse_args("send", args, nargs, kwnames, names, 1, 5, a) < 0) return NULL;
+        if (a[3] != NULL || a[4] != NULL) /* a delay or a ttl: the Python side (timers.py) */
+            return PyObject_CallMethod((PyObject *)self, "_send_timed", "OOOOO", a[0],
+                                       a[1] ? a[1] : Py_None, a[2], a[3] ? a[3] : Py_None,
+                                       a[4] ? a[4] : Py_None);
+    }
     PyObject *keys = a[1] ? a[1] : Py_None; /* the default () and None both mean no keys */
     SegmentObject *seg = self->seg;
     const char *data = NULL;
@@ -82,7 +88,7 @@ typedef struct {
     size_t len, cap;
 } gbuf;
 
-static int gbuf_put(gbuf *b, const void *src, size_t n) {
+static int gbuf_grow_put(gbuf *b, const void *src, size_t n) {
     if (n > PY_SSIZE_T_MAX - b->len) {
         PyErr_SetString(EXC_INVALID, "send_many: the batch is too large for this process");
         return -1;
@@ -98,8 +104,28 @@ static int gbuf_put(gbuf *b, const void *src, size_t n) {
         b->p = p;
         b->cap = cap;
     }
-    if (n) memcpy(b->p + b->len, src, n);
+    if (n && src) memcpy(b->p + b->len, src, n);
     b->len += n;
+    return 0;
+}
+
+/* Append n bytes: inline while there is room (the per-message fields of a batch are a
+ * few bytes each, copied with constant sizes), growing otherwise. */
+static inline int gbuf_put(gbuf *b, const void *src, size_t n) {
+    if (__builtin_expect(b->p != NULL && b->cap - b->len >= n, 1)) {
+        memcpy(b->p + b->len, src, n);
+        b->len += n;
+        return 0;
+    }
+    return gbuf_grow_put(b, src, n);
+}
+
+/* Room for n more bytes, so that the puts that follow take the inline path. */
+static int gbuf_reserve(gbuf *b, size_t n) {
+    if (b->cap - b->len >= n) return 0;
+    size_t len = b->len;
+    if (gbuf_grow_put(b, NULL, n) < 0) return -1;
+    b->len = len;
     return 0;
 }
 
@@ -203,6 +229,11 @@ static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
     keyblob kb;
     int rc = 0;
     p->n = PyTuple_GET_SIZE(tup);
+    size_t un = (size_t)p->n;
+    if (gbuf_reserve(&p->kinds, 4 * un) < 0 || gbuf_reserve(&p->lens, 8 * un) < 0 ||
+        gbuf_reserve(&p->klens, 4 * un) < 0 || gbuf_reserve(&p->nkeys, 4 * un) < 0 ||
+        gbuf_reserve(&p->blob, 8 * un) < 0)
+        rc = -1;
     for (Py_ssize_t i = 0; i < p->n && rc == 0; i++) {
         PyObject *item = PyTuple_GET_ITEM(tup, i);
         /* a tuple of its own too (a copy if it is a list), for the same reason */
@@ -386,6 +417,10 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         goto out;
     }
     uint32_t raw = SHM_PAYLOAD_RAW, none = 0;
+    size_t un = (size_t)p.n;
+    if (gbuf_reserve(&p.kinds, 4 * un) < 0 || gbuf_reserve(&p.klens, 4 * un) < 0 ||
+        gbuf_reserve(&p.nkeys, 4 * un) < 0 || gbuf_reserve(&p.blob, 8 * un) < 0)
+        goto out;
     if (a[2] != Py_None) {
         keyseq = PySequence_Fast(a[2], "send_batch: keys must be None or a sequence");
         if (keyseq == NULL) goto out;
