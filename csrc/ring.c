@@ -608,7 +608,7 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
         uint8_t *b = (uint8_t *)r + REC_BODY + 16u * nkeys[i]; /* past hashes and links */
         memcpy(b, keys, klens[i]);
         if (lens[i]) memcpy(b + align8(klens[i]), data, lens[i]);
-        r->pad = 0;
+        r->flags = 0; /* groups carry no time footer (timers.c) */
         r->crc = durable ? rec_checksum(r, n) : 0;
         /* release: pairs with ring_peek's acquire load: the body is complete when seen */
         STORE_RELEASE(&r->meta, META(n, REC_COMMITTED));
