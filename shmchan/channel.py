@@ -9,6 +9,7 @@ importable from here too. Opening and naming segments is `shmchan._segment`'s.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import codec, errors, liveness
+from . import overflow as _overflow  # the parameter of create() is named overflow
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     PREFIX,
@@ -99,6 +101,11 @@ class Stats:
     committed_bytes: int = 0
     """Bytes of shared memory (or of the channel's file) backing the channel now: its
     fixed part plus what its traffic has used so far, never more than its full size."""
+    overflow_bytes: int = 0
+    """Bytes of messages in the channel's overflow file, not yet taken back into the ring
+    (0 for a channel without overflow=)."""
+    overflow_messages: int = 0
+    """Messages in the channel's overflow file, not yet taken back into the ring."""
 
 
 class Channel(Attachment):
@@ -125,6 +132,8 @@ class Channel(Attachment):
         mode: int = 0o600,
         path: str | os.PathLike[str] | None = None,
         max_producers: int = 1024,
+        overflow: str | os.PathLike[str] | None = None,
+        overflow_limit: int | None = None,
     ) -> Channel:
         """Make a new channel. Raises ChannelExists if the name is taken.
 
@@ -144,6 +153,11 @@ class Channel(Attachment):
         * mode: permissions of the segment and semaphores (default 0o600: your user only).
         * path: keep the channel in this regular file instead of /dev/shm (durable).
         * max_producers: processes registered as senders at once.
+        * overflow: a directory; when the ring is full, sends append to a file there
+          instead of waiting, and the receiver takes them back in order (None: sends
+          wait). See the broker controls guide.
+        * overflow_limit: bytes the overflow file may hold (None: what its file system
+          takes); past it, sends wait for room and raise Full on timeout.
         """
         check_name(name)
         cfg = ffi.new("shm_config *")
@@ -187,6 +201,9 @@ class Channel(Attachment):
         if path is not None:  # records carry a checksum, checked when recovered
             cfg.flags |= lib.SHM_CFG_DURABLE
         cfg.max_producers = _positive_int("max_producers", max_producers)
+        spill = None if overflow is None else _overflow_config(overflow, overflow_limit)
+        if overflow is None and overflow_limit is not None:
+            raise errors.InvalidArgument("overflow_limit= needs overflow=DIR as well")
         total = ffi.new("uint64_t *")
         rc = lib.shm_layout_size(cfg, total)
         if rc:
@@ -197,6 +214,8 @@ class Channel(Attachment):
             if path is not None:
                 raise
             raise errors.ChannelExists(_exists_text(name)) from None
+        if spill is not None:
+            _overflow.setup(seg, *spill)
         return cls(seg)
 
     @classmethod
@@ -284,6 +303,7 @@ class Channel(Attachment):
             shutdown=bool(st.shutdown),
             receiver_pid=liveness.token_pid(receiver) if receiver else None,
             committed_bytes=int(st.committed_bytes),
+            **_overflow_stats(seg),
         )
 
     def dead_letters(self) -> list[DeadLetter]:
@@ -383,7 +403,10 @@ class Channel(Attachment):
         lib.shm_mark_removed(seg.ptr)  # whatever the name means now, this one is gone
         seg.post(RX, 1)
         seg.post(TX, 64)
-        if not unlink_name(seg.name, seg.path, seg.chan_id):
+        removed = unlink_name(seg.name, seg.path, seg.chan_id)
+        if removed:
+            _overflow.remove_file(seg)
+        if not removed:
             raise errors.ChannelNotFound(
                 f"channel {seg.name!r} was already removed"
                 + (
@@ -409,6 +432,15 @@ class Channel(Attachment):
         if self._seg is None:
             return "<shmchan.Channel (closed)>"
         return f"<shmchan.Channel {self._seg.name!r} capacity={self._seg.capacity}>"
+
+
+def _overflow_config(directory: object, limit: object) -> tuple[str, int]:
+    return _overflow.check_dir(directory, limit)  # type: ignore[arg-type]  # checked there
+
+
+def _overflow_stats(seg: Segment) -> dict[str, int]:
+    use = _overflow.usage(seg)
+    return {} if use is None else {"overflow_bytes": use.bytes, "overflow_messages": use.messages}
 
 
 def _positive_int(what: str, value: object, minimum: int = 1) -> int:
@@ -446,8 +478,13 @@ def unlink(name: str, *, path: str | os.PathLike[str] | None = None) -> None:
     semaphores); processes attached to it are refused further sends (ChannelRemoved)
     and its receiver drains. ChannelNotFound if there is none."""
     check_name(name)
-    if not unlink_name(name, None if path is None else os.fspath(path), 0):
+    where = None if path is None else os.fspath(path)
+    spill_file = _overflow.file_of(name, where)  # read before the name goes
+    if not unlink_name(name, where, 0):
         raise errors.ChannelNotFound(f"no channel named {name!r}")
+    if spill_file is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spill_file)
 
 
 def list_channels() -> list[str]:

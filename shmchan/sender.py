@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import aio, codec, errors
+from . import aio, codec, errors, overflow
 from ._lib import ffi, lib, raise_for
 from ._segment import RX, Attachment, Segment, SpaceWait, deadline_of, shared_attachment
 
@@ -60,6 +60,12 @@ class Sender(_hot.SenderBase):
             _refuse(seg, rc, "send", kind, len(data), len(blob), nkeys)
         if rc:
             deadline = deadline_of(timeout)
+
+            def spill(sp: overflow.Spill) -> int:  # seq 0: given when taken back
+                overflow.spill_one(sp, kind, data, blob, nkeys, deadline, "send")
+                s.seq[0] = 0
+                return 0
+
             rc = self._wait_and_retry(
                 seg,
                 rc,
@@ -68,6 +74,7 @@ class Sender(_hot.SenderBase):
                     seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake
                 ),
                 "send",
+                spill,
             )
         if s.wake[0]:
             seg.post(RX, 1)
@@ -155,21 +162,39 @@ class Sender(_hot.SenderBase):
             if rc < 0:
                 _refuse_batch(seg, rc, packed, what)
             if rc:
-                rc = self._wait_and_retry(seg, rc, deadline, attempt, what)
+
+                def spill(sp: overflow.Spill) -> int:  # the rest to the file, seqs 0
+                    overflow.spill_packed(sp, packed, int(done[0]), deadline, what)
+                    for i in range(int(done[0]), n):
+                        seqs[i] = 0
+                    done[0] = n
+                    return 0
+
+                rc = self._wait_and_retry(seg, rc, deadline, attempt, what, spill)
         except (errors.Full, errors.Closed) as e:
             e.seqs = list(ffi.unpack(seqs, done[0]))  # the prefix that went in
             raise
         return list(ffi.unpack(seqs, n))
 
     def _wait_and_retry(
-        self, seg: Segment, rc: int, deadline: float | None, attempt: Any, what: str
+        self,
+        seg: Segment,
+        rc: int,
+        deadline: float | None,
+        attempt: Any,
+        what: str,
+        spill: Any = None,
     ) -> int:
         """Retry a send that returned FULL or STALLED until it succeeds or time runs out
-        (the senders' one wait: _segment.SpaceWait)."""
+        (the senders' one wait: _segment.SpaceWait). A channel with an overflow takes
+        what found it full into its file instead (`spill`, shmchan.overflow)."""
         s = seg.scratch()
         with SpaceWait(what, deadline) as wait:
             while rc:
                 if rc == lib.SHM_FULL:
+                    sp = None if spill is None else overflow.spill_of(seg)
+                    if sp is not None:
+                        return int(spill(sp))
                     wait.full(seg)
                 elif rc == lib.SHM_STALLED:
                     wait.stalled(seg, s.stall)
