@@ -29,7 +29,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 # Stats fields that count bytes; shown human-readable as well.
-_BYTE_FIELDS = frozenset({"capacity", "used_bytes", "committed_bytes"})
+_BYTE_FIELDS = frozenset({"capacity", "used_bytes", "committed_bytes", "overflow_bytes"})
 
 
 class _UserError(Exception):

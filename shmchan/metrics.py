@@ -42,6 +42,12 @@ _GAUGES = (
     ("producers", "shmchan_producers", "Live processes registered as senders."),
     ("dead_letters", "shmchan_dead_letters", "Messages that ran out of attempts."),
     ("window", "shmchan_window_messages", "Messages in the receiver's scheduling window."),
+    ("overflow_bytes", "shmchan_overflow_bytes", "Bytes in the overflow file, not yet taken back."),
+    (
+        "overflow_messages",
+        "shmchan_overflow_messages",
+        "Messages in the overflow file, not yet taken back.",
+    ),
 )
 # Stats counters: (field, metric name without _total, help).
 _COUNTERS = (
