@@ -200,7 +200,13 @@ def test_bad_overflow_arguments_are_refused_at_once(chan_name: str, tmp_path: Pa
         shmchan.Channel.open(chan_name)  # nothing was created
 
 
-def test_a_torn_record_left_by_a_killed_appender_is_cut_off_never_delivered(
+def _tail(ch: shmchan.Channel) -> int:
+    st = ffi.new("shm_ovf_state *")
+    assert lib.shm_ovf_read(ch._live().ptr, st, ffi.NULL, 0) == 0
+    return int(st.tail)
+
+
+def test_records_an_appender_killed_before_publishing_left_are_never_delivered(
     ch_factory: Any, tmp_path: Path
 ) -> None:
     ch = ch_factory(capacity=SMALL, overflow=tmp_path)
@@ -210,14 +216,18 @@ def test_a_torn_record_left_by_a_killed_appender_is_cut_off_never_delivered(
         tx.send(pickle.dumps(sent), timeout=0)
         sent += 1
     f = _file(ch, tmp_path)
-    whole = f.stat().st_size
-    torn = overflow.encode(0, b"torn" * 100, b"", 0)[:300]  # what a SIGKILL mid-write leaves
+    assert f.stat().st_size == _tail(ch)
+    # What a SIGKILL after the write and before the tail moved leaves: a whole record
+    # past the tail; and after it, a torn one (killed mid-write).
+    ghost = overflow.encode(1, pickle.dumps("ghost"), b"", 0)
+    torn = overflow.encode(1, pickle.dumps("torn" * 1000), b"", 0)[:3000]
     with open(f, "ab") as fh:
-        fh.write(torn)
-    for _ in range(5):  # the next appender cuts it off before writing
-        tx.send(pickle.dumps(sent), timeout=0)
-        sent += 1
-    assert f.stat().st_size > whole
+        fh.write(ghost + torn)
+    tx.send(pickle.dumps(sent), timeout=0)  # the next appender cuts them off first
+    sent += 1
+    assert f.stat().st_size == _tail(ch)  # nothing past the tail: cut, then written
+    with open(f, "ab") as fh:
+        fh.write(ghost)  # and one more that nobody overwrites
     with ch.receiver() as rx:
         got = [pickle.loads(p) for p in _drain(rx, sent)]
         with pytest.raises(shmchan.Empty):
