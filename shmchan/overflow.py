@@ -238,7 +238,9 @@ class Spill:
         while True:
             with self.lock:
                 fd = self._open()
-                fcntl.flock(fd, fcntl.LOCK_EX)  # held by writers only; the kernel drops a dead one's
+                fcntl.flock(
+                    fd, fcntl.LOCK_EX
+                )  # held by writers only; the kernel drops a dead one's
                 try:
                     if self._try_append(fd, records, nmsgs, what):
                         return
@@ -339,7 +341,9 @@ def spill_packed(
     out = []
     for i in range(done, n):
         dl, kl = k_lens[i], k_klens[i]
-        out.append(encode(k_kinds[i], mv[doff : doff + dl], bytes(kv[koff : koff + kl]), k_nkeys[i]))
+        out.append(
+            encode(k_kinds[i], mv[doff : doff + dl], bytes(kv[koff : koff + kl]), k_nkeys[i])
+        )
         doff += dl
         koff += kl
     sp.append(b"".join(out), n - done, deadline, what)
