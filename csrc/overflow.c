@@ -134,3 +134,13 @@ int shm_ovf_drainer(shm_chan *c) {
     c->ovf_drainer = 1;
     return SHM_OK;
 }
+
+/* The CRC-32C of a record (shmchan/overflow.py): of its header from byte 8 on, its key
+ * blob and its payload, as if they were one buffer (none of them is copied). */
+int shm_ovf_crc(const char *head, uint64_t nhead, const char *blob, uint64_t nblob,
+                const char *data, uint64_t ndata, uint32_t *out) {
+    uint32_t crc = crc32c(0, head, nhead);
+    crc = crc32c(crc, blob, nblob);
+    *out = crc32c(crc, data, ndata);
+    return SHM_OK;
+}

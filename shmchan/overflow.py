@@ -9,7 +9,7 @@ Protocol (the shared words are csrc/overflow.c's; the file is this module's):
 
       offset  size  field
       0       4     magic  RECORD_MAGIC
-      4       4     crc    CRC-32C of bytes [8, total)
+      4       4     crc    CRC-32C of bytes [8, 32 + keys_len + data_len)
       8       8     total  the record's length, header and padding included (8-aligned)
       16      8     data_len
       24      4     keys_len
@@ -56,6 +56,7 @@ import errno
 import fcntl
 import os
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -73,6 +74,7 @@ HEADER = struct.Struct("<IIQQIHH")
 IDLE_POLL_SECONDS = 0.01  # the drainer's look at an idle overflow (no file work)
 READ_CHUNK = 4 << 20  # bytes the drainer reads from the file at once
 FULL_NAP_MAX = 0.1  # longest sleep of a sender waiting for room in a full overflow
+ERROR_RETRY_SECONDS = 1.0  # the drainer's pause after a failed step (a full disk, say)
 _NO_LIMIT = (1 << 63) - 1
 
 
@@ -165,37 +167,72 @@ def remove_file(seg: Segment) -> None:
             pass
 
 
-def encode(kind: int, data: Any, blob: bytes, nkeys: int) -> bytes:
-    """One record (see the top of this module)."""
+_PAD = bytes(8)
+
+
+def encode(kind: int, data: Any, blob: bytes, nkeys: int) -> list[Any]:
+    """One record (see the top of this module) as the buffers to write, in order: its
+    header, key blob, payload and padding (the payload is not copied)."""
+    if type(data) is not bytes:
+        data = memoryview(data).cast("B")
     body = len(blob) + len(data)
     total = (HEADER.size + body + 7) & ~7
-    rec = bytearray(total)
-    HEADER.pack_into(rec, 0, RECORD_MAGIC, 0, total, len(data), len(blob), nkeys, kind)
-    rec[HEADER.size : HEADER.size + len(blob)] = blob
-    rec[HEADER.size + len(blob) : HEADER.size + body] = data
+    head = bytearray(HEADER.pack(RECORD_MAGIC, 0, total, len(data), len(blob), nkeys, kind))
     crc = ffi.new("uint32_t *")
-    lib.shm_crc32c(ffi.from_buffer(rec)[8:total], total - 8, 1, crc)
-    struct.pack_into("<I", rec, 4, crc[0])
-    return bytes(rec)
+    lib.shm_ovf_crc(
+        ffi.from_buffer(head)[8 : HEADER.size],
+        HEADER.size - 8,
+        blob,
+        len(blob),
+        ffi.from_buffer(data),
+        len(data),
+        crc,
+    )
+    struct.pack_into("<I", head, 4, crc[0])
+    return [head, blob, data, _PAD[: total - HEADER.size - body]]
 
 
-def _crc_ok(buf: Any, off: int, total: int, crc: int) -> bool:
-    out = ffi.new("uint32_t *")
-    lib.shm_crc32c(ffi.from_buffer(buf)[off + 8 : off + total], total - 8, 1, out)
-    return int(out[0]) == crc
-
-
-def decode_at(buf: bytes, off: int, end: int) -> tuple[int, int, bytes, bytes, int] | None:
-    """The whole, valid record at buf[off:] (kind, nkeys, blob, data, total), or None."""
+def decode_at(buf: Any, off: int, end: int) -> tuple[int, int, Any, Any, int] | None:
+    """The whole, valid record at buf[off:] (kind, nkeys, blob, data as memoryviews of
+    buf, and its total length), or None."""
     if end - off < HEADER.size:
         return None
     magic, crc, total, dlen, klen, nkeys, kind = HEADER.unpack_from(buf, off)
     if magic != RECORD_MAGIC or total % 8 or total < HEADER.size or total > end - off:
         return None
-    if HEADER.size + klen + dlen > total or not _crc_ok(buf, off, total, crc):
+    if HEADER.size + klen + dlen > total:
         return None
+    mv = memoryview(buf)
     k0 = off + HEADER.size
-    return kind, nkeys, bytes(buf[k0 : k0 + klen]), bytes(buf[k0 + klen : k0 + klen + dlen]), total
+    blob, data = mv[k0 : k0 + klen], mv[k0 + klen : k0 + klen + dlen]
+    out = ffi.new("uint32_t *")
+    lib.shm_ovf_crc(
+        ffi.from_buffer(mv[off + 8 : k0]),
+        HEADER.size - 8,
+        ffi.from_buffer(blob),
+        klen,
+        ffi.from_buffer(data),
+        dlen,
+        out,
+    )
+    if int(out[0]) != crc:
+        return None
+    return kind, nkeys, blob, data, total
+
+
+def _write_at(fd: int, bufs: list[Any], offset: int) -> None:
+    """Write the buffers one after the other from offset, whole (pwritev, in groups)."""
+    i = 0
+    while i < len(bufs):
+        group = bufs[i : i + 512]
+        size = sum(len(b) for b in group)
+        done = os.pwritev(fd, group, offset)
+        if done < size:  # a short write: the rest of this group, plainly
+            rest = b"".join(bytes(b) for b in group)
+            while done < size:
+                done += os.pwrite(fd, rest[done:], offset + done)
+        offset += size
+        i += 512
 
 
 class Spill:
@@ -211,28 +248,21 @@ class Spill:
         self.lock = threading.Lock()
 
     def _open(self) -> int:
-        """The file, opened by this process (a descriptor inherited over fork shares the
-        parent's flock, so a child opens its own); re-opened if the name changed."""
+        """The file, opened by this process: a descriptor inherited over fork shares the
+        parent's flock, so a child opens its own. The name is never re-used (it holds
+        the channel's random id), so one open lasts as long as the process."""
         if self.pid != os.getpid():
             self.pid, self.fd, self.lock = os.getpid(), -1, threading.Lock()
-        if self.fd >= 0:
+        if self.fd < 0:
             try:
-                now, mine = os.stat(self.path), os.fstat(self.fd)
-                if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-                    return self.fd
-            except FileNotFoundError:
-                pass  # removed: opened again below (the removed check refuses then)
-            os.close(self.fd)
-            self.fd = -1
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise errors.ResourceError(
-                e.errno, f"cannot open the overflow file {self.path!r}: {os.strerror(e.errno)}"
-            ) from None
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise errors.ResourceError(
+                    e.errno, f"cannot open the overflow file {self.path!r}: {e.strerror}"
+                ) from None
         return self.fd
 
-    def append(self, records: bytes, nmsgs: int, deadline: float | None, what: str) -> None:
+    def append(self, records: list[Any], nmsgs: int, deadline: float | None, what: str) -> None:
         """Append whole records atomically; wait (until deadline) while over the limit."""
         nap = 0.001
         while True:
@@ -258,32 +288,30 @@ class Spill:
             time.sleep(nap if left is None else min(nap, left))
             nap = min(2 * nap, FULL_NAP_MAX)
 
-    def _try_append(self, fd: int, records: bytes, nmsgs: int, what: str) -> bool:
+    def _try_append(self, fd: int, records: list[Any], nmsgs: int, what: str) -> bool:
         st, _ = _state(self.seg)
         tail = int(st.tail)
-        if len(records) > self.limit:
+        size = sum(len(b) for b in records)
+        if size > self.limit:
             raise errors.MessageTooLarge(
-                f"{what}: {len(records)} bytes of records can never fit in the overflow of "
+                f"{what}: {size} bytes of records can never fit in the overflow of "
                 f"channel {self.seg.name!r} (overflow_limit={self.limit})"
             )
-        if tail - int(st.head) + len(records) > self.limit:
+        if tail - int(st.head) + size > self.limit:
             return False
         rc = lib.shm_ovf_begin(self.seg.ptr)
         if rc:
             raise_for(rc, what)
-        size = os.fstat(fd).st_size
-        if size < tail:
+        now = os.fstat(fd).st_size
+        if now < tail:
             raise errors.ChannelCorrupted(
-                f"the overflow file {self.path!r} is shorter ({size} bytes) than its "
+                f"the overflow file {self.path!r} is shorter ({now} bytes) than its "
                 f"channel recorded ({tail}): it was cut or replaced outside shmchan"
             )
         try:
-            if size > tail:
+            if now > tail:
                 os.ftruncate(fd, tail)  # a torn record of an appender that died mid-write
-            done = 0
-            view = memoryview(records)
-            while done < len(records):
-                done += os.pwrite(fd, view[done:], tail + done)
+            _write_at(fd, records, tail)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise errors.Full(
@@ -294,7 +322,7 @@ class Spill:
             raise errors.ResourceError(
                 e.errno, f"{what}: cannot write the overflow file {self.path!r}"
             ) from None
-        rc = lib.shm_ovf_published(self.seg.ptr, tail + len(records), nmsgs)
+        rc = lib.shm_ovf_published(self.seg.ptr, tail + size, nmsgs)
         if rc:
             raise_for(rc, what)
         return True
@@ -338,15 +366,13 @@ def spill_packed(
     doff = sum(k_lens[:done])
     koff = sum(k_klens[:done])
     mv, kv = memoryview(data), memoryview(keyblob)
-    out = []
+    out: list[Any] = []
     for i in range(done, n):
         dl, kl = k_lens[i], k_klens[i]
-        out.append(
-            encode(k_kinds[i], mv[doff : doff + dl], bytes(kv[koff : koff + kl]), k_nkeys[i])
-        )
+        out += encode(k_kinds[i], mv[doff : doff + dl], bytes(kv[koff : koff + kl]), k_nkeys[i])
         doff += dl
         koff += kl
-    sp.append(b"".join(out), n - done, deadline, what)
+    sp.append(out, n - done, deadline, what)
 
 
 class Drainer:
@@ -375,12 +401,19 @@ class Drainer:
     def _run(self) -> None:
         try:
             while not self.stopping.is_set():
-                if not self._step():
+                try:
+                    busy = self._step()
+                except _Stopped:
+                    break
+                except Exception as e:  # said once, then tried again: nothing is dropped
+                    if repr(e) != repr(self.error):
+                        print(f"shmchan: overflow drain of {self.seg.name!r}: {e}", file=sys.stderr)
+                    self.error = e
+                    self.stopping.wait(ERROR_RETRY_SECONDS)
+                    continue
+                self.error = None
+                if not busy:
                     self.stopping.wait(IDLE_POLL_SECONDS)
-        except _Stopped:
-            pass
-        except BaseException as e:  # kept for the operators' view and the tests
-            self.error = e
         finally:
             if self.seg.registered:
                 lib.shm_producer_detach(self.seg.ptr)
@@ -443,8 +476,9 @@ class Drainer:
             nxt += 8
         return end
 
-    def _send(self, kind: int, data: bytes, blob: bytes, nkeys: int) -> None:
+    def _send(self, kind: int, data: Any, blob: Any, nkeys: int) -> None:
         seg = self.seg
+        data, blob = ffi.from_buffer(data), ffi.from_buffer(blob)
         if not seg.registered:
             seg.register_producer()
         s = seg.scratch()

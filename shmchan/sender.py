@@ -62,7 +62,7 @@ class Sender(_hot.SenderBase):
             deadline = deadline_of(timeout)
 
             def spill(sp: overflow.Spill) -> int:  # seq 0: given when taken back
-                overflow.spill_one(sp, kind, data, blob, nkeys, deadline, "send")
+                overflow.spill_one(sp, kind, buf, blob, nkeys, deadline, "send")
                 s.seq[0] = 0
                 return 0
 

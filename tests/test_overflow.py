@@ -230,8 +230,8 @@ def test_records_an_appender_killed_before_publishing_left_are_never_delivered(
     assert f.stat().st_size == _tail(ch)
     # What a SIGKILL after the write and before the tail moved leaves: a whole record
     # past the tail; and after it, a torn one (killed mid-write).
-    ghost = overflow.encode(1, pickle.dumps("ghost"), b"", 0)
-    torn = overflow.encode(1, pickle.dumps("torn" * 1000), b"", 0)[:3000]
+    ghost = b"".join(overflow.encode(1, pickle.dumps("ghost"), b"", 0))
+    torn = b"".join(overflow.encode(1, pickle.dumps("torn" * 1000), b"", 0))[:3000]
     with open(f, "ab") as fh:
         fh.write(ghost + torn)
     tx.send(pickle.dumps(sent), timeout=0)  # the next appender cuts them off first
@@ -309,7 +309,7 @@ def test_appenders_killed_at_random_moments_leave_nothing_torn_and_lose_nothing_
                 runs.append([])
             runs[-1].append(i)
         assert len(runs) == len(returned_total)
-        for run, ret in zip(runs, returned_total):
+        for run, ret in zip(runs, returned_total, strict=True):
             assert run == list(range(len(run)))  # in order, none lost, none twice
             assert len(run) in (ret, ret + 1)  # returned ones all; at most the one in flight
         assert _skipped(ch) == 0

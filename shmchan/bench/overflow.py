@@ -49,7 +49,9 @@ def _one_pass(n: int, directory: str) -> tuple[float, float, float, float]:
             try:
                 tx.send(_payload(i, body), keys=(i % KEYS,), timeout=0)
             except shmchan.Full as e:
-                raise BenchError(f"overflow bench: message {i} of the burst was refused: {e}")
+                raise BenchError(
+                    f"overflow bench: message {i} of the burst was refused: {e}"
+                ) from None
         burst = time.perf_counter() - t0
         if ch.stats().overflow_messages == 0:
             raise BenchError("overflow bench: nothing went to the overflow file")
@@ -96,7 +98,7 @@ def _run_overflow(run: Run) -> None:
     rows: dict[str, list[float]] = {"burst": [], "drain": [], "write": [], "read": []}
     with tempfile.TemporaryDirectory(prefix="shmchan-bench-overflow-", dir="/var/tmp") as d:
         for _ in range(_reps(run)):
-            for key, rate in zip(rows, _one_pass(n, d)):
+            for key, rate in zip(rows, _one_pass(n, d), strict=True):
                 rows[key].append(rate)
             run.progress.step("overflow: one repetition")
     size = f"{run.sizes.overflow_burst / MIB:.0f} MiB"
