@@ -35,6 +35,8 @@
  *   drainer    ring commits -> overflowing = 0 (seq_cst): a sender whose acquire load in
  *              send_one reads 0 claims after the drained records (its seq is higher).
  */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <string.h>
 
 #include "core.h"
@@ -142,5 +144,18 @@ int shm_ovf_crc(const char *head, uint64_t nhead, const char *blob, uint64_t nbl
     uint32_t crc = crc32c(0, head, nhead);
     crc = crc32c(crc, blob, nblob);
     *out = crc32c(crc, data, ndata);
+    return SHM_OK;
+}
+
+/* The drainer: give back the disk blocks of the records before `upto` that it has taken
+ * back (a hole punched from 0, whole pages; offsets and the file's size are unchanged),
+ * so a file that never quite drains does not keep every block it ever held.
+ * SHM_E_SYS with errno set if the file system cannot (then the blocks wait for the
+ * truncation when the file drains). */
+int shm_ovf_punch(int fd, uint64_t upto) {
+    upto &= ~(uint64_t)4095;
+    if (upto == 0) return SHM_OK;
+    if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)upto) != 0)
+        return SHM_E_SYS;
     return SHM_OK;
 }

@@ -253,6 +253,7 @@ int  shm_ovf_published(shm_chan *c, uint64_t tail, uint64_t nmsgs);
 int  shm_ovf_taken(shm_chan *c, uint64_t head, uint64_t nmsgs, uint64_t nskipped);
 int  shm_ovf_finish(shm_chan *c);
 int  shm_ovf_drainer(shm_chan *c);
+int  shm_ovf_punch(int fd, uint64_t upto);
 int  shm_ovf_crc(const char *head, uint64_t nhead, const char *blob, uint64_t nblob,
                  const char *data, uint64_t ndata, uint32_t *out);
 

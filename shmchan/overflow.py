@@ -33,7 +33,9 @@ Protocol (the shared words are csrc/overflow.c's; the file is this module's):
   sends it into the ring through its own attachment, marked the drainer's (its sends
   pass the `overflowing` check); after each send it stores head past the record. When
   head reaches tail it takes the flock and calls shm_ovf_finish: offsets back to 0, the
-  flag cleared, the file truncated to 0 bytes. A record that fails its checksum (the
+  flag cleared, the file truncated to 0 bytes. Until then, every PUNCH_EVERY bytes taken
+  back, it punches a hole over them (their disk blocks are freed, offsets unchanged), so a
+  file that keeps receiving as fast as it drains does not keep every block it ever had. A record that fails its checksum (the
   disk, or a hand that is not shmchan's) is skipped and counted; the next whole record
   is found by its magic and checksum, so a bad record holds up nothing behind it.
 
@@ -73,6 +75,7 @@ RECORD_MAGIC = 0x3166764F  # b"Ovf1" read as little-endian
 HEADER = struct.Struct("<IIQQIHH")
 IDLE_POLL_SECONDS = 0.01  # the drainer's look at an idle overflow (no file work)
 READ_CHUNK = 4 << 20  # bytes the drainer reads from the file at once
+PUNCH_EVERY = 16 << 20  # bytes taken back between two holes punched in the file
 FULL_NAP_MAX = 0.1  # longest sleep of a sender waiting for room in a full overflow
 ERROR_RETRY_SECONDS = 1.0  # the drainer's pause after a failed step (a full disk, say)
 _NO_LIMIT = (1 << 63) - 1
@@ -388,6 +391,7 @@ class Drainer:
             raise_for(rc, "overflow drain")
         self.path = file_name(directory, name, chan_id)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.punched = 0  # the file's blocks before this offset were given back
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="shmchan-overflow", daemon=True)
@@ -431,6 +435,7 @@ class Drainer:
             try:
                 if lib.shm_ovf_finish(self.seg.ptr) == lib.SHM_OK:
                     os.ftruncate(self.fd, 0)
+                    self.punched = 0
             finally:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             self.seg.post(RX, 1)  # a shut-down receiver may report CLOSED now
@@ -465,6 +470,9 @@ class Drainer:
             rc = lib.shm_ovf_taken(self.seg.ptr, head + off, 1, 0)
             if rc:
                 raise_for(rc, "overflow drain")
+            if head + off >= self.punched + PUNCH_EVERY:
+                lib.shm_ovf_punch(self.fd, head + off)  # a file system without holes: no matter
+                self.punched = head + off
         return True
 
     def _resync(self, buf: bytes, off: int, end: int) -> int:

@@ -425,3 +425,21 @@ def test_a_channel_without_overflow_still_waits_and_has_no_file(
             tx.send(b"n" * 1000, timeout=0)
     st = ch.stats()
     assert st.overflow_bytes == st.overflow_messages == 0
+
+
+def test_a_file_that_never_quite_drains_gives_back_the_blocks_taken_back(
+    ch_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(overflow, "PUNCH_EVERY", 64 << 10)  # the drainer runs in this process
+    ch = ch_factory(capacity=SMALL, overflow=tmp_path)
+    tx = ch.sender()
+    for i in range(600):  # about 2.4 MiB, nearly all in the file
+        tx.send(i.to_bytes(4, "little") * 1024, timeout=0)
+    f = _file(ch, tmp_path)
+    with ch.receiver() as rx:
+        _drain(rx, 400)  # two thirds taken back; the file is not empty, so not truncated
+        st = f.stat()
+        assert st.st_size > 2 << 20
+        assert _on_disk(ch) > 0
+        assert st.st_blocks * 512 < st.st_size - (1 << 20)  # the drained part's blocks freed
+        _drain(rx, 200)
