@@ -35,8 +35,9 @@ Protocol (the shared words are csrc/overflow.c's; the file is this module's):
   head reaches tail it takes the flock and calls shm_ovf_finish: offsets back to 0, the
   flag cleared, the file truncated to 0 bytes. Until then, every PUNCH_EVERY bytes taken
   back, it punches a hole over them (their disk blocks are freed, offsets unchanged), so a
-  file that keeps receiving as fast as it drains does not keep every block it ever had. A record that fails its checksum (the
-  disk, or a hand that is not shmchan's) is skipped and counted; the next whole record
+  file that keeps receiving as fast as it drains does not keep every block it ever had.
+  A record that fails its checksum (the disk, or a hand that is not shmchan's) is
+  skipped and counted; the next whole record
   is found by its magic and checksum, so a bad record holds up nothing behind it.
 
 * Order: while the flag is set, every send but the drainer's goes to the file, behind
