@@ -443,3 +443,31 @@ def test_a_file_that_never_quite_drains_gives_back_the_blocks_taken_back(
         assert _on_disk(ch) > 0
         assert st.st_blocks * 512 < st.st_size - (1 << 20)  # the drained part's blocks freed
         _drain(rx, 200)
+
+
+def test_an_exchange_publish_to_several_channels_does_not_spill_it_waits_behind_the_file(
+    ch_factory: Any, tmp_path: Path
+) -> None:
+    ch = ch_factory(capacity=SMALL, overflow=tmp_path)
+    other = ch_factory(capacity=1 << 20)
+    ex = shmchan.Exchange.create(f"t{os.getpid()}_xovf", kind="fanout")
+    try:
+        ex.bind(ch.name)
+        tx = ch.sender()
+        for i in range(200):
+            tx.send(pickle.dumps((i, b"p" * 500)), timeout=0)
+        assert _on_disk(ch) > 0
+        assert ex.publish(pickle.dumps((-1, b"")), timeout=0) == {ch.name: 0}  # one: a send
+        ex.bind(other.name)
+        with pytest.raises(shmchan.Full):
+            ex.publish(pickle.dumps(("published", b"")), timeout=0.2)  # two: not into a file
+        assert other.stats().queued == 0  # all or nothing
+        with ch.receiver() as rx:
+            got = [pickle.loads(p)[0] for p in _drain(rx, 201)]
+            ex.publish(pickle.dumps(("published", b"")), timeout=WAIT)  # drained: room
+            got += [pickle.loads(p)[0] for p in _drain(rx, 1)]
+        assert got == [*range(200), -1, "published"]  # behind everything sent before it
+        assert other.stats().queued == 1
+    finally:
+        ex.close()
+        shmchan.unlink_exchange(ex.name)
