@@ -37,8 +37,8 @@ Protocol (the shared words are csrc/overflow.c's; the file is this module's):
   back, it punches a hole over them (their disk blocks are freed, offsets unchanged), so a
   file that keeps receiving as fast as it drains does not keep every block it ever had.
   A record that fails its checksum (the disk, or a hand that is not shmchan's) is
-  skipped and counted; the next whole record
-  is found by its magic and checksum, so a bad record holds up nothing behind it.
+  skipped and counted; the next whole record is found by its magic and checksum, so a
+  bad record holds up nothing behind it.
 
 * Order: while the flag is set, every send but the drainer's goes to the file, behind
   what is there; the drainer moves records into the ring in file order. Messages get

@@ -30,10 +30,25 @@ def _file(ch: shmchan.Channel, d: Path) -> Path:
     return files[0]
 
 
-def _skipped(ch: shmchan.Channel) -> int:
+def _ovf_state(ch: shmchan.Channel) -> Any:
     st = ffi.new("shm_ovf_state *")
     assert lib.shm_ovf_read(ch._live().ptr, st, ffi.NULL, 0) == 0
-    return int(st.skipped)
+    return st
+
+
+def _skipped(ch: shmchan.Channel) -> int:
+    """Records the drain found corrupt and skipped."""
+    return int(_ovf_state(ch).skipped)
+
+
+def _spill_numbers(ch: shmchan.Channel, on_disk: int) -> tuple[shmchan.Sender, int]:
+    """Send pickled 0, 1, ... until `on_disk` of them are in the file: (sender, count)."""
+    tx = ch.sender()
+    sent = 0
+    while _on_disk(ch) < on_disk:
+        tx.send(pickle.dumps(sent), timeout=0)
+        sent += 1
+    return tx, sent
 
 
 def _on_disk(ch: shmchan.Channel) -> int:
@@ -212,20 +227,14 @@ def test_bad_overflow_arguments_are_refused_at_once(chan_name: str, tmp_path: Pa
 
 
 def _tail(ch: shmchan.Channel) -> int:
-    st = ffi.new("shm_ovf_state *")
-    assert lib.shm_ovf_read(ch._live().ptr, st, ffi.NULL, 0) == 0
-    return int(st.tail)
+    return int(_ovf_state(ch).tail)
 
 
 def test_records_an_appender_killed_before_publishing_left_are_never_delivered(
     ch_factory: Any, tmp_path: Path
 ) -> None:
     ch = ch_factory(capacity=SMALL, overflow=tmp_path)
-    tx = ch.sender()
-    sent = 0
-    while _on_disk(ch) < 5:
-        tx.send(pickle.dumps(sent), timeout=0)
-        sent += 1
+    tx, sent = _spill_numbers(ch, 5)
     f = _file(ch, tmp_path)
     assert f.stat().st_size == _tail(ch)
     # What a SIGKILL after the write and before the tail moved leaves: a whole record
@@ -251,11 +260,7 @@ def test_a_corrupt_record_is_skipped_without_holding_up_the_ones_behind_it(
     ch_factory: Any, tmp_path: Path
 ) -> None:
     ch = ch_factory(capacity=SMALL, overflow=tmp_path)
-    tx = ch.sender()
-    sent = 0
-    while _on_disk(ch) < 10:
-        tx.send(pickle.dumps(sent), timeout=0)
-        sent += 1
+    _tx, sent = _spill_numbers(ch, 10)
     in_ring = sent - 10
     f = _file(ch, tmp_path)
     raw = bytearray(f.read_bytes())
