@@ -255,8 +255,6 @@ class Spill:
         """The file, opened by this process: a descriptor inherited over fork shares the
         parent's flock, so a child opens its own. The name is never re-used (it holds
         the channel's random id), so one open lasts as long as the process."""
-        if self.pid != os.getpid():
-            self.pid, self.fd, self.lock = os.getpid(), -1, threading.Lock()
         if self.fd < 0:
             try:
                 self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -269,17 +267,25 @@ class Spill:
     def append(self, records: list[Any], nmsgs: int, deadline: float | None, what: str) -> None:
         """Append whole records atomically; wait (until deadline) while over the limit."""
         nap = 0.001
+        if self.pid != os.getpid():  # before taking a lock a fork may have copied held
+            if self.fd >= 0:
+                os.close(self.fd)  # the parent's: closing our copy leaves its flock alone
+            self.pid, self.fd, self.lock = os.getpid(), -1, threading.Lock()
         while True:
             with self.lock:
                 fd = self._open()
-                fcntl.flock(
-                    fd, fcntl.LOCK_EX
-                )  # held by writers only; the kernel drops a dead one's
+                # Non-blocking: a holder stopped (SIGSTOP, a debugger) must not hold us
+                # past our timeout. A dead holder's lock is dropped by the kernel.
                 try:
-                    if self._try_append(fd, records, nmsgs, what):
-                        return
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass  # another appender is writing: try again after a nap
+                else:
+                    try:
+                        if self._try_append(fd, records, nmsgs, what):
+                            return
+                    finally:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
             left = remaining(deadline)
             if left is not None and left <= 0:
                 st, _ = _state(self.seg)
@@ -391,7 +397,14 @@ class Drainer:
         if rc:
             raise_for(rc, "overflow drain")
         self.path = file_name(directory, name, chan_id)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise errors.ResourceError(
+                e.errno,
+                f"channel {name!r}: cannot open its overflow file {self.path!r} "
+                f"({e.strerror}); its directory must exist and be writable by this user",
+            ) from None
         self.punched = 0  # the file's blocks before this offset were given back
         self.stopping = threading.Event()
         self.error: BaseException | None = None
@@ -432,7 +445,10 @@ class Drainer:
             return False
         head, tail = int(st.head), int(st.tail)
         if head >= tail:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # an appender is writing: its record is next
             try:
                 if lib.shm_ovf_finish(self.seg.ptr) == lib.SHM_OK:
                     os.ftruncate(self.fd, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import pickle
 import random
@@ -476,3 +477,24 @@ def test_an_exchange_publish_to_several_channels_does_not_spill_it_waits_behind_
     finally:
         ex.close()
         shmchan.unlink_exchange(ex.name)
+
+
+def _forked_sender(tx: shmchan.Sender, first: int, n: int) -> None:
+    for i in range(first, first + n):
+        tx.send(pickle.dumps((i, b"f" * 300)), timeout=0)
+
+
+def test_a_forked_child_appends_with_its_own_descriptor(ch_factory: Any, tmp_path: Path) -> None:
+    ch = ch_factory(capacity=SMALL, overflow=tmp_path)
+    tx = ch.sender()
+    _forked_sender(tx, 0, 400)  # this process has spilled: its descriptor is open
+    assert _on_disk(ch) > 0
+    fork = multiprocessing.get_context("fork")
+    p = fork.Process(target=_forked_sender, args=(tx, 400, 400))
+    with running(p):
+        p.join(WAIT)
+    assert p.exitcode == 0
+    _forked_sender(tx, 800, 100)
+    with ch.receiver() as rx:
+        got = [pickle.loads(b)[0] for b in _drain(rx, 900)]
+    assert got == list(range(900))
