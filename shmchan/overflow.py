@@ -355,19 +355,24 @@ def spill_of(seg: Segment) -> Spill | None:
 
 
 def spill_one(
-    sp: Spill, kind: int, data: Any, blob: bytes, nkeys: int, deadline: float | None, what: str
+    seg: Segment, kind: int, data: Any, blob: bytes, nkeys: int, deadline: float | None, what: str
 ) -> None:
+    """Append one message to the channel's overflow file (which it must have)."""
+    sp = spill_of(seg)
+    assert sp is not None, "the caller checked that the channel has an overflow"
     sp.append(encode(kind, data, blob, nkeys), 1, deadline, what)
 
 
 def spill_packed(
-    sp: Spill,
+    seg: Segment,
     packed: tuple[int, bytes, bytes, bytes, bytes, bytes, bytes],
     done: int,
     deadline: float | None,
     what: str,
 ) -> None:
     """Append messages done.. of a packed batch (Sender._pack's layout) as one write."""
+    sp = spill_of(seg)
+    assert sp is not None, "the caller checked that the channel has an overflow"
     n, kinds, data, lens, keyblob, klens, nkeys = packed
     k_kinds = memoryview(kinds).cast("I")
     k_lens = memoryview(lens).cast("Q")

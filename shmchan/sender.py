@@ -19,6 +19,8 @@ from ._segment import RX, Attachment, Segment, SpaceWait, deadline_of, shared_at
 
 __all__ = ["Sender"]
 
+SPILL = -1  # _wait_and_retry: the channel is full and has an overflow file to take it
+
 
 class Sender(_hot.SenderBase):
     """Sends messages into a channel. Picklable; works after fork, spawn and forkserver.
@@ -60,12 +62,6 @@ class Sender(_hot.SenderBase):
             _refuse(seg, rc, "send", kind, len(data), len(blob), nkeys)
         if rc:
             deadline = deadline_of(timeout)
-
-            def spill(sp: overflow.Spill) -> int:  # seq 0: given when taken back
-                overflow.spill_one(sp, kind, buf, blob, nkeys, deadline, "send")
-                s.seq[0] = 0
-                return 0
-
             rc = self._wait_and_retry(
                 seg,
                 rc,
@@ -74,8 +70,11 @@ class Sender(_hot.SenderBase):
                     seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake
                 ),
                 "send",
-                spill,
+                spills=True,
             )
+            if rc == SPILL:  # to the overflow file: its seq is given when taken back
+                overflow.spill_one(seg, kind, buf, blob, nkeys, deadline, "send")
+                return 0
         if s.wake[0]:
             seg.post(RX, 1)
         return int(s.seq[0])
@@ -162,15 +161,12 @@ class Sender(_hot.SenderBase):
             if rc < 0:
                 _refuse_batch(seg, rc, packed, what)
             if rc:
-
-                def spill(sp: overflow.Spill) -> int:  # the rest to the file, seqs 0
-                    overflow.spill_packed(sp, packed, int(done[0]), deadline, what)
-                    for i in range(int(done[0]), n):
-                        seqs[i] = 0
-                    done[0] = n
-                    return 0
-
-                rc = self._wait_and_retry(seg, rc, deadline, attempt, what, spill)
+                rc = self._wait_and_retry(seg, rc, deadline, attempt, what, spills=True)
+            if rc == SPILL:  # the rest to the overflow file, in one write; their seqs 0
+                overflow.spill_packed(seg, packed, int(done[0]), deadline, what)
+                for i in range(int(done[0]), n):
+                    seqs[i] = 0
+                done[0] = n
         except (errors.Full, errors.Closed) as e:
             e.seqs = list(ffi.unpack(seqs, done[0]))  # the prefix that went in
             raise
@@ -183,18 +179,18 @@ class Sender(_hot.SenderBase):
         deadline: float | None,
         attempt: Any,
         what: str,
-        spill: Any = None,
+        spills: bool = False,
     ) -> int:
         """Retry a send that returned FULL or STALLED until it succeeds or time runs out
-        (the senders' one wait: _segment.SpaceWait). A channel with an overflow takes
-        what found it full into its file instead (`spill`, shmchan.overflow)."""
+        (the senders' one wait: _segment.SpaceWait). With `spills`, a FULL on a channel
+        with an overflow returns SPILL instead of waiting: the caller appends to the
+        overflow file (shmchan.overflow)."""
         s = seg.scratch()
         with SpaceWait(what, deadline) as wait:
             while rc:
                 if rc == lib.SHM_FULL:
-                    sp = None if spill is None else overflow.spill_of(seg)
-                    if sp is not None:
-                        return int(spill(sp))
+                    if spills and overflow.spill_of(seg) is not None:
+                        return SPILL
                     wait.full(seg)
                 elif rc == lib.SHM_STALLED:
                     wait.stalled(seg, s.stall)
