@@ -78,6 +78,7 @@ IDLE_POLL_SECONDS = 0.01  # the drainer's look at an idle overflow (no file work
 READ_CHUNK = 4 << 20  # bytes the drainer reads from the file at once
 PUNCH_EVERY = 16 << 20  # bytes taken back between two holes punched in the file
 FULL_NAP_MAX = 0.1  # longest sleep of a sender waiting for room in a full overflow
+LOCK_GRACE_SECONDS = 1.0  # how long a send waits for another appender's write, past its timeout
 ERROR_RETRY_SECONDS = 1.0  # the drainer's pause after a failed step (a full disk, say)
 _NO_LIMIT = (1 << 63) - 1
 
@@ -274,18 +275,12 @@ class Spill:
         while True:
             with self.lock:
                 fd = self._open()
-                # Non-blocking: a holder stopped (SIGSTOP, a debugger) must not hold us
-                # past our timeout. A dead holder's lock is dropped by the kernel.
+                self._lock_file(fd, deadline, what)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    pass  # another appender is writing: try again after a nap
-                else:
-                    try:
-                        if self._try_append(fd, records, nmsgs, what):
-                            return
-                    finally:
-                        fcntl.flock(fd, fcntl.LOCK_UN)
+                    if self._try_append(fd, records, nmsgs, what):
+                        return
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             left = remaining(deadline)
             if left is not None and left <= 0:
                 st, _ = _state(self.seg)
@@ -297,6 +292,30 @@ class Spill:
                 )
             time.sleep(nap if left is None else min(nap, left))
             nap = min(2 * nap, FULL_NAP_MAX)
+
+    def _lock_file(self, fd: int, deadline: float | None, what: str) -> None:
+        """Take the file's flock. Another appender holds it for one write: wait for it,
+        also past a short timeout (up to LOCK_GRACE_SECONDS: a send with timeout=0 is not
+        refused because another process is writing), napping rather than blocking, so
+        that a holder stopped (SIGSTOP, a debugger) costs us Full, not a hang. A dead
+        holder's lock is dropped by the kernel."""
+        nap = 0.0001
+        started = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            left = remaining(deadline)
+            waited = time.monotonic() - started
+            if (left is not None and left <= 0) and waited >= LOCK_GRACE_SECONDS:
+                raise errors.Full(
+                    f"{what}: stuck behind a process that does not finish writing to the "
+                    f"overflow file of channel {self.seg.name!r}"
+                )
+            time.sleep(nap)
+            nap = min(2 * nap, 0.01)
 
     def _try_append(self, fd: int, records: list[Any], nmsgs: int, what: str) -> bool:
         st, _ = _state(self.seg)
