@@ -244,13 +244,22 @@ class Spill:
     """A process's appender to one channel's overflow file."""
 
     def __init__(self, seg: Segment, directory: str, limit: int) -> None:
-        self.seg = seg
+        # Weak: the table of appenders is keyed weakly by the segment; a strong reference
+        # from its value would keep every segment mapped for the life of the process.
+        self._seg = weakref.ref(seg)
         self.path = file_name(directory, seg.name, seg.chan_id)
         self.directory = directory
         self.limit = limit
         self.pid = -1
         self.fd = -1
         self.lock = threading.Lock()
+
+    @property
+    def seg(self) -> Segment:
+        seg = self._seg()
+        if seg is None:  # only reachable through the segment, so never seen gone
+            raise errors.Closed("the channel's attachment is gone")
+        return seg
 
     def _open(self) -> int:
         """The file, opened by this process: a descriptor inherited over fork shares the

@@ -498,3 +498,20 @@ def test_a_forked_child_appends_with_its_own_descriptor(ch_factory: Any, tmp_pat
     with ch.receiver() as rx:
         got = [pickle.loads(b)[0] for b in _drain(rx, 900)]
     assert got == list(range(900))
+
+
+def test_a_closed_channel_that_spilled_is_unmapped(chan_name: str, tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    ch = shmchan.Channel.create(chan_name, capacity=SMALL, overflow=tmp_path)
+    tx = ch.sender()
+    for _ in range(200):
+        tx.send(b"x" * 500, timeout=0)
+    assert _on_disk(ch) > 0
+    seg = weakref.ref(ch._live())
+    ch.unlink()
+    ch.close()
+    del tx, ch
+    gc.collect()
+    assert seg() is None  # this process's appender does not keep the mapping alive
