@@ -29,6 +29,7 @@ SOURCES = [  # by layer, lowest first (core.h)
     "segment.c",
     "inspect.c",
     "exchange.c",
+    "overflow.c",
 ]
 
 ffi = FFI()

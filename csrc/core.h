@@ -47,6 +47,8 @@
  *   8  recovery.c rebuild.c      upkeep after deaths; the rebuild after the receiver's
  *   9  segment.c inspect.c exchange.c   opening and attaching; the operators' view;
  *                                exchanges
+ *      overflow.c                the overflow file's shared words (its offsets, the
+ *                                overflowing flag that ring.c and handles.c read)
  * Back-edges, kept because each is a part of one mechanism that lives in the lower
  * file's protocol, not a helper that could move down:
  *   ring -> islands   (island_skip, island_find, island_remove): the ring's free-space
@@ -195,6 +197,9 @@ typedef struct {
     _Alignas(SHM_CACHELINE) uint32_t rx_sleeping; /* 1 while the receiver may block on its semaphore */
     uint32_t shutdown; /* SHUTDOWN_* bits, only ever set (fetch-or): sends are refused once
                         * either is set; the receiver drains, then reports CLOSED */
+    uint32_t overflowing; /* 1 while sends go to the overflow file instead of the ring
+                           * (overflow.c): send_one refuses them FULL; the receiver does
+                           * not report CLOSED while it is set */
     _Alignas(SHM_CACHELINE) uint32_t space_waiters; /* senders blocked (or about to block) on space */
     uint32_t refusals; /* claims that found the ring full, ever, wrapping: a hint to the
                         * receiver that a look for space to compact is wanted (compact.c) */
@@ -268,6 +273,17 @@ typedef struct {
     _Alignas(SHM_CACHELINE) uint64_t hold; /* HOLD_CHANNEL | claimed paused-key entries
                           * (an upper bound) << HOLD_KEYS_SHIFT; 0 = nothing paused */
     shm_hold_key hold_keys[SHM_HOLD_KEYS];
+
+    /* -- overflow to disk (overflow.c): file offsets and counts of the overflow file -- */
+    _Alignas(SHM_CACHELINE) uint64_t ovf_limit; /* bytes on disk at most (creator, once)    */
+    uint32_t ovf_dir_len;  /* bytes of ovf_dir; 0 = no overflow. Stored last by its creator */
+    uint32_t ovf_pad;
+    uint64_t ovf_tail;     /* past the last whole record: appenders, under the file's lock  */
+    uint64_t ovf_head;     /* the first record not yet taken back into the ring: the drainer */
+    uint64_t ovf_appended; /* messages appended, ever: appenders, under the file's lock     */
+    uint64_t ovf_drained;  /* messages taken back into the ring, ever: the drainer          */
+    uint64_t ovf_skipped;  /* records found corrupt and skipped, ever: the drainer          */
+    char ovf_dir[SHM_OVF_DIR_MAX]; /* the overflow directory, not NUL-terminated          */
 } shm_header;
 
 /* header.shutdown bits */
@@ -486,6 +502,8 @@ struct shm_chan {
                          * needed now, which the tables' budget lets pass (budget.c) */
     uint64_t punch_at;  /* receiver: table pages given back are punched from then on ... */
     uint64_t punch_from[2], punch_end[2]; /* ... these file ranges (nodes, keys): commit.c */
+    int ovf_drainer;       /* this attachment takes overflowed messages back into the ring:
+                            * its sends pass the overflowing and shutdown checks (overflow.c) */
 };
 
 /* The longest a receiver skips work it judged useless (window.c, compact.c). */

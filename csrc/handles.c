@@ -387,7 +387,10 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
                 /* Seen: the re-check before sleeping need not look for it again, also
                  * while messages are still queued (a release ahead of them posts us). */
                 shut_seen = 1;
+                /* seq_cst overflowing: pairs with shm_ovf_begin / shm_ovf_finish
+                 * (overflow.c): what went to the overflow file is drained first */
                 if (h->queued_in_window == 0 && h->ingest_pos == h->scan_pos &&
+                    !LOAD_SEQCST(&h->overflowing) &&
                     LOAD_SEQCST(&rec_at(c, h->scan_pos)->owner) == OWNER_EMPTY(h->scan_pos) &&
                     !others_inflight(c)) {
                     rc = SHM_CLOSED;

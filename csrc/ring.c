@@ -411,14 +411,18 @@ static int send_one(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
     rc = key_hashes(keys, keys_len, nkeys, hashes);
     if (rc) return rc;
     uint32_t down = LOAD_ACQUIRE(&c->hdr->shutdown); /* pairs with shm_shutdown */
-    if (UNLIKELY(down)) return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
+    if (UNLIKELY(down) && !c->ovf_drainer)
+        return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
+    /* acquire: pairs with shm_ovf_finish's store (overflow.c): while the overflow file
+     * holds messages, sends go behind them, except the drainer's, which take them back */
+    if (UNLIKELY(LOAD_ACQUIRE(&c->hdr->overflowing)) && !c->ovf_drainer) return SHM_FULL;
     rc = claim(c, n, &pos, &seq, stall);
     if (rc) return rc;
     /* seq_cst: after our claim (seq_cst CAS). Pairs with shm_shutdown's seq_cst store:
      * a receiver that saw shutdown and then an EMPTY tail cannot miss a claim that did
      * not see shutdown. */
     down = LOAD_SEQCST(&c->hdr->shutdown);
-    if (UNLIKELY(down)) {
+    if (UNLIKELY(down) && !c->ovf_drainer) {
         shm_record *r = rec_at(c, pos);
         prepare_successor(c, pos + n, seq);
         STORE_RELEASE(&r->meta, META(n, REC_CANCELLED)); /* pairs with ring_peek */

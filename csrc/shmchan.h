@@ -282,6 +282,27 @@ double shm_timers_wait(shm_chan *c);
  * mid-way on every try. */
 int  shm_dead_route_set(shm_chan *c, const char *name, uint32_t name_len);
 int  shm_dead_route_get(shm_chan *c, char *name, uint32_t *name_len);
+/* --- overflow to disk (overflow.c) --------------------------------------------
+ * The shared half of shmchan/overflow.py: the file's offsets and counts live in the
+ * segment's header; the file itself is written and read by the Python layer. */
+#define SHM_OVF_DIR_MAX 1024
+typedef struct {
+    uint64_t limit;        /* bytes on disk at most                           */
+    uint64_t head, tail;   /* file offsets: [head, tail) is not yet taken back */
+    uint64_t appended, drained, skipped; /* messages, ever                    */
+    uint32_t overflowing;  /* 1: sends go to the file                          */
+    uint32_t dir_len;      /* 0: the channel has no overflow                   */
+} shm_ovf_state;
+int  shm_ovf_setup(shm_chan *c, const char *dir, uint32_t dir_len, uint64_t limit);
+int  shm_ovf_read(shm_chan *c, shm_ovf_state *out, char *dir, uint32_t dir_cap);
+int  shm_ovf_begin(shm_chan *c);
+int  shm_ovf_published(shm_chan *c, uint64_t tail, uint64_t nmsgs);
+int  shm_ovf_taken(shm_chan *c, uint64_t head, uint64_t nmsgs, uint64_t nskipped);
+int  shm_ovf_finish(shm_chan *c);
+int  shm_ovf_drainer(shm_chan *c);
+int  shm_ovf_punch(int fd, uint64_t upto);
+int  shm_ovf_crc(const char *head, uint64_t nhead, const char *blob, uint64_t nblob,
+                 const char *data, uint64_t ndata, uint32_t *out);
 
 /* --- the operators' view (inspect.c): read-only, from any process ---------
  * One record type for held messages, waiting lines and why-chains. Keys come back as

@@ -9,6 +9,7 @@ importable from here too. Opening and naming segments is `shmchan._segment`'s.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from . import codec, deadroute, errors, liveness
 from . import hold as _hold
 from . import temporary as _temporary
+from . import overflow as _overflow  # the parameter of create() is named overflow
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     PREFIX,
@@ -111,6 +113,11 @@ class Stats:
     within a tenth of ring_committed_bytes, beyond the handles held at once."""
     ring_committed_bytes: int = 0
     """Of committed_bytes, the ring's."""
+    overflow_bytes: int = 0
+    """Bytes of messages in the channel's overflow file, not yet taken back into the ring
+    (0 for a channel without overflow=)."""
+    overflow_messages: int = 0
+    """Messages in the channel's overflow file, not yet taken back into the ring."""
 
 
 class Channel(Attachment):
@@ -139,6 +146,8 @@ class Channel(Attachment):
         max_producers: int = 1024,
         dead_letter_exchange: object = None,
         temporary: bool = False,
+        overflow: str | os.PathLike[str] | None = None,
+        overflow_limit: int | None = None,
     ) -> Channel:
         """Make a new channel. Raises ChannelExists if the name is taken.
 
@@ -165,6 +174,11 @@ class Channel(Attachment):
           next `shmchan ls` / `rm --stale`); see shmchan/temporary.py. Not with path=.
 
         Creating a channel first removes the temporary channels no live process uses.
+        * overflow: a directory; when the ring is full, sends append to a file there
+          instead of waiting, and the receiver takes them back in order (None: sends
+          wait). See the broker controls guide.
+        * overflow_limit: bytes the overflow file may hold (None: what its file system
+          takes); past it, sends wait for room and raise Full on timeout.
         """
         check_name(name)
         if not isinstance(temporary, bool):
@@ -222,6 +236,9 @@ class Channel(Attachment):
         cfg.max_producers = _positive_int("max_producers", max_producers)
         if dead_letter_exchange is not None:
             deadroute.check_route(dead_letter_exchange)
+        spill = None if overflow is None else _overflow_config(overflow, overflow_limit)
+        if overflow is None and overflow_limit is not None:
+            raise errors.InvalidArgument("overflow_limit= needs overflow=DIR as well")
         total = ffi.new("uint64_t *")
         rc = lib.shm_layout_size(cfg, total)
         if rc:
@@ -234,6 +251,8 @@ class Channel(Attachment):
             raise errors.ChannelExists(_exists_text(name)) from None
         if dead_letter_exchange is not None:
             deadroute.set_route(seg, dead_letter_exchange)
+        if spill is not None:
+            _overflow.setup(seg, *spill)
         return cls(seg)
 
     @classmethod
@@ -324,6 +343,7 @@ class Channel(Attachment):
             **_timer_counts(seg),
             table_bytes=int(st.table_bytes),
             ring_committed_bytes=int(st.ring_committed),
+            **_overflow_stats(seg),
         )
 
     def route_dead_letters(self, exchange: object) -> None:
@@ -468,7 +488,10 @@ class Channel(Attachment):
         lib.shm_mark_removed(seg.ptr)  # whatever the name means now, this one is gone
         seg.post(RX, 1)
         seg.post(TX, 64)
-        if not unlink_name(seg.name, seg.path, seg.chan_id):
+        removed = unlink_name(seg.name, seg.path, seg.chan_id)
+        if removed:
+            _overflow.remove_file(seg)
+        if not removed:
             raise errors.ChannelNotFound(
                 f"channel {seg.name!r} was already removed"
                 + (
@@ -509,6 +532,13 @@ def _dead_reason(seg: Segment, slot: int) -> str:
     reason = ffi.new("uint32_t *")
     lib.shm_slot_timers(seg.ptr, slot, due, due + 1, reason)
     return "expired" if reason[0] == lib.SHM_DEAD_EXPIRED else "attempts"
+def _overflow_config(directory: object, limit: object) -> tuple[str, int]:
+    return _overflow.check_dir(directory, limit)  # type: ignore[arg-type]  # checked there
+
+
+def _overflow_stats(seg: Segment) -> dict[str, int]:
+    use = _overflow.usage(seg)
+    return {} if use is None else {"overflow_bytes": use.bytes, "overflow_messages": use.messages}
 
 
 def _positive_int(what: str, value: object, minimum: int = 1) -> int:
@@ -546,8 +576,13 @@ def unlink(name: str, *, path: str | os.PathLike[str] | None = None) -> None:
     semaphores); processes attached to it are refused further sends (ChannelRemoved)
     and its receiver drains. ChannelNotFound if there is none."""
     check_name(name)
-    if not unlink_name(name, None if path is None else os.fspath(path), 0):
+    where = None if path is None else os.fspath(path)
+    spill_file = _overflow.file_of(name, where)  # read before the name goes
+    if not unlink_name(name, where, 0):
         raise errors.ChannelNotFound(f"no channel named {name!r}")
+    if spill_file is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spill_file)
 
 
 def list_channels() -> list[str]:

@@ -31,7 +31,14 @@ EXIT_INTERRUPTED = 130
 
 # Stats fields that count bytes; shown human-readable as well.
 _BYTE_FIELDS = frozenset(
-    {"capacity", "used_bytes", "committed_bytes", "table_bytes", "ring_committed_bytes"}
+    {
+        "capacity",
+        "used_bytes",
+        "committed_bytes",
+        "table_bytes",
+        "ring_committed_bytes",
+        "overflow_bytes",
+    }
 )
 
 

@@ -43,6 +43,12 @@ _GAUGES = (
     ("dead_letters", "shmchan_dead_letters", "Messages that ran out of attempts or expired."),
     ("window", "shmchan_window_messages", "Messages in the receiver's scheduling window."),
     ("delayed", "shmchan_delayed_messages", "Messages held back until their delay ends."),
+    ("overflow_bytes", "shmchan_overflow_bytes", "Bytes in the overflow file, not yet taken back."),
+    (
+        "overflow_messages",
+        "shmchan_overflow_messages",
+        "Messages in the overflow file, not yet taken back.",
+    ),
 )
 # Stats counters: (field, metric name without _total, help).
 _COUNTERS = (

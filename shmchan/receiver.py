@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import _segment, aio, deadroute, errors, liveness
+from . import _segment, aio, deadroute, errors, liveness, overflow
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     TX,
@@ -59,8 +59,10 @@ class Receiver(_hot.ReceiverBase):
         self._pid = os.getpid()  # only this process took the seat
         self._closed_why = "it was closed"
         self._dead_router = deadroute.Router()  # dead letters to an exchange, if routed
+        self._drainer: overflow.Drainer | None = None
         try:
             self.maintain()  # a dead predecessor's handles come back at once
+            self._drainer = overflow.start_drainer(seg)  # None without overflow=
         except BaseException:
             self.close()  # do not keep a seat nobody can use
             raise
@@ -263,6 +265,9 @@ class Receiver(_hot.ReceiverBase):
     def close(self) -> None:
         """Give up the receiver seat (idempotent). Handles already out stay valid."""
         seg, self._seg = self._seg, None
+        drainer, self._drainer = getattr(self, "_drainer", None), None
+        if drainer is not None and seg is not None and seg.pid == os.getpid():
+            drainer.stop()  # before the seat goes: one drainer per channel
         if seg is not None and not seg.detached[0] and seg.pid == os.getpid():
             lib.shm_rx_release_ownership(seg.ptr)
 

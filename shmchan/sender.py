@@ -14,11 +14,13 @@ from typing import Any, NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import aio, codec, errors, timers
+from . import aio, codec, errors, overflow, timers
 from ._lib import ffi, lib, raise_for
 from ._segment import RX, Attachment, Segment, SpaceWait, deadline_of, shared_attachment
 
 __all__ = ["Sender"]
+
+SPILL = -1  # _wait_and_retry: the channel is full and has an overflow file to take it
 
 
 class Sender(_hot.SenderBase):
@@ -69,7 +71,11 @@ class Sender(_hot.SenderBase):
                     seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake
                 ),
                 "send",
+                spills=True,
             )
+            if rc == SPILL:  # to the overflow file: its seq is given when taken back
+                overflow.spill_one(seg, kind, buf, blob, nkeys, deadline, "send")
+                return 0
         if s.wake[0]:
             seg.post(RX, 1)
         return int(s.seq[0])
@@ -205,21 +211,36 @@ class Sender(_hot.SenderBase):
             if rc < 0:
                 _refuse_batch(seg, rc, packed, what)
             if rc:
-                rc = self._wait_and_retry(seg, rc, deadline, attempt, what)
+                rc = self._wait_and_retry(seg, rc, deadline, attempt, what, spills=True)
+            if rc == SPILL:  # the rest to the overflow file, in one write; their seqs 0
+                overflow.spill_packed(seg, packed, int(done[0]), deadline, what)
+                for i in range(int(done[0]), n):
+                    seqs[i] = 0
+                done[0] = n
         except (errors.Full, errors.Closed) as e:
             e.seqs = list(ffi.unpack(seqs, done[0]))  # the prefix that went in
             raise
         return list(ffi.unpack(seqs, n))
 
     def _wait_and_retry(
-        self, seg: Segment, rc: int, deadline: float | None, attempt: Any, what: str
+        self,
+        seg: Segment,
+        rc: int,
+        deadline: float | None,
+        attempt: Any,
+        what: str,
+        spills: bool = False,
     ) -> int:
         """Retry a send that returned FULL or STALLED until it succeeds or time runs out
-        (the senders' one wait: _segment.SpaceWait)."""
+        (the senders' one wait: _segment.SpaceWait). With `spills`, a FULL on a channel
+        with an overflow returns SPILL instead of waiting: the caller appends to the
+        overflow file (shmchan.overflow)."""
         s = seg.scratch()
         with SpaceWait(what, deadline) as wait:
             while rc:
                 if rc == lib.SHM_FULL:
+                    if spills and overflow.spill_of(seg) is not None:
+                        return SPILL
                     wait.full(seg)
                 elif rc == lib.SHM_STALLED:
                     wait.stalled(seg, s.stall)

@@ -43,6 +43,8 @@ class Sizes:
     # coldstart.py: the first message after a burst
     burst_messages: int = 20_000  # 64 B messages in the burst the consumer drains first
     burst_pause: float = 0.005  # seconds between the drained burst and the ping
+    # overflow.py: a burst into a small channel with overflow= while its consumer sleeps
+    overflow_burst: int = 1 << 30  # bytes of the burst
 
 
 FULL = Sizes(
@@ -77,6 +79,7 @@ QUICK = Sizes(
     big_messages=4_000,
     idle_seconds=0.3,
     burst_messages=2_000,
+    overflow_burst=32 << 20,
 )
 
 SHMCHAN = "shmchan"
