@@ -553,12 +553,16 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
     uint64_t pos = 0, seq = 0;
     *sent = 0;
     uint32_t down = LOAD_ACQUIRE(&c->hdr->shutdown); /* pairs with shm_shutdown */
-    if (UNLIKELY(down)) return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
+    if (UNLIKELY(down) && !c->ovf_drainer)
+        return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
+    /* acquire: pairs with shm_ovf_finish's store (overflow.c), as in send_one: while the
+     * overflow file holds messages, a group goes behind them too */
+    if (UNLIKELY(LOAD_ACQUIRE(&c->hdr->overflowing)) && !c->ovf_drainer) return SHM_FULL;
     int rc = claim(c, total, &pos, &seq, stall);
     if (rc) return rc;
     /* seq_cst: after our claim, as in send_one (pairs with shm_shutdown's store). */
     down = LOAD_SEQCST(&c->hdr->shutdown);
-    if (UNLIKELY(down)) {
+    if (UNLIKELY(down) && !c->ovf_drainer) {
         cancel_range(c, pos, total, seq);
         return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
     }
