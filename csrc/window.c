@@ -488,6 +488,10 @@ int window_has_work(shm_chan *c) {
         uint32_t nk = w->nkeys < c->cfg.max_keys ? w->nkeys : c->cfg.max_keys;
         if (sched_has_room(c, nk)) return 1;
     }
+    /* With READY_LOW or more ready the poll does not scan (window_ingest), so a new record
+     * is no work: the ready ones are (work_pending), or, when all of them are held back
+     * (hold.c: paused), the resume or a release that changes that posts us. */
+    if (h->ready_count >= READY_LOW) return 0;
     shm_record *r = rec_at(c, h->scan_pos);
     /* seq_cst: after the receiver's seq_cst store of rx_sleeping; pairs with the fence in
      * wake_receiver (ring.c): either we see the commit or its producer sees us asleep. */
