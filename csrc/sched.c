@@ -389,12 +389,28 @@ static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
  * spent and a message is still ready: budget.c). */
 static int has_room(shm_chan *c, uint32_t nkeys);
 
+/* Is there nothing to hand out, so that what the receiver takes in or parks next is
+ * needed now, whatever the tables' budget (budget.c)? None is ready, or every ready one
+ * is held back by a paused key (hold.c; a paused channel hands out nothing, so it keeps
+ * the budget). */
+static int tables_needed(shm_chan *c) {
+    return c->hdr->ready_count == 0 ||
+           (UNLIKELY(hold_any(c)) && !hold_channel(c) && !sched_has_ready(c));
+}
+
 int sched_has_room(shm_chan *c, uint32_t nkeys) {
-    /* the next to hand out (budget.c): none is ready, or every ready one is held back by
-     * a paused key (hold.c; a paused channel hands out nothing, so it keeps the budget) */
-    c->tables_need = c->hdr->ready_count == 0 ||
-                     (UNLIKELY(hold_any(c)) && !hold_channel(c) && !sched_has_ready(c));
+    c->tables_need = tables_needed(c);
     int ok = has_room(c, nkeys);
+    c->tables_need = 0;
+    return ok;
+}
+
+/* Key entries for a record parked with n keys new to the table (window.c park_room):
+ * past the budget only while nothing is ready, since the free message a recv waits for
+ * may lie behind it (messages on free keys never wait for messages on other keys). */
+int sched_park_room(shm_chan *c, uint32_t n) {
+    c->tables_need = tables_needed(c);
+    int ok = sched_key_room(c, n);
     c->tables_need = 0;
     return ok;
 }

@@ -146,7 +146,7 @@ static uint32_t new_keys(shm_chan *c, shm_record *r) {
 /* May r be parked without the key table growing past its share for chains? */
 static int park_room(shm_chan *c, shm_record *r) {
     uint32_t n = new_keys(c, r);
-    return c->hdr->skip_keys + n <= c->keytab_max / 4 && sched_key_room(c, n);
+    return c->hdr->skip_keys + n <= c->keytab_max / 4 && sched_park_room(c, n);
 }
 
 /* What to do with the record r at scan_pos (read-only: work_pending asks it too).
