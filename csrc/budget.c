@@ -22,11 +22,15 @@
  *     the next message in regardless (tables_need), so a recv never waits for a message
  *     that is free to go.
  *   - parked keys: a record parked behind a held or waiting key (window.c) costs no slot,
- *     but each key it brings that is new to the key table costs an entry. Parking has no
- *     exemption: past the budget the scan stops there until keys leave the table or the
- *     ring commits more (a release and every commit wake the receiver). Records that bring
- *     no new key (a backlog on one hot key) cost nothing and are never stopped, so a
- *     free-key message behind them is still seen and handed out at O(keys) cost.
+ *     but each key it brings that is new to the key table costs an entry. While a message
+ *     is ready, parking past the budget stops the scan there, until keys leave the table or
+ *     the ring commits more (a release and every commit wake the receiver). While none is
+ *     ready, parking is exempt as taking in is (sched.c sched_park_room): a message on a
+ *     free key may lie behind the parked backlog, and messages on free keys never wait for
+ *     messages on other keys. So a backlog whose messages each bring a new key costs its
+ *     key entries in full (about 100 bytes a message) once the consumer asks for more.
+ *     Records that bring no new key (a backlog on one hot key) cost nothing and are never
+ *     stopped, so a free-key message behind them is seen and handed out at O(keys) cost.
  *   - live handles: a handle is its slot, and the receiver does not refuse a recv for its
  *     budget. A consumer that holds H handles at once has made the tables hold H messages
  *     (the exemption above), so the tables may then pass a tenth of the ring by the cost

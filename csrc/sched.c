@@ -389,9 +389,28 @@ static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
  * spent and a message is still ready: budget.c). */
 static int has_room(shm_chan *c, uint32_t nkeys);
 
+/* Is there nothing to hand out, so that what the receiver takes in or parks next is
+ * needed now, whatever the tables' budget (budget.c)? None is ready, or every ready one
+ * is held back by a paused key (hold.c; a paused channel hands out nothing, so it keeps
+ * the budget). */
+static int tables_needed(shm_chan *c) {
+    return c->hdr->ready_count == 0 ||
+           (UNLIKELY(hold_any(c)) && !hold_channel(c) && !sched_has_ready(c));
+}
+
 int sched_has_room(shm_chan *c, uint32_t nkeys) {
-    c->tables_need = c->hdr->ready_count == 0; /* the next to hand out: budget.c */
+    c->tables_need = tables_needed(c);
     int ok = has_room(c, nkeys);
+    c->tables_need = 0;
+    return ok;
+}
+
+/* Key entries for a record parked with n keys new to the table (window.c park_room):
+ * past the budget only while nothing is ready, since the free message a recv waits for
+ * may lie behind it (messages on free keys never wait for messages on other keys). */
+int sched_park_room(shm_chan *c, uint32_t n) {
+    c->tables_need = tables_needed(c);
+    int ok = sched_key_room(c, n);
     c->tables_need = 0;
     return ok;
 }
@@ -612,7 +631,18 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
         else if (c->heap[i].seq != c->slots[s].seq) { rc = SHM_E_CORRUPT; *what = 13; }
         else if (i > 0 && c->heap[(i - 1) / 2].seq > c->heap[i].seq) { rc = SHM_E_CORRUPT; *what = 12; }
     }
-    if (rc == SHM_OK && listed != ready) { rc = SHM_E_CORRUPT; *what = 11; }
+    /* ... and the delayed list (timers.c) the READY messages off the heap, each once */
+    uint32_t delayed = 0;
+    for (uint32_t s = c->hdr->delayed_head; s != NIL && rc == SHM_OK; s = c->slots[s].next) {
+        if (!SLOT_OK(c, s) || delayed >= m || SLOT_STATE(c->slots[s].state) != SLOT_READY) {
+            rc = SHM_E_CORRUPT;
+            *what = 19;
+            break;
+        }
+        delayed++;
+    }
+    if (rc == SHM_OK && delayed != c->hdr->delayed_count) { rc = SHM_E_CORRUPT; *what = 20; }
+    if (rc == SHM_OK && listed + delayed != ready) { rc = SHM_E_CORRUPT; *what = 11; }
     /* the handed-out list holds exactly the slots out of the consumer's hands, each once,
      * with consistent back links */
     uint32_t out = 0, on_list = 0, prev = NIL;

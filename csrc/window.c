@@ -146,7 +146,7 @@ static uint32_t new_keys(shm_chan *c, shm_record *r) {
 /* May r be parked without the key table growing past its share for chains? */
 static int park_room(shm_chan *c, shm_record *r) {
     uint32_t n = new_keys(c, r);
-    return c->hdr->skip_keys + n <= c->keytab_max / 4 && sched_key_room(c, n);
+    return c->hdr->skip_keys + n <= c->keytab_max / 4 && sched_park_room(c, n);
 }
 
 /* What to do with the record r at scan_pos (read-only: work_pending asks it too).
@@ -488,6 +488,10 @@ int window_has_work(shm_chan *c) {
         uint32_t nk = w->nkeys < c->cfg.max_keys ? w->nkeys : c->cfg.max_keys;
         if (sched_has_room(c, nk)) return 1;
     }
+    /* With READY_LOW or more ready the poll does not scan (window_ingest), so a new record
+     * is no work: the ready ones are (work_pending), or, when all of them are held back
+     * (hold.c: paused), the resume or a release that changes that posts us. */
+    if (h->ready_count >= READY_LOW) return 0;
     shm_record *r = rec_at(c, h->scan_pos);
     /* seq_cst: after the receiver's seq_cst store of rx_sleeping; pairs with the fence in
      * wake_receiver (ring.c): either we see the commit or its producer sees us asleep. */

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from . import codec, deadroute, errors, liveness
 from . import hold as _hold
-from . import temporary as _temporary
 from . import overflow as _overflow  # the parameter of create() is named overflow
+from . import temporary as _temporary
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     PREFIX,
@@ -532,6 +532,8 @@ def _dead_reason(seg: Segment, slot: int) -> str:
     reason = ffi.new("uint32_t *")
     lib.shm_slot_timers(seg.ptr, slot, due, due + 1, reason)
     return "expired" if reason[0] == lib.SHM_DEAD_EXPIRED else "attempts"
+
+
 def _overflow_config(directory: object, limit: object) -> tuple[str, int]:
     return _overflow.check_dir(directory, limit)  # type: ignore[arg-type]  # checked there
 

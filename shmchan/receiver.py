@@ -233,6 +233,9 @@ class Receiver(_hot.ReceiverBase):
         self._stalled_now = False
         handles: list[Handle] = self._receive(n, None, _RECEIVE_ARMED) if n else []
         wait = max(0.0, self._next_maintenance - time.monotonic())
+        due = lib.shm_timers_wait(seg.ptr)  # a delayed message's time (timers.c), or < 0
+        if due >= 0.0:
+            wait = min(wait, due)
         return handles, min(wait, 0.002) if self._stalled_now else wait, seg
 
     async def recv_async(self, timeout: float | None = None) -> Handle:

@@ -38,10 +38,11 @@ sweep, or by unlink.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 
-from . import liveness
+from . import liveness, overflow
 from ._lib import ffi, lib
 from ._segment import (
     PREFIX,
@@ -130,11 +131,17 @@ def _remove_unmapped(found: list[tuple[str, int]], exclude: int = 0) -> list[str
     for name, chan_id in found:
         if maps.get(os.path.realpath(files[name]), {0}) - {exclude}:
             continue  # mapped by a live process
+        spill = overflow.file_of(name, None)  # its overflow file goes with it
         try:
             if unlink_name(name, None, chan_id):
                 removed.append(name)
+            else:
+                continue
         except OSError:
             continue  # e.g. a channel we may not remove: left as it is
+        if spill is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spill)
     return removed
 
 

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 import pytest
-from procs import CTX, WAIT, running, take_receiver_seat
+from procs import CTX, WAIT, check_core, running, take_receiver_seat
 
 import shmchan
 
@@ -302,3 +302,16 @@ def test_a_durable_channel_keeps_a_send_delay_when_closed_by_everyone(chan_name,
     finally:
         with contextlib.suppress(shmchan.ChannelNotFound):
             shmchan.unlink(chan_name, path=path)
+
+
+def test_the_cores_self_check_counts_delayed_messages(ch: shmchan.Channel) -> None:
+    # A delayed message is READY but off the ready heap, on the delayed list: the core's
+    # cross-check of its tables must count it there, not report a corrupt heap.
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"later", keys=("k",), delay=30)
+    tx.send(b"now", keys=("j",))
+    with rx.recv(timeout=WAIT) as h:
+        assert h.payload == b"now"
+    assert ch.stats().delayed == 1
+    check_core(rx)
+    rx.close()

@@ -203,7 +203,7 @@ def test_views_stay_consistent_while_the_receiver_is_busy_elsewhere(
     with running(p):
         assert ready.wait(WAIT)
         deadline = time.monotonic() + 1.5
-        rounds = 0
+        rounds = partial = 0
         delivered = ch.stats().delivered
         while time.monotonic() < deadline:
             held = [h for h in ch.held() if h.key == "hot"]
@@ -211,12 +211,17 @@ def test_views_stay_consistent_while_the_receiver_is_busy_elsewhere(
             line = [x for x in ch.waiting(top=100) if x.key == "hot"]
             assert [(x.depth, x.head_seq) for x in line] == [(3, behind[0])]
             chain = ch.why_waiting(behind[-1])
-            assert [w.seq for w in chain] == [behind[1], behind[0], hot], (chain, chain.partial)
+            if chain.partial:
+                # The documented way out when no consistent read came in its tries (a
+                # receiver busy on the other core): flagged, never passed off as whole.
+                partial += 1
+                continue
+            assert [w.seq for w in chain] == [behind[1], behind[0], hot], chain
             assert_chain_ends_at(chain, hot, p.pid)
             rounds += 1
         busy = ch.stats().delivered - delivered
         done.set()
-    assert rounds >= 3
+    assert rounds >= 3 and rounds >= partial, (rounds, partial)  # mostly whole answers
     assert busy > 100  # the receiver really was working meanwhile
 
 

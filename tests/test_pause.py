@@ -408,3 +408,67 @@ def test_ls_and_prometheus_show_what_is_paused(ch: shmchan.Channel) -> None:
     metrics = run_shmchan("stat", ch.name, "--prometheus", timeout=WAIT).stdout
     assert f'shmchan_paused{{channel="{ch.name}"}} 1.0' in metrics
     assert f'shmchan_paused_keys{{channel="{ch.name}"}} 2.0' in metrics
+
+
+def _recv_on_a_paused_backlog(name: str, q: Any) -> None:
+    """Child: with the channel paused and more messages ready than the receiver takes in
+    ahead, a recv with a timeout returns Empty in time (reported with its duration)."""
+    ch = shmchan.Channel.open(name)
+    rx = ch.receiver()
+    t0 = time.monotonic()
+    try:
+        rx.recv(timeout=0.3)
+    except shmchan.Empty:
+        pass
+    ch.sender().send(b"late", keys=("late",))  # a new record while the backlog is held
+    try:
+        rx.recv(timeout=0.3)
+        q.put("got one while paused")
+    except shmchan.Empty:
+        q.put(time.monotonic() - t0)
+    rx.close()
+
+
+def test_recv_on_a_paused_channel_with_a_large_backlog_keeps_its_timeout(
+    make_channel: Any,
+) -> None:
+    # More ready messages than the receiver scans ahead for, all held back: the poll must
+    # not keep finding "work" in the ring it will not take in (that spun, ignoring the
+    # timeout). In a child process, so a spin fails the test instead of hanging it.
+    ch = make_channel(capacity=4 << 20)
+    tx = ch.sender()
+    ch.pause()
+    for i in range(300):
+        tx.send(i, keys=(f"k{i}",))
+    q = CTX.Queue()
+    p = CTX.Process(target=_recv_on_a_paused_backlog, args=(ch.name, q))
+    with running(p):
+        p.join(WAIT)
+        assert not p.is_alive(), "a recv on a paused channel did not return"
+        took = q.get(timeout=1)
+    assert isinstance(took, float) and took < WAIT, took
+
+
+def test_a_paused_key_does_not_stop_free_messages_under_the_tables_budget(
+    make_channel: Any,
+) -> None:
+    # A message on a paused key is ready but held back; it must not count as "the next to
+    # hand out" for the tables' budget (csrc/budget.c), or messages on free keys behind
+    # the budget were never taken in while handles are held.
+    ch = make_channel(capacity=1 << 16, max_messages=4096)
+    tx, rx = ch.sender(), ch.receiver()
+    ch.pause_key("P")
+    tx.send("p", keys=("P",))
+    with pytest.raises(shmchan.Empty):
+        rx.recv(timeout=0.05)
+    held = []
+    for i in range(300):
+        tx.send(i, keys=(f"k{i}",))
+        held.append(rx.recv(timeout=WAIT))
+    assert [h.payload for h in held] == list(range(300))
+    rx.release_many(held)
+    ch.resume_key("P")
+    with rx.recv(timeout=WAIT) as h:
+        assert h.payload == "p"
+    check_core(rx)
+    rx.close()

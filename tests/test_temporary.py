@@ -157,3 +157,36 @@ def test_an_executors_private_channels_are_temporary() -> None:
             flags.append(ch.temporary)
             ch.close()
         assert flags and all(flags)
+
+
+def _spill_and_exit(name: str, spill_dir: str, q: Any, die: bool) -> None:
+    """Child: create a temporary channel with an overflow directory, spill to it, then
+    exit normally or report and wait to be killed."""
+    ch = shmchan.Channel.create(name, 1 << 16, temporary=True, overflow=spill_dir)
+    rx = ch.receiver()  # the receiver's process opens the file for its drain
+    tx = ch.sender()
+    for _ in range(2000):
+        tx.send(b"x" * 100, keys=("k",), timeout=0)  # far past the ring: to the file
+    q.put(ch.stats().overflow_messages)
+    if die:
+        time.sleep(WAIT)
+    rx.close()
+
+
+@pytest.mark.parametrize("end", ["exit", "killed"])
+def test_a_temporary_channels_overflow_file_goes_with_it(
+    end: str, chan_name: str, new_chan_name: Any, tmp_path: Any
+) -> None:
+    q = CTX.Queue()
+    p = CTX.Process(target=_spill_and_exit, args=(chan_name, str(tmp_path), q, end == "killed"))
+    with running(p):
+        assert q.get(timeout=WAIT) > 0  # it did spill
+        assert os.listdir(tmp_path) != []
+        if end == "killed":
+            _kill_all(p)
+        else:
+            p.join(WAIT)
+    if end == "killed":
+        shmchan.Channel.create(new_chan_name(), 1 << 16).unlink()  # a create sweeps
+    assert _wait_gone(chan_name)
+    assert os.listdir(tmp_path) == []

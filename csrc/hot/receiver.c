@@ -147,6 +147,7 @@ static PyObject *refuse(ReceiverObject *self, PyObject *name, int rc) {
  * asyncio receive (shmchan/aio.py) then waits on the futex word instead (csrc/hot/wake.c).
  * Returns a new reference, or NULL with an exception. */
 #define RECEIVE_ARMED 2 /* receive()'s block: one poll that leaves the sleep announced */
+#define AGAIN_ROUNDS 64 /* polls an armed poll makes while the core finds new work */
 #define RECEIVE_BATCH 0x80000000u /* or'ed into receive()'s n: return one Batch (recv_batch) */
 
 static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int block) {
@@ -164,7 +165,7 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
     if (pb.msgs == NULL) return PyErr_NoMemory();
     Py_INCREF(seg);
     double spin_until = monotonic() + self->spin, stall_until = 0.0;
-    int armed_poll = block == RECEIVE_ARMED, arm = armed_poll, rc;
+    int armed_poll = block == RECEIVE_ARMED, arm = armed_poll, rc, agains = 0;
     if (armed_poll) block = 0;
     for (;;) {
         if (self->seg != seg) {
@@ -186,8 +187,13 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
             if (h != NULL && PyList_CheckExact(h) && PyList_GET_SIZE(h) == 0) Py_CLEAR(h);
         }
         if (h != NULL || PyErr_Occurred()) break;
-        if (rc == SHM_AGAIN) { /* records arrived meanwhile: look at them before sleeping */
-            if (block || armed_poll) continue; /* (the core did not leave the sleep armed) */
+        if (rc == SHM_AGAIN) {
+            /* Records arrived meanwhile: look at them before sleeping (the core did not
+             * leave the sleep armed). Bounded, so that a core that keeps finding work it
+             * does not hand out cannot hold a call: by the deadline, and for the armed
+             * poll by AGAIN_ROUNDS (its caller polls again within its upkeep period). */
+            if (block && monotonic() < deadline) continue;
+            if (armed_poll && ++agains < AGAIN_ROUNDS) continue;
             rc = SHM_EMPTY;
         }
         if (rc == SHM_STALLED) {
