@@ -223,6 +223,7 @@ def _sample(ch: shmchan.Channel, name: str, top: int) -> dict[str, Any]:
     return {
         "time": time.time(),
         "name": name,
+        "temporary": ch.temporary,
         "stats": dataclasses.asdict(s),
         "rates": None,
         "paused": {
@@ -296,6 +297,8 @@ def _stats_text(sample: dict[str, Any], compact: bool = False) -> str:
     paused = sample.get("paused") or {"channel": False, "keys": []}
     lines += ["", "paused: " + ("yes, the whole channel" if paused["channel"] else "no")]
     lines += [f"paused keys: {len(paused['keys'])}"]
+    if sample.get("temporary"):
+        lines += ["temporary: yes (removed when its last user exits)"]
     for k in paused["keys"]:
         hashed = isinstance(k, dict) and "hash" in k  # a key too long to keep for display
         lines.append("  " + (f"hash {k['hash']:#x}" if hashed else _json_key_text(k)))

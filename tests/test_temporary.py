@@ -190,3 +190,20 @@ def test_a_temporary_channels_overflow_file_goes_with_it(
         shmchan.Channel.create(new_chan_name(), 1 << 16).unlink()  # a create sweeps
     assert _wait_gone(chan_name)
     assert os.listdir(tmp_path) == []
+
+
+def test_stat_says_whether_a_channel_is_temporary(chan_name: str, new_chan_name: Any) -> None:
+    import json
+
+    temp = shmchan.Channel.create(chan_name, 1 << 16, temporary=True)
+    plain = shmchan.Channel.create(new_chan_name(), 1 << 16)
+    try:
+        for ch, expected in ((temp, True), (plain, False)):
+            sample = json.loads(run_shmchan("stat", ch.name, "--json", timeout=WAIT).stdout)
+            assert sample["temporary"] is expected
+            text = run_shmchan("stat", ch.name, timeout=WAIT).stdout
+            assert ("temporary: yes" in text) is expected
+    finally:
+        for ch in (temp, plain):
+            ch.unlink()
+            ch.close()
