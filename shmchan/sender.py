@@ -46,16 +46,26 @@ class Sender(_hot.SenderBase):
             raise errors.Closed("sender is closed")
         return self._seg
 
-    def _send_slow(self, obj: object, keys: Any, timeout: float | None) -> int:
-        """send() for everything its C fast path leaves to Python."""
+    def _encode(
+        self, obj: object, keys: Any, timeout: float | None
+    ) -> tuple[Segment, int, Any, Any, bytes, int]:
+        """What a one-message send from Python starts with: the live segment (this
+        process registered as its producer), the timeout checked (a bad one is refused
+        before anything is sent), and the record's parts -- the payload's kind, its
+        encoded buffer, that buffer as the core takes it, the key blob and the key count."""
         seg = self._live()
-        deadline_of(timeout)  # a bad timeout is refused before anything is sent
+        deadline_of(timeout)
         kind, buf = codec.encode_payload(obj, seg.raw_only)
         blob, nkeys = codec.encode_keys(keys, seg.max_keys)
         if not seg.registered:
             seg.register_producer()
-        s = seg.scratch()
         data = buf if type(buf) is bytes else ffi.from_buffer("char[]", buf)
+        return seg, kind, buf, data, blob, nkeys
+
+    def _send_slow(self, obj: object, keys: Any, timeout: float | None) -> int:
+        """send() for everything its C fast path leaves to Python."""
+        seg, kind, buf, data, blob, nkeys = self._encode(obj, keys, timeout)
+        s = seg.scratch()
         rc = lib.shm_send(
             seg.ptr, kind, data, len(data), blob, len(blob), nkeys, s.seq, s.stall, s.wake
         )
@@ -91,16 +101,10 @@ class Sender(_hot.SenderBase):
             keys = ()
         if not seconds and not life:
             return self._send_slow(obj, keys, timeout)
-        seg = self._live()
-        deadline_of(timeout)
         now = time.time_ns()
         due, expire = timers.due_ns(seconds, now), timers.due_ns(life, now)
-        kind, buf = codec.encode_payload(obj, seg.raw_only)
-        blob, nkeys = codec.encode_keys(keys, seg.max_keys)
-        if not seg.registered:
-            seg.register_producer()
+        seg, kind, _, data, blob, nkeys = self._encode(obj, keys, timeout)
         s = seg.scratch()
-        data = buf if type(buf) is bytes else ffi.from_buffer("char[]", buf)
 
         def attempt() -> int:
             return int(
