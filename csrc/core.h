@@ -239,7 +239,8 @@ typedef struct {
     uint32_t fresh_slots; /* slots from here on were never used: taken when the free list
                            * is empty, so a new channel writes no table (sched.c) */
     uint32_t fresh_nodes; /* the same for nodes */
-    uint32_t ready_count; /* messages free to hand out: a min-heap by seq at heap_off */
+    uint32_t ready_count; /* messages free to hand out: heap_count on the min-heap by seq
+                           * at heap_off, lane_count on the ready lane (lane.h) */
     uint32_t handed_out; /* slots out of the consumer's hands, via slot.out_next (handles.c) */
     uint32_t window;     /* slots in use */
     uint32_t nodes_used;
@@ -268,6 +269,11 @@ typedef struct {
     uint32_t dlx_word;      /* (version << 16) | name length; odd version while written     */
     uint32_t pad_dlx;
     char dlx_name[SHM_GATE_NAME_MAX]; /* the exchange dead letters are published to          */
+    /* -- the ready lane (lane.h) beside the ready heap (sched.c): receiver-written -- */
+    uint32_t lane_head;  /* lowest-seq slot on the lane, via slot.next; NIL = empty          */
+    uint32_t lane_tail;  /* highest-seq slot on the lane                                     */
+    uint32_t lane_count; /* slots on the lane                                                */
+    uint32_t heap_count; /* entries of the ready heap; ready_count = heap_count + lane_count */
 
     /* -- pause state (hold.c): written by any process, read by the receiver's scheduler -- */
     _Alignas(SHM_CACHELINE) uint64_t hold; /* HOLD_CHANNEL | claimed paused-key entries
@@ -333,7 +339,8 @@ typedef struct {
     uint64_t handover; /* while holder has HOLDER_TRANSIT: adopt before this     */
                        /* (CLOCK_MONOTONIC ns), or the handle is taken back      */
     uint32_t first_node; /* the message's key nodes, chained by node.sibling     */
-    uint32_t next;     /* the free list; the delayed list while delayed (timers.c) */
+    uint32_t next;     /* the free list; the delayed list while delayed (timers.c); the
+                        * ready lane while on it (lane.h) */
     uint32_t rel_next; /* release stack link, written by the releasing process   */
     uint32_t attempt;  /* deliveries so far                                      */
     uint16_t nkeys;    /* distinct key hashes (nodes)                            */
