@@ -9,7 +9,9 @@
  *                                         is (slot index, slot generation)
  *   nodes_off           shm_node[]        one node per (message, distinct key): the key lines
  *   keytab_off          shm_key[]         open-addressing table: key hash -> its line
- *   heap_off            shm_ready[]       the ready messages, a binary min-heap by seq
+ *   heap_off            shm_ready[]       ready messages, a binary min-heap by seq (those that
+ *                                         became ready in seq order wait on the lane instead,
+ *                                         a list through the message table: lane.h)
  *   ring_off            ring bytes        the intake ring (ring.c), mapped twice in a row so a
  *                                         record that wraps is still contiguous in memory
  *
@@ -39,7 +41,7 @@
  *   1  commit.c budget.c         committing memory to the regions as they grow; the
  *                                tables' budget (a tenth of the committed ring)
  *   2  ring.c                    the intake ring: claims, commits, head, rewinds
- *   3  sched.c                   the key table and the key lines, the ready heap
+ *   3  sched.c lane.h            the key table and the key lines, the ready heap and lane
  *   4  window.c                  taking records in from the ring; parked records
  *   5  islands.c                 records pinned behind head
  *   6  compact.c                 sliding long-lived records forward
