@@ -9,7 +9,9 @@
  *                                         is (slot index, slot generation)
  *   nodes_off           shm_node[]        one node per (message, distinct key): the key lines
  *   keytab_off          shm_key[]         open-addressing table: key hash -> its line
- *   heap_off            shm_ready[]       the ready messages, a binary min-heap by seq
+ *   heap_off            shm_ready[]       ready messages, a binary min-heap by seq (those that
+ *                                         became ready in seq order wait on the lane instead,
+ *                                         a list through the message table: lane.h)
  *   ring_off            ring bytes        the intake ring (ring.c), mapped twice in a row so a
  *                                         record that wraps is still contiguous in memory
  *
@@ -39,7 +41,7 @@
  *   1  commit.c budget.c         committing memory to the regions as they grow; the
  *                                tables' budget (a tenth of the committed ring)
  *   2  ring.c                    the intake ring: claims, commits, head, rewinds
- *   3  sched.c                   the key table and the key lines, the ready heap
+ *   3  sched.c lane.h            the key table and the key lines, the ready heap and lane
  *   4  window.c                  taking records in from the ring; parked records
  *   5  islands.c                 records pinned behind head
  *   6  compact.c                 sliding long-lived records forward
@@ -239,7 +241,8 @@ typedef struct {
     uint32_t fresh_slots; /* slots from here on were never used: taken when the free list
                            * is empty, so a new channel writes no table (sched.c) */
     uint32_t fresh_nodes; /* the same for nodes */
-    uint32_t ready_count; /* messages free to hand out: a min-heap by seq at heap_off */
+    uint32_t ready_count; /* messages free to hand out: heap_count on the min-heap by seq
+                           * at heap_off, lane_count on the ready lane (lane.h) */
     uint32_t handed_out; /* slots out of the consumer's hands, via slot.out_next (handles.c) */
     uint32_t window;     /* slots in use */
     uint32_t nodes_used;
@@ -268,6 +271,11 @@ typedef struct {
     uint32_t dlx_word;      /* (version << 16) | name length; odd version while written     */
     uint32_t pad_dlx;
     char dlx_name[SHM_GATE_NAME_MAX]; /* the exchange dead letters are published to          */
+    /* -- the ready lane (lane.h) beside the ready heap (sched.c): receiver-written -- */
+    uint32_t lane_head;  /* lowest-seq slot on the lane, via slot.next; NIL = empty          */
+    uint32_t lane_tail;  /* highest-seq slot on the lane                                     */
+    uint32_t lane_count; /* slots on the lane                                                */
+    uint32_t heap_count; /* entries of the ready heap; ready_count = heap_count + lane_count */
 
     /* -- pause state (hold.c): written by any process, read by the receiver's scheduler -- */
     _Alignas(SHM_CACHELINE) uint64_t hold; /* HOLD_CHANNEL | claimed paused-key entries
@@ -333,7 +341,8 @@ typedef struct {
     uint64_t handover; /* while holder has HOLDER_TRANSIT: adopt before this     */
                        /* (CLOCK_MONOTONIC ns), or the handle is taken back      */
     uint32_t first_node; /* the message's key nodes, chained by node.sibling     */
-    uint32_t next;     /* the free list; the delayed list while delayed (timers.c) */
+    uint32_t next;     /* the free list; the delayed list while delayed (timers.c); the
+                        * ready lane while on it (lane.h) */
     uint32_t rel_next; /* release stack link, written by the releasing process   */
     uint32_t attempt;  /* deliveries so far                                      */
     uint16_t nkeys;    /* distinct key hashes (nodes)                            */

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "core.h"
+#include "lane.h"
 
 typedef struct {
     uint64_t seq, pos;
@@ -112,6 +113,8 @@ static int reset_scheduler(shm_chan *c, uint32_t nkept, uint64_t inflight, uint6
     STORE_RELAXED(&h->fresh_nodes, 1); /* read by nodes_touched (core.h) */
     h->nodes_used = 0;
     h->ready_count = 0;
+    h->heap_count = 0;
+    lane_reset(c); /* the ready lane too (lane.h) */
     timers_reset(c); /* the delayed list is part of the ready messages (timers.c) */
     h->newest = h->oldest = NIL;
     h->skipped = 0;

@@ -743,7 +743,10 @@ int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
  * empty ring to the start of its next lap (see the top of this file). 1 if it did. */
 int ring_rewind(shm_chan *c) {
     shm_header *h = c->hdr;
-    uint64_t pos = h->scan_pos, off = pos % c->cap; /* receiver-owned fields */
+    uint64_t pos = h->scan_pos; /* receiver-owned fields */
+    /* Not empty (the common case after a release): no division, no shared line read. */
+    if (h->head != pos || h->ingest_pos != pos) return 0;
+    uint64_t off = pos % c->cap;
     /* Early, before REWIND_AT, where the ring's committed part (commit.c) ends soon: an
      * empty ring then starts again at offset 0 rather than take more memory, and a sender
      * that found the filesystem full (ring_short, a hint: relaxed) goes on at once.

@@ -37,6 +37,7 @@
 #include <stdlib.h>
 
 #include "core.h"
+#include "lane.h"
 
 #define SLOT_OK(c, s) ((s) >= 1 && (s) <= (c)->cfg.max_messages)
 #define NODE_OK(c, n) ((n) >= 1 && (n) < (c)->max_nodes)
@@ -52,6 +53,8 @@ void sched_init(shm_chan *c) {
     h->free_nodes = NIL;
     h->fresh_nodes = 1;
     h->ready_count = 0;
+    h->heap_count = 0;
+    lane_reset(c);
     h->handed_out = NIL;
 }
 
@@ -221,20 +224,18 @@ void sched_key_tidy(shm_chan *c, shm_key *k) {
     if (key_empty(k)) key_delete(c, (uint32_t)(k - c->keys));
 }
 
-/* ---- the ready queue: a binary min-heap of slots by seq ---------------------------------
+/* ---- the ready queue: a binary min-heap of slots by seq, and the lane -------------------
  * Messages free to go are handed out lowest seq first, whenever they became free: so a
  * producer's messages come out in the order it sent them whenever their keys allow, and
  * a nacked message (it keeps its seq) comes back before everything that was sent after
- * it. O(log ready) per push and pop; entries are checked as they are read. */
-static int ready_push(shm_chan *c, uint32_t s) {
+ * it. Those that become free in seq order (taken in as they arrive) go on the ready lane
+ * (lane.h), O(1); the others on the heap, O(log ready) per push and pop; a pop takes the
+ * lower seq of the two heads. Entries are checked as they are read. */
+static int heap_push(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
-    uint32_t n = h->ready_count;
+    uint32_t n = h->heap_count;
     if (n >= c->cfg.max_messages) return SHM_E_CORRUPT;
-    shm_slot *sl = &c->slots[s];
-    /* release: holders reading a handle's slot (shm_handle_info) pair with their acquire
-     * of the state word; READY is never shared, so relaxed would do, but keep one rule. */
-    STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_READY));
-    uint64_t key = sl->seq;
+    uint64_t key = c->slots[s].seq;
     uint32_t i = n;
     while (i > 0) { /* sift up */
         uint32_t parent = (i - 1) / 2;
@@ -243,7 +244,33 @@ static int ready_push(shm_chan *c, uint32_t s) {
         i = parent;
     }
     c->heap[i] = (shm_ready){.seq = key, .slot = s};
-    h->ready_count = n + 1;
+    h->heap_count = n + 1;
+    return SHM_OK;
+}
+
+static int ready_push(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    if (h->ready_count >= c->cfg.max_messages) return SHM_E_CORRUPT;
+    shm_slot *sl = &c->slots[s];
+    /* release: holders reading a handle's slot (shm_handle_info) pair with their acquire
+     * of the state word; READY is never shared, so relaxed would do, but keep one rule. */
+    STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_READY));
+    int rc = lane_append(c, s);
+    if (rc == 0) rc = heap_push(c, s);
+    if (rc < 0) return rc;
+    h->ready_count++;
+    return SHM_OK;
+}
+
+/* The paused path picks from the heap alone: the lane's entries move onto it first, each
+ * once (they come back to the lane's speed only after the pause). */
+static int lane_merge(shm_chan *c) {
+    while (c->hdr->lane_count) {
+        uint32_t s = lane_first(c);
+        if (s == UINT32_MAX) return SHM_E_CORRUPT;
+        lane_drop_first(c, s);
+        if (heap_push(c, s)) return SHM_E_CORRUPT;
+    }
     return SHM_OK;
 }
 
@@ -251,13 +278,13 @@ static int ready_push(shm_chan *c, uint32_t s) {
 int sched_unpop(shm_chan *c, uint32_t s) { return ready_push(c, s); }
 
 /* The heap index of the lowest-seq ready message that may be handed out now, or
- * ready_count if none may: the entries held back (hold.c: paused) are skipped. A
+ * heap_count if none may: the entries held back (hold.c: paused) are skipped. A
  * held-back entry's children are looked at, an allowed one's are not (their seqs are
  * higher), so this visits O(held back) entries: a depth-first walk with a small stack,
  * and a scan of the whole heap if that overflows. Indexes are checked by the caller. */
 #define PICK_STACK 128u
 static uint32_t ready_pick(shm_chan *c) {
-    uint32_t n = c->hdr->ready_count, best = n;
+    uint32_t n = c->hdr->heap_count, best = n;
     if (n > c->cfg.max_messages) return 0; /* the caller reports it */
     uint32_t stack[PICK_STACK], top = 0;
     stack[top++] = 0;
@@ -290,7 +317,9 @@ static uint32_t ready_pick(shm_chan *c) {
 int sched_has_ready(shm_chan *c) {
     if (c->hdr->ready_count == 0) return 0;
     if (LIKELY(!hold_any(c))) return 1;
-    return !hold_channel(c) && ready_pick(c) < c->hdr->ready_count;
+    if (hold_channel(c)) return 0;
+    if (lane_merge(c)) return 1; /* corrupt: let the poll say so */
+    return ready_pick(c) < c->hdr->heap_count;
 }
 
 /* Place `last` in the hole at index i of a heap of n entries, moving it down. */
@@ -310,8 +339,9 @@ static inline void heap_sift_down(shm_chan *c, uint32_t i, uint32_t n, shm_ready
  * the middle of the heap (its place filled by the last entry, sifted up or down). */
 static uint32_t ready_pop_allowed(shm_chan *c) {
     shm_header *h = c->hdr;
-    uint32_t n = h->ready_count;
     if (hold_channel(c)) return NIL;
+    if (lane_merge(c)) return UINT32_MAX;
+    uint32_t n = h->heap_count;
     uint32_t at = ready_pick(c);
     if (at >= n) return NIL;
     if (!SLOT_OK(c, c->heap[at].slot)) return UINT32_MAX;
@@ -319,7 +349,8 @@ static uint32_t ready_pop_allowed(shm_chan *c) {
     if (c->slots[top].seq != c->heap[at].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
         return UINT32_MAX;
     shm_ready last = c->heap[--n];
-    h->ready_count = n;
+    h->heap_count = n;
+    h->ready_count--;
     if (at == n) return top; /* it was the last entry */
     uint32_t i = at;
     while (i > 0 && c->heap[(i - 1) / 2].seq > last.seq) { /* sift up */
@@ -332,20 +363,29 @@ static uint32_t ready_pop_allowed(shm_chan *c) {
 
 uint32_t sched_pop_ready(shm_chan *c) {
     shm_header *h = c->hdr;
-    uint32_t n = h->ready_count;
-    if (n == 0) return NIL;
+    if (h->ready_count == 0) return NIL;
     /* Only the entry handed out is checked against the message table here; every slot
      * index is checked where it is used, and a wrong seq copy can only reorder. */
-    if (n > c->cfg.max_messages) return UINT32_MAX;
+    uint32_t n = h->heap_count;
+    if (n > c->cfg.max_messages || (uint64_t)n + h->lane_count != h->ready_count)
+        return UINT32_MAX;
     /* Paused (hold.c): the lowest-seq message that may go instead of the top. One load
      * of a header word when nothing is paused. */
     if (UNLIKELY(hold_any(c))) return ready_pop_allowed(c);
+    uint32_t first = lane_first(c);
+    if (first == UINT32_MAX) return UINT32_MAX;
+    if (first != NIL && (n == 0 || c->slots[first].seq < c->heap[0].seq)) {
+        lane_drop_first(c, first);
+        h->ready_count--;
+        return first;
+    }
     if (!SLOT_OK(c, c->heap[0].slot)) return UINT32_MAX;
     uint32_t top = c->heap[0].slot;
     if (c->slots[top].seq != c->heap[0].seq || SLOT_STATE(c->slots[top].state) != SLOT_READY)
         return UINT32_MAX;
     shm_ready last = c->heap[--n];
-    h->ready_count = n;
+    h->heap_count = n;
+    h->ready_count--;
     uint32_t i = 0;
     heap_sift_down(c, i, n, last);
     return top;
@@ -623,7 +663,7 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
         if (rc == SHM_OK && st == SLOT_WAITING && sl->pending == 0) { rc = SHM_E_CORRUPT; *what = 4; }
     }
     /* the ready heap holds exactly the READY messages, each no earlier than its parent */
-    uint32_t ready = 0, listed = c->hdr->ready_count;
+    uint32_t ready = 0, listed = c->hdr->heap_count, laned = 0;
     for (uint32_t s = 1; s < used; s++) ready += SLOT_STATE(c->slots[s].state) == SLOT_READY;
     for (uint32_t i = 0; i < listed && i < m && rc == SHM_OK; i++) {
         uint32_t s = c->heap[i].slot;
@@ -642,7 +682,10 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
         delayed++;
     }
     if (rc == SHM_OK && delayed != c->hdr->delayed_count) { rc = SHM_E_CORRUPT; *what = 20; }
-    if (rc == SHM_OK && listed + delayed != ready) { rc = SHM_E_CORRUPT; *what = 11; }
+    /* ... and the lane (lane.h) the others, in seq order; the count is their sum */
+    if (rc == SHM_OK && lane_check(c, &laned) != SHM_OK) { rc = SHM_E_CORRUPT; *what = 21; }
+    if (rc == SHM_OK && listed + laned != c->hdr->ready_count) { rc = SHM_E_CORRUPT; *what = 22; }
+    if (rc == SHM_OK && listed + laned + delayed != ready) { rc = SHM_E_CORRUPT; *what = 11; }
     /* the handed-out list holds exactly the slots out of the consumer's hands, each once,
      * with consistent back links */
     uint32_t out = 0, on_list = 0, prev = NIL;
