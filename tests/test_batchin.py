@@ -88,7 +88,7 @@ def test_mixed_sends_and_receives_keep_per_key_order_and_locks(
         elif op < 0.4:
             ks = [_keys_of(rnd) for _ in range(rnd.randint(1, 40))]
             seqs = tx.send_batch(b"b" * len(ks), [1] * len(ks), [_send_arg(k) for k in ks])
-            for s, k in zip(seqs, ks):
+            for s, k in zip(seqs, ks, strict=True):
                 m.sent(s, k)
         elif op < 0.5:
             h = rx.try_recv()
