@@ -239,7 +239,7 @@ void hot_handles_flush(void); /* frees the kept Handle memory (before bind chang
 
 /* batch.c */
 PyObject *hot_batch_new(SegmentObject *seg, const shm_msg *msgs, Py_ssize_t n);
-PyObject *hot_batch_adopt(SegmentObject *seg, shm_msg **msgs, Py_ssize_t n);
+PyObject *hot_batch_adopt(SegmentObject *seg, shm_msg **msgs, Py_ssize_t n, Py_ssize_t cap);
 PyObject *hot_batch_from_handles(PyObject *mod, PyObject *args);
 
 /* publish.c: PublisherBase and bind_exchange(), added to the module by its init */

@@ -66,7 +66,7 @@ static PyObject *poll_fast(SegmentObject *seg, pollbuf *pb, uint32_t n, int arm,
     if (wake) wake_sender(&seg->wk);
     if (pb->batch && got) { /* no Python object per message */
         shm_msg *msgs = pb->msgs;
-        PyObject *b = pb->own ? hot_batch_adopt(seg, &pb->msgs, got) : hot_batch_new(seg, msgs, got);
+        PyObject *b = pb->own ? hot_batch_adopt(seg, &pb->msgs, got, n) : hot_batch_new(seg, msgs, got);
         if (b == NULL) give_back(seg, msgs, 0, got);
         return b;
     }
@@ -443,7 +443,7 @@ static PyObject *Receiver_recv_batch(ReceiverObject *self, PyObject *const *args
         if (wake) wake_sender(&seg->wk);
         if (got) {
             shm_msg *msgs = self->msgs;
-            PyObject *b = hot_batch_adopt(seg, &self->msgs, got);
+            PyObject *b = hot_batch_adopt(seg, &self->msgs, got, self->nmsgs);
             if (b == NULL) give_back(seg, msgs, 0, got);
             if (self->msgs == NULL) self->nmsgs = 0; /* the batch took the array */
             return b;
