@@ -660,6 +660,7 @@ void sched_init(shm_chan *c);
 int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved);
 int window_admit(shm_chan *c, shm_record *r, uint64_t pos);
 int window_taken(shm_chan *c, shm_record *r, uint64_t pos);
+int window_free_to_go(shm_chan *c, shm_record *r); /* decide() says take it in */
 int window_has_work(shm_chan *c);
 int window_is_writing(shm_chan *c, uint64_t pos);
 int window_discard(shm_chan *c, shm_record *r, uint64_t pos);
@@ -702,6 +703,10 @@ int handles_rx_asleep(shm_chan *c); /* a release in the receiver's process: wake
 void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
+int handles_hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now);
+/* batchin.c */
+int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
+                int *moved);
 /* rebuild.c */
 int recovery_rebuild(shm_chan *c);
 /* timers.c */

@@ -269,6 +269,10 @@ static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     return SHM_OK;
 }
 
+int handles_hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
+    return hand_out(c, s, m, now); /* for the run path of a batch receive (batchin.c) */
+}
+
 /* Is there anything a poll could act on right now? (the re-check before sleeping)
  * `shut_seen`: this poll already saw the shutdown, which wakes no one again. */
 static int work_pending(shm_chan *c, int shut_seen) {
@@ -327,6 +331,8 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     for (int extra = 0;;) {
         int progress = 0;
         rc = handles_drain(c);
+        if (rc) break;
+        rc = batchin_run(c, out, max, got, &now, &progress); /* many asked for: batchin.c */
         if (rc) break;
         rc = window_ingest(c, stall, &stalled, &progress);
         if (rc) break;

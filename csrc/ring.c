@@ -349,6 +349,12 @@ int rec_checksum_ok(shm_chan *c, const shm_record *r, uint64_t len) {
  * that many bytes). The blob comes from Python; it is still checked. out NULL: only
  * check it. */
 static int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *out) {
+    if (nkeys == 1) { /* the common case: the loop below, unrolled */
+        if (keys_len < 2 || ((uint32_t)keys[0] | ((uint32_t)keys[1] << 8)) != keys_len - 2)
+            return SHM_E_INVALID;
+        if (out) out[0] = hash_bytes(keys + 2, keys_len - 2);
+        return SHM_OK;
+    }
     uint32_t off = 0;
     for (uint32_t i = 0; i < nkeys; i++) {
         if (keys_len - off < 2) return SHM_E_INVALID;

@@ -473,6 +473,13 @@ int window_admit(shm_chan *c, shm_record *r, uint64_t pos) {
     return sched_take_in(c, r, pos, &s);
 }
 
+/* Is the committed record r at scan_pos free to go now (taken in, not parked or held
+ * back by a full window)? The run path of a batch receive asks (batchin.c). */
+int window_free_to_go(shm_chan *c, shm_record *r) {
+    uint64_t blocker = 0;
+    return decide(c, r, &blocker) == ADMIT_TAKE;
+}
+
 /* Would a poll make progress right now? (the receiver's re-check before it sleeps) */
 int window_has_work(shm_chan *c) {
     shm_header *h = c->hdr;

@@ -225,3 +225,32 @@ def test_a_producer_frozen_inside_a_group_holds_up_only_its_keys(make_channel: A
                 got.append(h.payload)
                 h.release()
         assert got[3:] == [bytes([i]) * 40 for i in range(1, 8)]
+
+
+@pytest.mark.parametrize("blob", [b"", b"\x02", b"\x02\x00i", b"\x01\x00ix", b"\x03\x00i\x01"])
+def test_the_core_refuses_a_one_key_blob_whose_length_is_wrong(
+    make_channel: Any, blob: bytes
+) -> None:
+    # The key blob comes from the producer's process: the core checks its framing (a
+    # length, then that many bytes, filling the blob exactly) for one key as for many,
+    # in a single send and in a batch, and sends nothing of a batch holding a bad one.
+    from shmchan._lib import ffi, lib
+
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"first", keys="k")  # registers the producer
+    ptr = tx._seg.ptr
+    seq, stall, wake = ffi.new("uint64_t *"), ffi.new("shm_stall *"), ffi.new("int *")
+    rc = lib.shm_send(ptr, lib.SHM_PAYLOAD_RAW, b"x", 1, blob, len(blob), 1, seq, stall, wake)
+    assert rc == lib.SHM_E_INVALID
+    good = b"\x02\x00i\x01"
+    n = 3
+    keys = good + blob + good
+    rc = lib.shm_send_many(
+        ptr, n, ffi.new("uint32_t[]", [lib.SHM_PAYLOAD_RAW] * n), b"abc", 3,
+        ffi.new("uint64_t[]", [1] * n), keys, len(keys),
+        ffi.new("uint32_t[]", [len(good), len(blob), len(good)]), ffi.new("uint32_t[]", [1] * n),
+        ffi.new("uint64_t[]", n), ffi.new("uint32_t *"), stall, wake,
+    )  # fmt: skip
+    assert rc == lib.SHM_E_INVALID
+    assert [p for _, p, _ in _drain(rx)] == [b"first"]

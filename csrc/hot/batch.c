@@ -30,6 +30,29 @@ PyObject *hot_batch_new(SegmentObject *seg, const shm_msg *msgs, Py_ssize_t n) {
     return (PyObject *)b;
 }
 
+#define ADOPT_MIN 16 /* fewer messages are copied: cheaper than a fresh array for the poller */
+
+/* hot_batch_new for an array the batch may keep: *msgs (PyMem memory with room for cap
+ * messages, n of them filled) becomes the batch's own and *msgs NULL, so the messages a
+ * poll wrote are not copied again. Small batches, and batches filling less than half the
+ * array (they would hold on to the rest), are copied and leave *msgs as it was. */
+PyObject *hot_batch_adopt(SegmentObject *seg, shm_msg **msgs, Py_ssize_t n, Py_ssize_t cap) {
+    if (n < ADOPT_MIN || n < cap / 2) return hot_batch_new(seg, *msgs, n);
+    BatchObject *b = (BatchObject *)hot_batch_type->tp_alloc(hot_batch_type, 0);
+    if (b == NULL) return NULL;
+    b->done = PyMem_Calloc((size_t)n, 1);
+    if (b->done == NULL) {
+        Py_DECREF(b); /* nothing is owned yet: the caller gives the messages back */
+        return PyErr_NoMemory();
+    }
+    b->msgs = *msgs;
+    *msgs = NULL;
+    b->seg = (SegmentObject *)Py_NewRef(seg);
+    b->n = b->left = n;
+    b->pid = seg->pid;
+    return (PyObject *)b;
+}
+
 /* Release (nack = 0) or give back (nack = 1) the listed messages that are still held;
  * idx NULL = all of them. Returns the core's status (errors < 0), wake-ups posted. */
 static int batch_finish_core(BatchObject *b, const Py_ssize_t *idx, Py_ssize_t k, int nack) {

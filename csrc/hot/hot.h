@@ -119,6 +119,7 @@ typedef struct {
 void hot_keys_init(keyblob *kb);
 int hot_key_append(keyblob *kb, PyObject *k);
 int hot_key_single(keyblob *kb, PyObject *k); /* one key, common types: 1, or 0 */
+size_t hot_key_write(uint8_t *f, size_t room, PyObject *k); /* framed, or 0 */
 /* The n keys of a blob of len bytes, as a new tuple; NULL without an exception if the
  * blob is malformed, with one (MemoryError) if a key could not be made. */
 PyObject *hot_keys_from_blob(const uint8_t *buf, size_t len, size_t n);
@@ -238,6 +239,7 @@ void hot_handles_flush(void); /* frees the kept Handle memory (before bind chang
 
 /* batch.c */
 PyObject *hot_batch_new(SegmentObject *seg, const shm_msg *msgs, Py_ssize_t n);
+PyObject *hot_batch_adopt(SegmentObject *seg, shm_msg **msgs, Py_ssize_t n, Py_ssize_t cap);
 PyObject *hot_batch_from_handles(PyObject *mod, PyObject *args);
 
 /* publish.c: PublisherBase and bind_exchange(), added to the module by its init */

@@ -114,11 +114,12 @@ int hot_key_append(keyblob *kb, PyObject *k) {
     return 1;
 }
 
-/* The blob of one key on its own, for the common cases made without the general path's
- * calls: an exact int within 64 bits, an exact bytes, an exact ASCII str (its UTF-8 is its
- * data). kb is freshly initialized. Returns 1 if made, 0 if hot_key_append must see to
- * it (the same bytes, by the same rules as key_body). */
-int hot_key_single(keyblob *kb, PyObject *k) {
+/* The framed encoding of one key (u16 length, tag, body) written at f, which has room
+ * bytes, for the common cases made without the general path's calls: an exact int within
+ * 64 bits, an exact bytes, an exact ASCII str (its UTF-8 is its data). Returns the bytes
+ * written, or 0 if hot_key_append must see to it (the same bytes, by the same rules as
+ * key_body), f untouched but for scratch. */
+size_t hot_key_write(uint8_t *f, size_t room, PyObject *k) {
     uint8_t num[8], tag;
     const uint8_t *body;
     size_t blen;
@@ -146,8 +147,7 @@ int hot_key_single(keyblob *kb, PyObject *k) {
     } else {
         return 0;
     }
-    if (blen + 1 > MAX_KEY_ENC || blen + 3 > kb->cap) return 0;
-    uint8_t *f = kb->buf;
+    if (blen + 1 > MAX_KEY_ENC || blen + 3 > room) return 0;
     f[0] = (uint8_t)((blen + 1) & 0xFF);
     f[1] = (uint8_t)((blen + 1) >> 8);
     f[2] = tag;
@@ -156,10 +156,18 @@ int hot_key_single(keyblob *kb, PyObject *k) {
     } else {
         memcpy(f + 3, body, blen);
     }
+    return blen + 3;
+}
+
+/* The blob of one key on its own (hot_key_write into kb, freshly initialized). Returns 1
+ * if made, 0 if hot_key_append must see to it. */
+int hot_key_single(keyblob *kb, PyObject *k) {
+    size_t n = hot_key_write(kb->buf, kb->cap, k);
+    if (n == 0) return 0;
     kb->start[0] = 0;
     kb->n = 1;
-    kb->len = (uint32_t)(blen + 3);
-    kb->last = blen + 1;
+    kb->len = (uint32_t)n;
+    kb->last = n - 2;
     return 1;
 }
 

@@ -44,6 +44,7 @@ typedef struct {
     shm_stall stall; /* the stuck claim, after SHM_STALLED */
     int nogil;
     int batch; /* poll_fast makes one Batch of what it got (recv_batch), not Handles */
+    int own;   /* msgs is PyMem memory the Batch may take over (poll_fast sets it NULL) */
 } pollbuf;
 
 static int core_recv(SegmentObject *seg, pollbuf *pb, uint32_t n, uint32_t *got, int arm,
@@ -64,8 +65,9 @@ static PyObject *poll_fast(SegmentObject *seg, pollbuf *pb, uint32_t n, int arm,
     *rc = core_recv(seg, pb, n, &got, arm, &wake);
     if (wake) wake_sender(&seg->wk);
     if (pb->batch && got) { /* no Python object per message */
-        PyObject *b = hot_batch_new(seg, pb->msgs, got);
-        if (b == NULL) give_back(seg, pb->msgs, 0, got);
+        shm_msg *msgs = pb->msgs;
+        PyObject *b = pb->own ? hot_batch_adopt(seg, &pb->msgs, got, n) : hot_batch_new(seg, msgs, got);
+        if (b == NULL) give_back(seg, msgs, 0, got);
         return b;
     }
     PyObject *out = PyList_New(got);
@@ -161,7 +163,7 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
     n &= ~RECEIVE_BATCH;
     shm_msg one;
     pollbuf pb = {.msgs = n <= 1 ? &one : PyMem_Malloc((size_t)n * sizeof(shm_msg)), .nogil = 1,
-                  .batch = as_batch};
+                  .batch = as_batch, .own = n > 1};
     if (pb.msgs == NULL) return PyErr_NoMemory();
     Py_INCREF(seg);
     double spin_until = monotonic() + self->spin, stall_until = 0.0;
@@ -247,7 +249,7 @@ static PyObject *receive(ReceiverObject *self, uint32_t n, double deadline, int 
             self->spin = SPIN_SECONDS; /* woken soon */
     }
     Py_DECREF(seg);
-    if (pb.msgs != &one) PyMem_Free(pb.msgs);
+    if (pb.msgs != &one) PyMem_Free(pb.msgs); /* NULL if a Batch took it */
     return h;
 }
 
@@ -440,8 +442,10 @@ static PyObject *Receiver_recv_batch(ReceiverObject *self, PyObject *const *args
         (void)hot_core.recv(seg->c, self->msgs, want, &got, 0, &stall, &wake);
         if (wake) wake_sender(&seg->wk);
         if (got) {
-            PyObject *b = hot_batch_new(seg, self->msgs, got);
-            if (b == NULL) give_back(seg, self->msgs, 0, got);
+            shm_msg *msgs = self->msgs;
+            PyObject *b = hot_batch_adopt(seg, &self->msgs, got, self->nmsgs);
+            if (b == NULL) give_back(seg, msgs, 0, got);
+            if (self->msgs == NULL) self->nmsgs = 0; /* the batch took the array */
             return b;
         }
     }

@@ -431,12 +431,24 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         }
     }
     keyblob kb;
+    /* one key of a common type (hot_key_write) goes straight into the blob */
+    int single_ok = seg->max_keys >= 1;
+    uint32_t one = 1;
     for (Py_ssize_t i = 0; i < p.n; i++) {
         if (gbuf_put(&p.kinds, &raw, sizeof raw) < 0) goto out;
         if (keyseq == NULL) {
             if (gbuf_put(&p.klens, &none, 4) < 0 || gbuf_put(&p.nkeys, &none, 4) < 0) goto out;
-        } else if (pack_keys(seg, PySequence_Fast_GET_ITEM(keyseq, i), &kb, &p.blob, &p.klens,
-                             &p.nkeys) < 0) {
+            continue;
+        }
+        PyObject *k = PySequence_Fast_GET_ITEM(keyseq, i);
+        size_t w = single_ok ? hot_key_write((uint8_t *)p.blob.p + p.blob.len,
+                                             p.blob.cap - p.blob.len, k)
+                             : 0;
+        if (w) {
+            uint32_t w32 = (uint32_t)w;
+            p.blob.len += w;
+            if (gbuf_put(&p.klens, &w32, 4) < 0 || gbuf_put(&p.nkeys, &one, 4) < 0) goto out;
+        } else if (pack_keys(seg, k, &kb, &p.blob, &p.klens, &p.nkeys) < 0) {
             goto out;
         }
     }

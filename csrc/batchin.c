@@ -1,0 +1,76 @@
+/* batchin.c -- a receive of many messages takes a run of new records in and hands them
+ * out in one pass.
+ *
+ * The general poll (handles.c shm_recv) first takes new records into the window until
+ * READY_AHEAD messages are ready (window.c window_ingest), then pops the ready heap one
+ * message at a time (sched.c): with a few hundred ready, every pop sifts the heap's last
+ * entry down its whole height. A receive asking for many messages (recv_batch,
+ * recv_many) that finds nothing ready, nothing to wake and nothing being written instead
+ * takes the records at scan_pos one at a time and hands each out as it is taken in: the
+ * heap holds only that one message, so the pop is O(1), and the record is looked at once
+ * while it is in the cache.
+ *
+ * It is the general path's steps, in the same order and through the same functions, for
+ * the case where they cannot interleave with anything else:
+ *   - nothing is ready (ready_count 0) and nothing is paused (hold.c), so the message
+ *     just taken in is the lowest seq that may go: the general path would hand it out
+ *     next too. Records come in ring order, which is seq order.
+ *   - no key is on the wake list and no placeholder is on the writing list: no parked
+ *     or unfinished record can become ready meanwhile (their keys' lines and chains make
+ *     any new record on the same keys park, and the run stops at it).
+ *   - no message has a delay or a ttl (timers.c), and the record carries none.
+ * The run stops at the first record that is not committed, is already in the window
+ * (after a rebuild), must park or finds the window full (window_free_to_go says which),
+ * and the general poll goes on from there: it parks, stalls and steps over records as
+ * before.
+ *
+ * The tables' budget (budget.c) exempts a message taken in while none is ready: the
+ * next one a receive can get. Here none is ever ready when the next record is looked
+ * at, so the run keeps the budget itself: past the first message of the call it takes
+ * a record in only if the tables already have room for it committed (marks_suffice),
+ * and otherwise leaves it to the general poll, which applies the budget as before. Every shared-memory effect is the one the general path has (sched_take_in,
+ * hand_out), so a receiver killed in the middle leaves what rebuild.c already handles.
+ */
+#include "core.h"
+
+#define RUN_MIN 2u /* a receive for one message keeps the general path's batched scan */
+
+/* Room for one more message of nkeys keys within the tables' committed marks, so taking
+ * it in raises none (the tests of sched.c has_room and key_grow, without the commits). */
+static int marks_suffice(shm_chan *c, uint32_t nkeys) {
+    shm_header *h = c->hdr;
+    if (h->free_slots == NIL && h->fresh_slots >= h->slots_committed) return 0;
+    if ((uint64_t)h->nodes_used + 1 + nkeys > h->nodes_committed) return 0;
+    /* the key table grows once its bound (nodes in use plus chain-only keys) would pass
+     * half its size */
+    uint64_t bound = (uint64_t)h->nodes_used + h->skip_keys + nkeys;
+    return c->keytab_size >= c->keytab_max || bound <= c->keytab_size / 2;
+}
+
+int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
+                int *moved) {
+    shm_header *h = c->hdr;
+    if (max - *got < RUN_MIN || h->ready_count != 0 || h->wake_n || h->wake_overflow ||
+        h->writing_n || h->timed || h->delayed_count || UNLIKELY(hold_any(c)))
+        return SHM_OK;
+    while (*got < max) {
+        uint64_t pos = h->scan_pos, len;
+        shm_record *r;
+        shm_stall stall;
+        if (ring_peek(c, pos, &r, &len, &stall) != SHM_OK) break; /* the general path's */
+        if ((r->flags & REC_F_TIMES) || window_taken(c, r, pos)) break;
+        if (*got > 0 && !marks_suffice(c, r->nkeys)) break; /* the budget decides */
+        if (!window_free_to_go(c, r)) break;
+        uint32_t s;
+        int rc = sched_take_in(c, r, pos, &s);
+        if (rc) return rc;
+        h->scan_pos = pos + len;
+        *moved = 1;
+        if (sched_pop_ready(c) != s) return SHM_E_CORRUPT; /* it was the only one ready */
+        if (!*now) *now = coarse_ns();
+        rc = handles_hand_out(c, s, &out[*got], *now);
+        if (rc) return rc;
+        (*got)++;
+    }
+    return SHM_OK;
+}

@@ -1,0 +1,197 @@
+"""A receive of many messages takes a run of new records in and hands each out as it is
+taken in (csrc/batchin.c): the same messages, in the same order, under the same key
+locks as the one-at-a-time path, whichever calls the producers and the consumer mix."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from procs import check_core
+
+import shmchan
+
+KEYS = ["a", "b", "c", 1, 2, b"z"]
+
+
+class Model:
+    """What the consumer may see: every sent message once; a message only when each
+    earlier message on each of its keys was released (fifo), so never two held messages
+    sharing a key."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, tuple[Any, ...]] = {}  # seq -> its keys
+        self.released: set[int] = set()
+        self.delivered: set[int] = set()
+        self.held: dict[int, tuple[Any, ...]] = {}
+
+    def sent(self, seq: int, keys: tuple[Any, ...]) -> None:
+        self.keys[int(seq)] = keys
+
+    def got(self, seq: int, keys: tuple[Any, ...]) -> None:
+        seq = int(seq)
+        assert seq in self.keys and seq not in self.delivered, seq
+        assert set(keys) == set(self.keys[seq]), (seq, keys, self.keys[seq])
+        for k in keys:
+            for h, hk in self.held.items():
+                assert k not in hk, f"{seq} handed out while {h} holds {k!r}"
+            for earlier, ek in self.keys.items():
+                if earlier < seq and k in ek:
+                    assert earlier in self.released, f"{seq} before {earlier} on {k!r}"
+        self.delivered.add(seq)
+        self.held[seq] = keys
+
+    def release(self, seq: int) -> None:
+        seq = int(seq)
+        del self.held[seq]
+        self.released.add(seq)
+
+
+def _keys_of(rnd: random.Random) -> tuple[Any, ...]:
+    r = rnd.random()
+    if r < 0.15:
+        return ()
+    if r < 0.75:
+        return (rnd.choice(KEYS),)
+    return tuple(dict.fromkeys(rnd.sample(KEYS, 2)))
+
+
+def _send_arg(keys: tuple[Any, ...]) -> Any:
+    return keys[0] if len(keys) == 1 else keys
+
+
+@pytest.mark.parametrize("order_seed", range(6))
+def test_mixed_sends_and_receives_keep_per_key_order_and_locks(
+    make_channel: Any, order_seed: int
+) -> None:
+    rnd = random.Random(order_seed)
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    m = Model()
+    handles: list[Any] = []  # Handles held
+    batches: list[Any] = []  # (Batch, [seq per index]) with messages still held
+
+    def take_batch(b: Any) -> None:
+        seqs = [int(s) for s in b.seqs]
+        for i, s in enumerate(seqs):
+            m.got(s, b.keys(i))
+        batches.append((b, seqs, set(range(len(seqs)))))
+
+    for step in range(400):
+        if step % 50 == 0:
+            check_core(rx)
+        op = rnd.random()
+        if op < 0.2:
+            keys = _keys_of(rnd)
+            m.sent(tx.send(b"s", keys=keys), keys)
+        elif op < 0.4:
+            ks = [_keys_of(rnd) for _ in range(rnd.randint(1, 40))]
+            seqs = tx.send_batch(b"b" * len(ks), [1] * len(ks), [_send_arg(k) for k in ks])
+            for s, k in zip(seqs, ks, strict=True):
+                m.sent(s, k)
+        elif op < 0.5:
+            h = rx.try_recv()
+            if h is not None:
+                m.got(h.seq, h.keys)
+                handles.append(h)
+        elif op < 0.6:
+            try:
+                hs = rx.recv_many(rnd.randint(1, 64), timeout=0)
+            except shmchan.Empty:
+                hs = []
+            for h in hs:
+                m.got(h.seq, h.keys)
+                handles.append(h)
+        elif op < 0.75:
+            try:
+                take_batch(rx.recv_batch(rnd.randint(1, 64), timeout=0))
+            except shmchan.Empty:
+                pass
+        elif handles and op < 0.85:
+            h = handles.pop(rnd.randrange(len(handles)))
+            m.release(h.seq)
+            h.release()
+        elif batches:
+            b, seqs, left = batches[rnd.randrange(len(batches))]
+            which = rnd.sample(sorted(left), rnd.randint(1, len(left)))
+            if rnd.random() < 0.2:  # one message leaves the batch as a Handle
+                i = which[0]
+                left.discard(i)
+                handles.append(b.handle(i))
+            else:
+                for i in which:
+                    m.release(seqs[i])
+                    left.discard(i)
+                b.release(which)
+            batches[:] = [t for t in batches if t[2]]
+    # Release everything and drain: every message comes, once, in key order.
+    for h in handles:
+        m.release(h.seq)
+        h.release()
+    for b, seqs, left in batches:
+        for i in left:
+            m.release(seqs[i])
+        b.release()
+    while len(m.delivered) < len(m.keys):
+        b = rx.recv_batch(rnd.randint(1, 64), timeout=5)
+        take_batch(b)
+        for s in batches.pop()[1]:
+            m.release(s)
+        b.release()
+    assert m.delivered == set(m.keys)
+    assert rx.try_recv() is None
+    check_core(rx)
+
+
+def test_a_run_stops_at_a_record_that_must_wait_and_the_rest_keeps_its_place(
+    make_channel: Any,
+) -> None:
+    ch = make_channel()
+    tx, rx = ch.sender(), ch.receiver()
+    first = tx.send(b"A", keys="k1")
+    held = rx.recv(timeout=5)
+    assert held.seq == first
+    # B and D are free, C waits for A: one receive hands out B and D, not C.
+    seqs = list(tx.send_batch(b"BCD", [1, 1, 1], ["k2", "k1", "k3"]))
+    b = rx.recv_batch(10, timeout=5)
+    assert b.payloads() == [b"B", b"D"] and list(b.seqs) == [seqs[0], seqs[2]]
+    # E on k2 (held by B) waits too; F is free and comes though sent after E.
+    tx.send_batch(b"EF", [1, 1], ["k2", "k4"])
+    nxt = rx.recv_batch(10, timeout=5)
+    assert nxt.payloads() == [b"F"]
+    with pytest.raises(shmchan.Empty):
+        rx.recv_batch(10, timeout=0.05)
+    held.release()  # C may go now; E still waits for B
+    c = rx.recv_batch(10, timeout=5)
+    assert c.payloads() == [b"C"]
+    b.release()
+    e = rx.recv_batch(10, timeout=5)
+    assert e.payloads() == [b"E"]
+    for x in (nxt, c, e):
+        x.release()
+    assert ch.stats().inflight == 0
+
+
+def test_one_producers_free_messages_come_in_send_order_whatever_the_receive_sizes(
+    make_channel: Any,
+) -> None:
+    # Small receives leave messages ready in the window; a large one after them must
+    # hand those out before any record it has not looked at yet.
+    ch = make_channel(capacity=4 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    n = 3000
+    seqs = list(tx.send_batch(bytes(n), [1] * n, list(range(n))))
+    got: list[int] = []
+    sizes = [1, 7, 1000, 2, 300]
+    while len(got) < n:
+        size = sizes[len(got) % len(sizes)]
+        if size == 1:
+            h = rx.recv(timeout=5)
+            got.append(h.seq)
+            h.release()
+            continue
+        b = rx.recv_batch(size, timeout=5)
+        got.extend(int(s) for s in b.seqs)
+        b.release()
+    assert got == seqs
