@@ -391,11 +391,19 @@ def test_message_held_by_a_killed_consumer_is_redelivered(ch, tx):
 
 
 def _kill_mid_send(ch, size: int, delay: float) -> None:
+    """SIGKILL a producer of one `size`-byte message `delay` s after its record shows in
+    the ring (its length published, its body being copied). Counted from its "go"
+    instead, the delay runs out before the send begins whenever the child is not
+    scheduled in time, as on a loaded machine."""
     ours, theirs = CTX.Pipe(duplex=False)
     child = CTX.Process(target=send_huge_after_signal, args=(ch.name, size, theirs))
     with running(child):
         assert ours.poll(WAIT), "producer never got ready"
         assert ours.recv_bytes() == b"go"
+        deadline = time.monotonic() + WAIT
+        while ch.stats().used_bytes < size and not ours.poll(0):  # until it shows, or is sent
+            assert time.monotonic() < deadline, "the producer's send never began"
+            time.sleep(0.0002)
         time.sleep(delay)
         os.kill(child.pid, signal.SIGKILL)
         child.join(WAIT)
