@@ -393,27 +393,22 @@ static int has_room(shm_chan *c, uint32_t nkeys);
  * needed now, whatever the tables' budget (budget.c)? None is ready, or every ready one
  * is held back by a paused key (hold.c; a paused channel hands out nothing, so it keeps
  * the budget). */
-static int tables_needed(shm_chan *c) {
+int sched_tables_needed(shm_chan *c) {
     return c->hdr->ready_count == 0 ||
            (UNLIKELY(hold_any(c)) && !hold_channel(c) && !sched_has_ready(c));
 }
 
 int sched_has_room(shm_chan *c, uint32_t nkeys) {
-    c->tables_need = tables_needed(c);
+    c->tables_need = sched_tables_needed(c);
     int ok = has_room(c, nkeys);
     c->tables_need = 0;
     return ok;
 }
 
 /* Key entries for a record parked with n keys new to the table (window.c park_room):
- * past the budget only while nothing is ready, since the free message a recv waits for
- * may lie behind it (messages on free keys never wait for messages on other keys). */
-int sched_park_room(shm_chan *c, uint32_t n) {
-    c->tables_need = tables_needed(c);
-    int ok = sched_key_room(c, n);
-    c->tables_need = 0;
-    return ok;
-}
+ * always within the budget. Parking is never needed now: a free message behind a record
+ * that may not park is found by the look-ahead (lookahead.c) while nothing is ready. */
+int sched_park_room(shm_chan *c, uint32_t n) { return sched_key_room(c, n); }
 
 static int has_room(shm_chan *c, uint32_t nkeys) {
     shm_header *h = c->hdr;

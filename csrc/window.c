@@ -501,11 +501,11 @@ int window_has_work(shm_chan *c) {
     uint32_t st = META_STATE(meta);
     if (st == REC_CLAIMED || st == REC_GATED) return 0; /* a commit after it wakes us */
     if (st == REC_WRITING) /* a placeholder, if there is room for one */
-        return placeholder_ok(c, r, meta) && (!fifo || park_room(c, r));
+        return placeholder_ok(c, r, meta) && (!fifo || park_room(c, r) || lookahead_has_work(c));
     if (st != REC_COMMITTED || h->ready_count >= READY_AHEAD) return 1; /* let the poll say */
     uint64_t len = META_LEN(meta), blocker;
     if (len < REC_BODY || len > c->cap - REC_HDR || ring_validate_body(c, r, len)) return 1;
-    return decide(c, r, &blocker) != ADMIT_STOP;
+    return decide(c, r, &blocker) != ADMIT_STOP || lookahead_has_work(c);
 }
 
 /* One intake step of the receiver's poll: wake parked records whose key freed up, look
@@ -526,6 +526,7 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
     if (rc == SHM_OK) rc = window_wake(c, moved);
     if (rc) return rc;
     uint32_t batch = h->ready_count < READY_LOW ? INGEST_BATCH : 0;
+    int stopped = 0; /* at a record that may go or park, but not now */
     for (uint32_t i = 0; i < batch && h->ready_count < READY_AHEAD; i++) {
         uint64_t pos = h->scan_pos, len;
         shm_record *r;
@@ -541,7 +542,10 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
             }
             len = META_LEN(meta);
             if (c->cfg.order == SHM_ORDER_FIFO) { /* it keeps its place on its keys */
-                if (!park_room(c, r)) break;
+                if (!park_room(c, r)) {
+                    stopped = 1;
+                    break;
+                }
                 rc = park(c, r, pos, 0);
                 if (rc) return rc;
             }
@@ -550,6 +554,8 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
             uint32_t st = META_STATE(LOAD_RELAXED(&r->meta));
             if (st == REC_DISCARDED) h->discarded++;
             if (st == REC_SKIP) h->skip_bytes += len; /* an island's bytes (islands.c) */
+        } else if (rc == SHM_E_CORRUPT && lookahead_done_at(c, pos, &len)) {
+            /* taken in ahead of the scan and finished since (lookahead.c) */
         } else if (rc) {
             return rc;
         } else if (h->writing_n && (rc = window_writing(c, moved)) != SHM_OK) {
@@ -562,7 +568,10 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
              * when one of them was first seen unfinished.) */
             uint64_t blocker = 0;
             int d = decide(c, r, &blocker);
-            if (d == ADMIT_STOP) break; /* the window is full: a release brings us back */
+            if (d == ADMIT_STOP) { /* the window is full: a release brings us back */
+                stopped = 1;
+                break;
+            }
             uint32_t s;
             rc = d == ADMIT_PARK ? park(c, r, pos, blocker) : sched_take_in(c, r, pos, &s);
             if (rc) return rc;
@@ -570,6 +579,8 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
         h->scan_pos = pos + len;
         *moved = 1;
     }
+    /* Nothing ready and the scan stopped: a free message may lie further on. */
+    if (stopped && (rc = lookahead_run(c, moved)) != SHM_OK) return rc;
     if (h->ingest_pos != h->scan_pos) return walk_ingest(c);
     return SHM_OK;
 }
