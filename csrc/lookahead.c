@@ -18,8 +18,9 @@
  *     ready like any message) if each of its hashes is absent from the map (no earlier
  *     record the scan has not passed carries it) and from the key table (no line, no
  *     holder, no parked chain: an entry that holds nothing is deleted at once, sched.c),
- *     none of its keys is paused (hold.c), it has no time footer (a delay or ttl:
- *     timers.c decides those once the scan takes them in) and the window has room. That is
+ *     none of its keys is paused (hold.c), it is due and not expired if it has times
+ *     (timers.c: one not yet due, or expired, is left to the scan) and the window has
+ *     room. That is
  *     the fifo rule: every earlier message on its keys has been handed out and released.
  *     Under eager it is stricter than needed, which only adds waiting.
  *   - Every other record is passed: counted, if it is or will be a message (committed,
@@ -31,6 +32,13 @@
  *     not of a table filled ahead of need.
  *   - As scan_pos passes records, their entries leave the queue and their counts the
  *     map (trim, at each call): the map is always the keys of [scan_pos, pos) passed.
+ *   - A pass that reached the tail or its reach starts again from scan_pos, with an empty
+ *     map, once a message has been released since it began (header.released): a record
+ *     passed because its key was held -- say by the message the look-ahead took before
+ *     it, on the same key -- may go now. So a sequence of messages on one free key
+ *     behind the backlog keeps flowing, each as soon as the one before it is released,
+ *     at the cost of one pass over the backlog within reach per such message; without a
+ *     release nothing passed can have become free, and the look-ahead stays put.
  *
  * A record taken ahead is marked as any record taken in: its slot field names its slot
  * (the release store in sched_take_in). When the scan reaches it, window_taken
@@ -76,6 +84,7 @@ struct shm_lookahead {
     uint64_t pos;      /* the next record to look at; valid while >= scan_pos          */
     uint32_t records;  /* records counted in [scan_pos, pos)                          */
     int no_room;       /* the last call found a free message but no room for it       */
+    uint64_t released; /* header.released when this pass began at scan_pos           */
     la_entry *q;       /* the counted entries in ring order: a circular buffer        */
     uint32_t q_head, q_n, q_cap;
     la_cell *map;      /* hash -> count, open addressing, linear probing             */
@@ -203,7 +212,7 @@ void lookahead_reset(shm_chan *c) {
     if (la == NULL) return;
     free(la->q);
     free(la->map);
-    memset(la, 0, sizeof *la);
+    memset(la, 0, sizeof *la); /* pos 0: the next call starts at scan_pos (trim) */
 }
 
 void lookahead_free(shm_chan *c) {
@@ -213,7 +222,7 @@ void lookahead_free(shm_chan *c) {
 }
 
 static shm_lookahead *state(shm_chan *c) {
-    if (c->lookahead == NULL) c->lookahead = calloc(1, sizeof(shm_lookahead));
+    if (c->lookahead == NULL) c->lookahead = calloc(1, sizeof(shm_lookahead)); /* as reset */
     return c->lookahead;
 }
 
@@ -222,10 +231,45 @@ static int full(shm_chan *c, const shm_lookahead *la) {
     return la->records >= LOOKAHEAD_RECORDS || la->q_n + c->cfg.max_keys + 1 > LOOKAHEAD_HASHES;
 }
 
+/* Start a pass again at scan_pos with nothing counted (see the top). */
+static void restart(shm_chan *c, shm_lookahead *la) {
+    while (la->q_n > 0) {
+        la_entry *e = &la->q[la->q_head];
+        if (!(e->flags & ENT_NOHASH)) map_drop(la, e->hash);
+        la->q_head = (la->q_head + 1) % la->q_cap;
+        la->q_n--;
+    }
+    la->records = 0;
+    la->pos = c->hdr->scan_pos;
+    la->released = c->hdr->released;
+}
+
+/* Has the pass reached the tail or its reach, with a release since it began? */
+static int stale(shm_chan *c, const shm_lookahead *la) {
+    if (la->released == c->hdr->released) return 0;
+    if (full(c, la)) return 1;
+    /* acquire / seq_cst as the caller's loads of the record at pos */
+    return LOAD_SEQCST(&rec_at(c, la->pos)->owner) == OWNER_EMPTY(la->pos);
+}
+
 /* ---- looking ahead --------------------------------------------------------------------- */
-/* May the committed record r go now, ahead of the scan? (see the top) */
-static int free_to_go(shm_chan *c, shm_lookahead *la, shm_record *r) {
-    if (r->flags & REC_F_TIMES) return 0;
+/* A record with times (timers.c): is it due and not expired? Read from its footer, as
+ * timers_take_in will; anything else is left to the scan. */
+static int due_now(shm_record *r, uint64_t len) {
+    uint64_t body = rec_size(r->nkeys, r->keys_len, r->data_len), due, expire;
+    if (!timers_trailer_ok(r, body, len)) return 0;
+    const uint8_t *f = (const uint8_t *)r + len - TIME_FOOTER;
+    memcpy(&due, f, sizeof due);
+    memcpy(&expire, f + 8, sizeof expire);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    return due <= now && (expire == 0 || expire > now);
+}
+
+/* May the committed record r (len bytes) go now, ahead of the scan? (see the top) */
+static int free_to_go(shm_chan *c, shm_lookahead *la, shm_record *r, uint64_t len) {
+    if ((r->flags & REC_F_TIMES) && !due_now(r, len)) return 0;
     for (uint32_t i = 0; i < r->nkeys; i++)
         if (map_find(la, r->hashes[i]) != NULL || sched_key_find(c, r->hashes[i]) != NULL)
             return 0;
@@ -250,6 +294,8 @@ int lookahead_run(shm_chan *c, int *moved) {
     shm_lookahead *la = state(c);
     if (la == NULL) return SHM_E_NOMEM;
     trim(c, la);
+    if (la->q_n == 0 && la->pos == c->hdr->scan_pos) la->released = c->hdr->released;
+    else if (stale(c, la)) restart(c, la);
     la->no_room = 0;
     for (uint32_t i = 0; i < LOOKAHEAD_BATCH && !full(c, la); i++) {
         uint64_t pos = la->pos, len;
@@ -276,7 +322,7 @@ int lookahead_run(shm_chan *c, int *moved) {
             return rc;
         } else if (window_taken(c, r, pos)) {
             /* taken in ahead already (by an earlier receiver): its keys are in the table */
-        } else if (free_to_go(c, la, r)) {
+        } else if (free_to_go(c, la, r, len)) {
             if (!sched_has_room(c, r->nkeys)) { /* the window is full: a release retries */
                 la->no_room = 1;
                 break;
@@ -305,6 +351,7 @@ int lookahead_has_work(shm_chan *c) {
     uint64_t pos = c->hdr->scan_pos;
     if (la != NULL) {
         trim(c, la);
+        if (stale(c, la)) return 1;
         if (la->no_room || full(c, la)) return 0; /* a release posts us */
         pos = la->pos;
     }

@@ -407,8 +407,11 @@ int sched_has_room(shm_chan *c, uint32_t nkeys) {
 
 /* Key entries for a record parked with n keys new to the table (window.c park_room):
  * always within the budget. Parking is never needed now: a free message behind a record
- * that may not park is found by the look-ahead (lookahead.c) while nothing is ready. */
-int sched_park_room(shm_chan *c, uint32_t n) { return sched_key_room(c, n); }
+ * that may not park is found by the look-ahead (lookahead.c) while nothing is ready.
+ * Parking leaves room in the table's size for one message of max_keys new keys, so that
+ * the message the look-ahead takes in next does not double the table (a tenth of the
+ * ring's worth of entries at once) for one key. */
+int sched_park_room(shm_chan *c, uint32_t n) { return sched_key_room(c, n + c->cfg.max_keys); }
 
 static int has_room(shm_chan *c, uint32_t nkeys) {
     shm_header *h = c->hdr;

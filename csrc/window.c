@@ -143,10 +143,21 @@ static uint32_t new_keys(shm_chan *c, shm_record *r) {
     return n;
 }
 
+/* Tests only: chain-only keys at most, when fewer than a quarter of the table
+ * (shm_test_park_keys), so that small tests meet a stopped scan (lookahead.c). */
+static uint32_t park_keys_test; /* 0: no such bound */
+
+int shm_test_park_keys(uint32_t keys) {
+    __atomic_store_n(&park_keys_test, keys, __ATOMIC_RELAXED); /* as shm_test_keytab_first */
+    return SHM_OK;
+}
+
 /* May r be parked without the key table growing past its share for chains? */
 static int park_room(shm_chan *c, shm_record *r) {
-    uint32_t n = new_keys(c, r);
-    return c->hdr->skip_keys + n <= c->keytab_max / 4 && sched_park_room(c, n);
+    uint32_t n = new_keys(c, r), most = c->keytab_max / 4;
+    uint32_t t = __atomic_load_n(&park_keys_test, __ATOMIC_RELAXED);
+    if (UNLIKELY(t) && t < most) most = t;
+    return c->hdr->skip_keys + n <= most && sched_park_room(c, n);
 }
 
 /* What to do with the record r at scan_pos (read-only: work_pending asks it too).
