@@ -12,8 +12,16 @@
  *
  *   - scan_pos is the next record to look at. The receiver looks at each record once,
  *     as it arrives, and decides (decide): take it in (free to go), park it, or stop
- *     there (free to go, but the window is full: nothing more can run before a release).
- *     Parking is O(keys): an append to a chain per key, no slot needed.
+ *     there (free to go, but the window is full: nothing more can run before a release;
+ *     or it must wait, but parking it would take key entries past the tables' budget,
+ *     budget.c). Parking is O(keys): an append to a chain per key, no slot needed.
+ *   - Past a stopped scan, while nothing is ready, the look-ahead (lookahead.c) may take
+ *     in a message on free keys *ahead of the scan*: it has a slot, and its record's slot
+ *     field says so, like any record taken in. When the scan reaches it, it steps over it:
+ *     window_taken (its slot is still in use) or, released since, DONE
+ *     (lookahead_done_at). So records past scan_pos are not all untouched: some may be
+ *     taken in, in flight or finished; none is parked, and none moves (compaction stays
+ *     behind scan_pos).
  *   - A key's chain (shm_key.skip_head / skip_tail / skipped) lists parked records, linked
  *     through the records themselves (record links[i], core.h). Under fifo a parked
  *     record is in the chain of each of its keys, in ring order (= seq order), and a
@@ -34,7 +42,9 @@
  * A key table entry is needed for each key with a chain. To keep the table's load below
  * three quarters whatever is parked, at most a quarter of its largest size may be
  * chain-only keys (and the table grows with them: sched.c sched_key_room)
- * (header.skip_keys); a record that would need more stops the scan until some leave.
+ * (header.skip_keys), and the table grows for them only within the tables' budget
+ * (budget.c, sched.c sched_park_room); a record that would need more stops the scan
+ * until some leave, and the look-ahead finds what may go past it.
  *
  * Everything read from the ring is checked: a chain link must point forward into the
  * looked-at region at a committed, parked record that carries the chain's key.
@@ -596,8 +606,9 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
     return SHM_OK;
 }
 
-/* Is the committed record r at pos already in the window? Only after a receiver's
- * rebuild (rebuild.c) can the scan meet one: a message handed out before the crash. */
+/* Is the committed record r at pos already in the window? The scan meets one that the
+ * look-ahead took in before it (lookahead.c), or after a receiver's rebuild (rebuild.c):
+ * a message handed out before the crash. */
 int window_taken(shm_chan *c, shm_record *r, uint64_t pos) {
     uint32_t s = r->slot;
     if (s == NIL || s > c->cfg.max_messages) return 0;
