@@ -508,6 +508,8 @@ struct shm_chan {
                             * its sends pass the overflowing and shutdown checks (overflow.c) */
     shm_lookahead *lookahead; /* receiver: its look past a stopped scan, heap memory of
                             * this process, NULL until first used (lookahead.c) */
+    uint64_t ahead_due;    /* receiver: CLOCK_REALTIME ns when a delayed record left in the
+                            * ring past the budget falls due, 0 = none (lookahead.c) */
 };
 
 /* The longest a receiver skips work it judged useless (window.c, compact.c). */
@@ -650,6 +652,7 @@ int sched_park_room(shm_chan *c, uint32_t n);
 int sched_unpop(shm_chan *c, uint32_t s);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
 int sched_tables_needed(shm_chan *c);
+int sched_has_room_ahead(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
 void sched_init(shm_chan *c);
 /* window.c */
@@ -675,6 +678,7 @@ int sched_keys_reset(shm_chan *c);
 int lookahead_run(shm_chan *c, int *moved);
 int lookahead_has_work(shm_chan *c);
 int lookahead_done_at(shm_chan *c, uint64_t pos, uint64_t *len);
+uint64_t lookahead_not_due(shm_record *r, uint64_t len);
 void lookahead_reset(shm_chan *c);
 void lookahead_free(shm_chan *c);
 /* compact.c */

@@ -32,6 +32,13 @@
  *     not of a table filled ahead of need.
  *   - As scan_pos passes records, their entries leave the queue and their counts the
  *     map (trim, at each call): the map is always the keys of [scan_pos, pos) passed.
+ *   - Delays: a record whose delay has not run out is left to the scan, which takes it in
+ *     only within the tables' budget until then (window.c decide); the look-ahead counts
+ *     it, and remembers the earliest such due time (next_due) and the due time of the
+ *     record the scan stopped at (ahead_due, which bounds the receiver's sleep:
+ *     shm_timers_wait): when it comes, the pass starts again. So a backlog of delayed
+ *     messages on distinct keys stays within the budget too, and a message on free keys
+ *     behind it goes at once.
  *   - A pass that reached the tail or its reach starts again from scan_pos, with an empty
  *     map, once a message has been released since it began (header.released): a record
  *     passed because its key was held -- say by the message the look-ahead took before
@@ -85,6 +92,7 @@ struct shm_lookahead {
     uint32_t records;  /* records counted in [scan_pos, pos)                          */
     int no_room;       /* the last call found a free message but no room for it       */
     uint64_t released; /* header.released when this pass began at scan_pos           */
+    uint64_t next_due; /* the earliest due time of a record counted while delayed, 0 none */
     la_entry *q;       /* the counted entries in ring order: a circular buffer        */
     uint32_t q_head, q_n, q_cap;
     la_cell *map;      /* hash -> count, open addressing, linear probing             */
@@ -206,6 +214,40 @@ static int count_record(shm_lookahead *la, const shm_record *r, uint64_t pos) {
     return rc;
 }
 
+/* ---- times (timers.c) ---------------------------------------------------------------- */
+/* The times in r's footer (timers.c), as timers_take_in will read them: 0 if it has none
+ * that check out. len: its length, checked by the caller. */
+static int rec_times(const shm_record *r, uint64_t len, uint64_t *due, uint64_t *expire) {
+    uint64_t body = rec_size(r->nkeys, r->keys_len, r->data_len);
+    if (!(r->flags & REC_F_TIMES) || !timers_trailer_ok(r, body, len)) return 0;
+    const uint8_t *f = (const uint8_t *)r + len - TIME_FOOTER;
+    memcpy(due, f, sizeof *due);
+    memcpy(expire, f + 8, sizeof *expire);
+    return 1;
+}
+
+static uint64_t realtime_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Is the committed record r (len bytes, checked) delayed past now? Its due time, or 0.
+ * Such a record is not needed before then: the scan takes it in only within the tables'
+ * budget (window.c decide), the look-ahead not at all until then. */
+uint64_t lookahead_not_due(shm_record *r, uint64_t len) {
+    uint64_t due, expire;
+    if (!rec_times(r, len, &due, &expire) || due == 0) return 0;
+    return due > realtime_now() ? due : 0;
+}
+
+/* A record with times: is it due and not expired? Anything else is left to the scan. */
+static int due_now(shm_record *r, uint64_t len) {
+    uint64_t due, expire, now = realtime_now();
+    if (!rec_times(r, len, &due, &expire)) return 0;
+    return due <= now && (expire == 0 || expire > now);
+}
+
 /* ---- the state's life ---------------------------------------------------------------- */
 void lookahead_reset(shm_chan *c) {
     shm_lookahead *la = c->lookahead;
@@ -242,10 +284,12 @@ static void restart(shm_chan *c, shm_lookahead *la) {
     la->records = 0;
     la->pos = c->hdr->scan_pos;
     la->released = c->hdr->released;
+    la->next_due = 0;
 }
 
 /* Has the pass reached the tail or its reach, with a release since it began? */
 static int stale(shm_chan *c, const shm_lookahead *la) {
+    if (la->next_due && realtime_now() >= la->next_due) return 1; /* a delay ran out */
     if (la->released == c->hdr->released) return 0;
     if (full(c, la)) return 1;
     /* acquire / seq_cst as the caller's loads of the record at pos */
@@ -253,20 +297,6 @@ static int stale(shm_chan *c, const shm_lookahead *la) {
 }
 
 /* ---- looking ahead --------------------------------------------------------------------- */
-/* A record with times (timers.c): is it due and not expired? Read from its footer, as
- * timers_take_in will; anything else is left to the scan. */
-static int due_now(shm_record *r, uint64_t len) {
-    uint64_t body = rec_size(r->nkeys, r->keys_len, r->data_len), due, expire;
-    if (!timers_trailer_ok(r, body, len)) return 0;
-    const uint8_t *f = (const uint8_t *)r + len - TIME_FOOTER;
-    memcpy(&due, f, sizeof due);
-    memcpy(&expire, f + 8, sizeof expire);
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-    return due <= now && (expire == 0 || expire > now);
-}
-
 /* May the committed record r (len bytes) go now, ahead of the scan? (see the top) */
 static int free_to_go(shm_chan *c, shm_lookahead *la, shm_record *r, uint64_t len) {
     if ((r->flags & REC_F_TIMES) && !due_now(r, len)) return 0;
@@ -294,8 +324,12 @@ int lookahead_run(shm_chan *c, int *moved) {
     shm_lookahead *la = state(c);
     if (la == NULL) return SHM_E_NOMEM;
     trim(c, la);
-    if (la->q_n == 0 && la->pos == c->hdr->scan_pos) la->released = c->hdr->released;
-    else if (stale(c, la)) restart(c, la);
+    if (la->q_n == 0 && la->pos == c->hdr->scan_pos) {
+        la->released = c->hdr->released;
+        la->next_due = 0;
+    } else if (stale(c, la)) {
+        restart(c, la);
+    }
     la->no_room = 0;
     for (uint32_t i = 0; i < LOOKAHEAD_BATCH && !full(c, la); i++) {
         uint64_t pos = la->pos, len;
@@ -334,12 +368,24 @@ int lookahead_run(shm_chan *c, int *moved) {
             *moved = 1;
             break; /* a message is ready: the look-ahead is not needed any more */
         } else {
+            uint64_t due = UNLIKELY(r->flags & REC_F_TIMES) ? lookahead_not_due(r, len) : 0;
+            if (due && (!la->next_due || due < la->next_due)) la->next_due = due;
             rc = count_record(la, r, pos);
         }
         if (rc) return rc;
         la->pos = pos + len;
         *moved = 1;
     }
+    /* When must a sleeping receiver look again? When the record the scan stopped at, or
+     * one the look-ahead passed while it was delayed, falls due (shm_timers_wait). */
+    uint64_t wake = la->next_due, len;
+    shm_record *r = rec_at(c, c->hdr->scan_pos);
+    shm_stall stall;
+    if (ring_peek(c, c->hdr->scan_pos, &r, &len, &stall) == SHM_OK && (r->flags & REC_F_TIMES)) {
+        uint64_t due = lookahead_not_due(r, len);
+        if (due && (!wake || due < wake)) wake = due;
+    }
+    STORE_RELAXED(&c->ahead_due, wake); /* read by shm_timers_wait, a hint */
     return SHM_OK;
 }
 

@@ -405,6 +405,9 @@ int sched_has_room(shm_chan *c, uint32_t nkeys) {
     return ok;
 }
 
+/* Room for a message not needed now (a delayed one, window.c decide): within the budget. */
+int sched_has_room_ahead(shm_chan *c, uint32_t nkeys) { return has_room(c, nkeys); }
+
 /* Key entries for a record parked with n keys new to the table (window.c park_room):
  * always within the budget. Parking is never needed now: a free message behind a record
  * that may not park is found by the look-ahead (lookahead.c) while nothing is ready.

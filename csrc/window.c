@@ -185,6 +185,10 @@ static int decide(shm_chan *c, shm_record *r, uint64_t *blocker) {
         if (parks) *blocker = r->hashes[i];
     }
     if (parks) return fifo && !park_room(c, r) ? ADMIT_STOP : ADMIT_PARK;
+    /* delayed past now: not needed before its time, so only within the tables' budget
+     * (lookahead.c looks past it and wakes the receiver when it falls due) */
+    if (UNLIKELY(r->flags & REC_F_TIMES) && lookahead_not_due(r, META_LEN(LOAD_RELAXED(&r->meta))))
+        return sched_has_room_ahead(c, r->nkeys) ? ADMIT_TAKE : ADMIT_STOP;
     return sched_has_room(c, r->nkeys) ? ADMIT_TAKE : ADMIT_STOP;
 }
 
@@ -601,6 +605,7 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
         *moved = 1;
     }
     /* Nothing ready and the scan stopped: a free message may lie further on. */
+    STORE_RELAXED(&c->ahead_due, 0); /* lookahead_run sets it again (shm_timers_wait) */
     if (stopped && (rc = lookahead_run(c, moved)) != SHM_OK) return rc;
     if (h->ingest_pos != h->scan_pos) return walk_ingest(c);
     return SHM_OK;

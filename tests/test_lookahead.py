@@ -297,3 +297,71 @@ def test_a_receiver_killed_holding_a_message_taken_in_ahead_loses_nothing(
     check_core(rx)
     rx.close()
     tx.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_backlog_of_delayed_messages_keeps_the_tables_budget(make_channel: Any) -> None:
+    # Delayed messages on distinct keys are not needed before their time: the receiver
+    # takes them in only within the budget and leaves the rest in the ring; a message on a
+    # free key behind them goes at once, and each delayed one comes out once it is due.
+    capacity = 4 * MiB
+    ch = make_channel(capacity=capacity)
+    rx = ch.receiver()
+    tx = ch.sender()
+    delayed: list[int] = []
+    sent_at = time.monotonic()
+    while ch.stats().used_bytes < capacity // 4:  # about 7 000 messages
+        delayed += [
+            tx.send(b"x" * 64, keys=(f"u{len(delayed) + j}",), delay=2.0) for j in range(500)
+        ]
+        assert rx.try_recv() is None  # a poll: nothing is due yet
+        tables, ring = _tables_and_ring(ch.name)
+        assert tables <= max(ring // 10, FLOOR), (len(delayed), tables, ring)
+    free = tx.send(b"free", keys=("free",))
+    with rx.recv(timeout=WAIT) as h:
+        assert h.seq == free
+    assert time.monotonic() - sent_at < 2.0 or pytest.skip("the machine was too slow to tell")
+    got = []
+    while len(got) < len(delayed):
+        with rx.recv(timeout=WAIT) as h:
+            got.append(h.seq)
+    assert time.monotonic() - sent_at >= 2.0  # none came before its time
+    assert sorted(got) == delayed
+    tx.close()
+    rx.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_delayed_message_left_in_the_ring_wakes_the_receiver_when_due(make_channel: Any) -> None:
+    # The tables' budget is spent by a backlog of new keys behind a held "hot"; then
+    # messages delayed 30 s, then messages delayed 0.5 s. The first are taken in as far
+    # as the budget allows, the rest left in the ring; a recv that blocks must return a
+    # 0.5 s message soon after it falls due, though nothing on the delayed list is due
+    # for 30 s.
+    from shmchan._lib import lib
+
+    ch = make_channel(capacity=4 * MiB)
+    rx = ch.receiver()
+    hot = _hold_hot(ch, rx)
+    tx = ch.sender()
+    assert lib.shm_test_park_keys(1) == 0
+    try:
+        backlog = tx.send_many([(i, ("hot", f"u{i}")) for i in range(10)])
+        long_ = [tx.send(b"long", keys=(f"l{i}",), delay=30) for i in range(3000)]
+        short = [tx.send(b"short", keys=(f"s{i}",), delay=0.5) for i in range(20)]
+        assert rx.try_recv() is None
+        started = time.monotonic()
+        h = rx.recv(timeout=10)
+        assert h.seq in short and time.monotonic() - started < 9
+        h.release()
+        for _ in range(19):
+            with rx.recv(timeout=WAIT) as h:
+                assert h.seq in short
+        check_core(rx)
+    finally:
+        assert lib.shm_test_park_keys(0) == 0
+    hot.release()
+    assert [g[2] for g in _drain(rx, len(backlog))] == list(range(10))
+    assert ch.stats().queued == len(long_)
+    tx.close()
+    rx.close()
