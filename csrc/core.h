@@ -679,6 +679,7 @@ int lookahead_run(shm_chan *c, int *moved);
 int lookahead_has_work(shm_chan *c);
 int lookahead_done_at(shm_chan *c, uint64_t pos, uint64_t *len);
 uint64_t lookahead_not_due(shm_record *r, uint64_t len);
+int lookahead_ahead_of_scan(shm_chan *c);
 void lookahead_reset(shm_chan *c);
 void lookahead_free(shm_chan *c);
 /* compact.c */

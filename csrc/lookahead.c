@@ -20,13 +20,13 @@
  *     holder, no parked chain: an entry that holds nothing is deleted at once, sched.c),
  *     none of its keys is paused (hold.c), it is due and not expired if it has times
  *     (timers.c: one not yet due, or expired, is left to the scan) and the window has
- *     room. That is
- *     the fifo rule: every earlier message on its keys has been handed out and released.
- *     Under eager it is stricter than needed, which only adds waiting.
+ *     room. That is the fifo rule: every earlier message on its keys has been handed out
+ *     and released (those the scan passed are in the key table while they are not; those
+ *     it has not, in the map). Under eager it is stricter than needed: only more waiting.
  *   - Every other record is passed: counted, if it is or will be a message (committed,
  *     being written, gated), or stepped over if finished. A record only claimed (its
  *     hashes are not published yet) or the tail stops the look-ahead until the next poll.
- *     A record passed is never looked at again by the look-ahead: it waits for the scan.
+ *     A record passed is not looked at again in this pass (but see the restarts below).
  *   - One take per call, and only while nothing is ready: what the look-ahead takes in is
  *     a message handed out next, so its slot is the cost of a handle held (budget.c),
  *     not of a table filled ahead of need.
@@ -93,6 +93,7 @@ struct shm_lookahead {
     int no_room;       /* the last call found a free message but no room for it       */
     uint64_t released; /* header.released when this pass began at scan_pos           */
     uint64_t next_due; /* the earliest due time of a record counted while delayed, 0 none */
+    uint64_t taken_end; /* the end of the last record taken in ahead of the scan        */
     la_entry *q;       /* the counted entries in ring order: a circular buffer        */
     uint32_t q_head, q_n, q_cap;
     la_cell *map;      /* hash -> count, open addressing, linear probing             */
@@ -364,7 +365,7 @@ int lookahead_run(shm_chan *c, int *moved) {
             uint32_t s;
             rc = sched_take_in(c, r, pos, &s);
             if (rc) return rc;
-            la->pos = pos + len;
+            la->pos = la->taken_end = pos + len;
             *moved = 1;
             break; /* a message is ready: the look-ahead is not needed any more */
         } else {
@@ -378,15 +379,24 @@ int lookahead_run(shm_chan *c, int *moved) {
     }
     /* When must a sleeping receiver look again? When the record the scan stopped at, or
      * one the look-ahead passed while it was delayed, falls due (shm_timers_wait). */
-    uint64_t wake = la->next_due, len;
+    uint64_t wake = la->next_due;
     shm_record *r = rec_at(c, c->hdr->scan_pos);
-    shm_stall stall;
-    if (ring_peek(c, c->hdr->scan_pos, &r, &len, &stall) == SHM_OK && (r->flags & REC_F_TIMES)) {
+    /* acquire: pairs with the producer's commit (ring.c fill); checked as ring_peek does,
+     * without a durable record's checksum (only its times are read, as a hint) */
+    uint64_t meta = LOAD_ACQUIRE(&r->meta), len = META_LEN(meta);
+    if (META_STATE(meta) == REC_COMMITTED && (r->flags & REC_F_TIMES) && len >= REC_BODY &&
+        len <= c->cap - REC_HDR && ring_validate_body(c, r, len) == SHM_OK) {
         uint64_t due = lookahead_not_due(r, len);
         if (due && (!wake || due < wake)) wake = due;
     }
     STORE_RELAXED(&c->ahead_due, wake); /* read by shm_timers_wait, a hint */
     return SHM_OK;
+}
+
+/* Do records taken in ahead of the scan lie past it? (sched.c: their space waits for the
+ * scan to pass them) */
+int lookahead_ahead_of_scan(shm_chan *c) {
+    return c->lookahead != NULL && c->lookahead->taken_end > c->hdr->scan_pos;
 }
 
 /* Would lookahead_run make progress now? (the receiver's re-check before it sleeps, when
