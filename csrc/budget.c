@@ -32,7 +32,14 @@
  *     and takes that one in: the cost of the handle it becomes, below. So a backlog whose
  *     messages each bring a new key holds the tables to a tenth of the ring at any fill.
  *     Parking keeps room in the key table's size for one message of max_keys new keys, so
- *     that taking in that message does not double the table. Records that bring no new key
+ *     that taking in that message does not double the table. One exemption (sched.c
+ *     sched_park_room): once messages taken in by the look-ahead lie past the stopped scan
+ *     and the ring is more than half used (or a sender was refused), parking goes past
+ *     the budget: their ring space is reclaimed only once the scan has passed them, and
+ *     a sender must not wait for a held key while there is space in aggregate. The
+ *     tables then hold key entries for the backlog (about 100 bytes a message), as long
+ *     as it lasts: the cost of free traffic flowing past a held key's new-key backlog
+ *     for more than half a ring. Records that bring no new key
  *     (a backlog on one hot key) cost nothing and are never stopped, so a free-key message
  *     behind them is seen and handed out at O(keys) cost; past the look-ahead's reach
  *     (lookahead.c: 65,536 records) a free-key message waits for the scan.

@@ -42,7 +42,8 @@
 #define SHM_CFG_TEMPORARY   4   /* removed when its last user exits (shmchan/temporary.py) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  17
+/* 18: a record past the receiver's scan position may be taken in (lookahead.c) */
+#define SHM_LAYOUT_VERSION  18
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {

@@ -511,7 +511,14 @@ int window_has_work(shm_chan *c) {
          * the order: not work until a release makes room, and that release posts us.
          * (Its key count is final once committed; clamped, as it is unchecked here.) */
         uint32_t nk = w->nkeys < c->cfg.max_keys ? w->nkeys : c->cfg.max_keys;
-        if (sched_has_room(c, nk)) return 1;
+        if (!sched_has_room(c, nk)) continue;
+        /* eager: one delayed past now waits for the budget like the scan's (decide) */
+        uint64_t wl = META_LEN(LOAD_RELAXED(&w->meta));
+        if (UNLIKELY(w->flags & REC_F_TIMES) && wl >= REC_BODY && wl <= c->cap - REC_HDR &&
+            ring_validate_body(c, w, wl) == SHM_OK && lookahead_not_due(w, wl) &&
+            !sched_has_room_ahead(c, nk))
+            continue;
+        return 1;
     }
     /* With READY_LOW or more ready the poll does not scan (window_ingest), so a new record
      * is no work: the ready ones are (work_pending), or, when all of them are held back
