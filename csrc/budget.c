@@ -13,7 +13,8 @@
  * table's committed entries, rounded up to whole pages, as the file holds them) are at
  * most a tenth of ring_committed -- or if the raise makes room for a message needed now:
  * one the receiver takes in while no message is ready (sched.c sched_has_room sets
- * c->tables_need then), which is the next message a recv can get.
+ * c->tables_need then), which is the next message a recv can get. Parking never raises a
+ * mark past the budget (sched.c sched_park_room).
  *
  * What it bounds and what it does not:
  *   - ready ahead: the receiver takes in up to READY_AHEAD ready messages before anyone
@@ -22,20 +23,42 @@
  *     the next message in regardless (tables_need), so a recv never waits for a message
  *     that is free to go.
  *   - parked keys: a record parked behind a held or waiting key (window.c) costs no slot,
- *     but each key it brings that is new to the key table costs an entry. While a message
- *     is ready, parking past the budget stops the scan there, until keys leave the table or
- *     the ring commits more (a release and every commit wake the receiver). While none is
- *     ready, parking is exempt as taking in is (sched.c sched_park_room): a message on a
- *     free key may lie behind the parked backlog, and messages on free keys never wait for
- *     messages on other keys. So a backlog whose messages each bring a new key costs its
- *     key entries in full (about 100 bytes a message) once the consumer asks for more.
- *     Records that bring no new key (a backlog on one hot key) cost nothing and are never
- *     stopped, so a free-key message behind them is seen and handed out at O(keys) cost.
+ *     but each key it brings that is new to the key table costs an entry. Parking past the
+ *     budget stops the scan there, whether or not a message is ready, until keys leave the
+ *     table or the ring commits more (a release and every commit wake the receiver); the
+ *     records behind it stay in the ring, costing the tables nothing. While none is ready,
+ *     the look-ahead (lookahead.c) searches them, in the receiver's own heap memory, for a
+ *     message that may go (messages on free keys never wait for messages on other keys)
+ *     and takes that one in: the cost of the handle it becomes, below. So a backlog whose
+ *     messages each bring a new key holds the tables to a tenth of the ring at any fill.
+ *     Parking keeps room in the key table's size for one message of max_keys new keys, so
+ *     that taking in that message does not double the table. One exemption (sched.c
+ *     sched_park_room): once messages taken in by the look-ahead lie past the stopped scan
+ *     and the ring is more than half used (or a sender was refused), parking goes past
+ *     the budget: their ring space is reclaimed only once the scan has passed them, and
+ *     a sender must not wait for a held key while there is space in aggregate. The
+ *     tables then hold key entries for the backlog (about 100 bytes a message), as long
+ *     as it lasts: the cost of free traffic flowing past a held key's new-key backlog
+ *     for more than half a ring. Records that bring no new key
+ *     (a backlog on one hot key) cost nothing and are never stopped, so a free-key message
+ *     behind them is seen and handed out at O(keys) cost; past the look-ahead's reach
+ *     (lookahead.c: 65,536 records) a free-key message waits for the scan.
  *   - live handles: a handle is its slot, and the receiver does not refuse a recv for its
  *     budget. A consumer that holds H handles at once has made the tables hold H messages
- *     (the exemption above), so the tables may then pass a tenth of the ring by the cost
- *     of those H messages; the marks keep that high-water mark (slots are never given
- *     back: their generations make stale handles harmless).
+ *     (the exemption above): slot 144 + ready entry 16 + a node 24 per key + two to four
+ *     key entries of 48 per key (the table is kept at most half full), about 230 to 380
+ *     bytes a handle with one key, so the tables may then pass a tenth of the ring by the
+ *     cost of those H messages (1,000 handles of 64-byte messages: 29 % of a 1 MiB ring;
+ *     5,000: 168 %); the marks keep that high-water mark (slots are never given back:
+ *     their generations make stale handles harmless).
+ *   - delayed messages: a record whose delay has not run out is not needed before then,
+ *     so the scan takes it in only within the budget (window.c decide), whether or not a
+ *     message is ready; past the budget it stays in the ring, and the look-ahead counts it
+ *     and makes the receiver look again when it falls due (lookahead.c). A backlog of
+ *     messages all delayed far ahead, on distinct keys, so stays within a tenth of the
+ *     ring (30,000 of them: 10.0 % of a 5 MiB ring; before, about 290 bytes a message,
+ *     169 %). Once due, such a message is needed like any other. A nack's delay applies to
+ *     a message already taken in: it keeps its slot.
  *   - the first chunks committed at create (commit_create) are a floor: in a ring smaller
  *     than about ten times them (a capacity under about 640 KiB) they alone are more than
  *     a tenth.

@@ -19,6 +19,7 @@ SOURCES = [  # by layer, lowest first (core.h)
     "ring.c",
     "sched.c",
     "window.c",
+    "lookahead.c",
     "batchin.c",
     "islands.c",
     "compact.c",

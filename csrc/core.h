@@ -43,6 +43,7 @@
  *   2  ring.c                    the intake ring: claims, commits, head, rewinds
  *   3  sched.c lane.h            the key table and the key lines, the ready heap and lane
  *   4  window.c                  taking records in from the ring; parked records
+ *      lookahead.c               taking a free message in past a stopped scan
  *   5  islands.c                 records pinned behind head
  *   6  compact.c                 sliding long-lived records forward
  *   7  handles.c                 the receiver's poll, handles, releases, hand-over
@@ -461,6 +462,7 @@ typedef struct {
 #define REC_F_TIMES 1u /* ends in a time footer (timers.c): the receiver looks for it */
 
 /* ---- one process's attachment --------------------------------------------------------- */
+typedef struct shm_lookahead shm_lookahead; /* lookahead.c: receiver-private */
 /* ---- ready heap entry (sched.c) ---------------------------------------------------------
  * The seq is a copy of the slot's, so that sifting compares neighbours in this array
  * instead of reaching into the message table at random. */
@@ -513,6 +515,10 @@ struct shm_chan {
     uint64_t punch_from[2], punch_end[2]; /* ... these file ranges (nodes, keys): commit.c */
     int ovf_drainer;       /* this attachment takes overflowed messages back into the ring:
                             * its sends pass the overflowing and shutdown checks (overflow.c) */
+    shm_lookahead *lookahead; /* receiver: its look past a stopped scan, heap memory of
+                            * this process, NULL until first used (lookahead.c) */
+    uint64_t ahead_due;    /* receiver: CLOCK_REALTIME ns when a delayed record left in the
+                            * ring past the budget falls due, 0 = none (lookahead.c) */
 };
 
 /* The longest a receiver skips work it judged useless (window.c, compact.c). */
@@ -654,6 +660,8 @@ int sched_has_ready(shm_chan *c);
 int sched_park_room(shm_chan *c, uint32_t n);
 int sched_unpop(shm_chan *c, uint32_t s);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
+int sched_tables_needed(shm_chan *c);
+int sched_has_room_ahead(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
 void sched_init(shm_chan *c);
 /* window.c */
@@ -676,6 +684,14 @@ shm_key *sched_key_get(shm_chan *c, uint64_t hash);
 void sched_key_tidy(shm_chan *c, shm_key *k);
 int sched_key_room(shm_chan *c, uint32_t n);
 int sched_keys_reset(shm_chan *c);
+/* lookahead.c */
+int lookahead_run(shm_chan *c, int *moved);
+int lookahead_has_work(shm_chan *c);
+int lookahead_done_at(shm_chan *c, uint64_t pos, uint64_t *len);
+uint64_t lookahead_not_due(shm_record *r, uint64_t len);
+int lookahead_ahead_of_scan(shm_chan *c);
+void lookahead_reset(shm_chan *c);
+void lookahead_free(shm_chan *c);
 /* compact.c */
 int compact(shm_chan *c);
 /* islands.c */
@@ -693,6 +709,7 @@ static inline int hold_any(shm_chan *c) {
 }
 int hold_channel(shm_chan *c);
 int hold_blocks(shm_chan *c, uint32_t s);
+int hold_record(shm_chan *c, const shm_record *r);
 /* pause.c */
 void test_pause(int point); /* a test's pause point (shmchan.h): one load unless armed */
 /* handles.c */

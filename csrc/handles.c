@@ -68,6 +68,7 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
     c->done_count = c->compact_retry_at = c->compact_watch_end = c->compact_fail_ns = 0;
     c->compact_watch_hit = 0;
     c->refusals_seen = 0;
+    lookahead_reset(c); /* a new receiver starts with an empty look-ahead (lookahead.c) */
     /* The tables' committed marks and the key table's size (commit.c); a size no receiver
      * could have set calls for a rebuild, as a death mid-operation does. */
     if (commit_adopt(c)) STORE_RELAXED(&c->hdr->dirty, 1);

@@ -122,7 +122,12 @@ int hold_blocks(shm_chan *c, uint32_t s) {
     if (hold_channel(c)) return 1;
     shm_slot *sl = &c->slots[s];
     if (sl->nkeys == 0) return 0;
-    shm_record *r = rec_at(c, sl->pos);
+    return hold_record(c, rec_at(c, sl->pos));
+}
+
+/* Receiver: does the record r carry a paused key? (also lookahead.c, before taking a
+ * record in ahead of the scan) */
+int hold_record(shm_chan *c, const shm_record *r) {
     uint64_t ph[SHM_HOLD_KEYS];
     uint32_t np = 0;
     for (uint32_t i = 0; i < SHM_HOLD_KEYS; i++) {

@@ -444,7 +444,7 @@ static void unseen_walk(shm_chan *c, unseen_ent *t, uint32_t *partial) {
             *partial = 1; /* the bound, the receiver moving on, or a record being written */
             return;
         }
-        if (rc == SHM_OK) {
+        if (rc == SHM_OK && r.slot == NIL) { /* (a slot: taken in ahead, lookahead.c) */
             for (uint32_t k = 0; k < r.nkeys; k++) {
                 if (hash_index(r.hashes, k, r.hashes[k]) < k) continue; /* a duplicate */
                 unseen_ent *e = unseen_find(t, r.hashes[k], 1, &used);

@@ -433,23 +433,48 @@ static int has_room(shm_chan *c, uint32_t nkeys);
  * needed now, whatever the tables' budget (budget.c)? None is ready, or every ready one
  * is held back by a paused key (hold.c; a paused channel hands out nothing, so it keeps
  * the budget). */
-static int tables_needed(shm_chan *c) {
+int sched_tables_needed(shm_chan *c) {
     return c->hdr->ready_count == 0 ||
            (UNLIKELY(hold_any(c)) && !hold_channel(c) && !sched_has_ready(c));
 }
 
 int sched_has_room(shm_chan *c, uint32_t nkeys) {
-    c->tables_need = tables_needed(c);
+    c->tables_need = sched_tables_needed(c);
     int ok = has_room(c, nkeys);
     c->tables_need = 0;
     return ok;
 }
 
+/* Room for a message not needed now (a delayed one, window.c decide): within the budget. */
+int sched_has_room_ahead(shm_chan *c, uint32_t nkeys) { return has_room(c, nkeys); }
+
+/* Is ring space held past a stopped scan that only parking can reclaim? Messages the
+ * look-ahead took in lie there (released, or still out), and the ring is more than half
+ * used, or a sender was refused or waits. */
+static int space_short(shm_chan *c) {
+    shm_header *h = c->hdr;
+    if (!lookahead_ahead_of_scan(c)) return 0; /* nothing there but unscanned messages */
+    /* relaxed: hints (producers write tail_hint, refusals and space_waiters); a stale
+     * value only delays the exemption below to a later poll */
+    uint64_t tail = LOAD_RELAXED(&h->tail_hint), head = h->head;
+    return (tail > head && tail - head > c->limit / 2) ||
+           LOAD_RELAXED(&h->refusals) != c->refusals_seen || LOAD_RELAXED(&h->space_waiters);
+}
+
 /* Key entries for a record parked with n keys new to the table (window.c park_room):
- * past the budget only while nothing is ready, since the free message a recv waits for
- * may lie behind it (messages on free keys never wait for messages on other keys). */
+ * within the budget. A free message behind a record that may not park is found by the
+ * look-ahead (lookahead.c) while nothing is ready. A record that brings new keys leaves
+ * room in the table's size for one message of max_keys new keys, so that the message the
+ * look-ahead takes in next does not double the table (a tenth of the ring's worth of
+ * entries at once) for one key. One exemption: while messages the look-ahead took in
+ * lie past the stopped scan and the ring is more than half used (space_short), parking
+ * goes past the budget: their space cannot be reclaimed before the scan passes them
+ * (compaction slides only records behind scan_pos, compact.c), and a sender must not wait
+ * for a held key while there is space in aggregate. */
 int sched_park_room(shm_chan *c, uint32_t n) {
-    c->tables_need = tables_needed(c);
+    if (sched_key_room(c, n ? n + c->cfg.max_keys : 0)) return 1;
+    if (!space_short(c)) return 0;
+    c->tables_need = 1;
     int ok = sched_key_room(c, n);
     c->tables_need = 0;
     return ok;

@@ -42,7 +42,7 @@
 #define SHM_CFG_TEMPORARY   4   /* removed when its last user exits (shmchan/temporary.py) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  18
+#define SHM_LAYOUT_VERSION  19
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
@@ -225,6 +225,10 @@ int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
  * entries (a power of two from 16 to the default 512; 0 = the default), so that their
  * growth is exercised by small tests. */
 int  shm_test_keytab_first(uint32_t entries);
+/* Tests only: receivers in this process park records on at most this many keys that
+ * have nothing but parked records (0 = no such bound: a quarter of the key table), so
+ * that small tests meet a scan stopped for room and the look-ahead past it. */
+int  shm_test_park_keys(uint32_t keys);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */
 int  shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64_t now_ns,

@@ -232,8 +232,14 @@ int shm_slot_timers(shm_chan *c, uint32_t s, uint64_t *due_ns, uint64_t *expire_
  * wakes it early (it sleeps again) or, at worst, as late as its next upkeep. */
 double shm_timers_wait(shm_chan *c) {
     shm_header *h = c->hdr;
-    if (LIKELY(LOAD_RELAXED(&h->delayed_count) == 0)) return -1.0;
-    uint64_t due = LOAD_RELAXED(&h->next_due), now = realtime_ns();
+    /* relaxed: the receiver's own word, a hint like next_due. A delayed record left in
+     * the ring past the tables' budget (lookahead.c) counts only while it is ahead: once
+     * due, the poll that follows takes it in or a release does. */
+    uint64_t ahead = LOAD_RELAXED(&c->ahead_due), now = realtime_ns();
+    if (ahead <= now) ahead = 0;
+    if (LIKELY(LOAD_RELAXED(&h->delayed_count) == 0) && LIKELY(!ahead)) return -1.0;
+    uint64_t due = LOAD_RELAXED(&h->delayed_count) ? LOAD_RELAXED(&h->next_due) : 0;
+    if (ahead && (!due || ahead < due)) due = ahead;
     if (!due) return -1.0;
     return due <= now ? 0.0 : (double)(due - now) * 1e-9;
 }

@@ -12,8 +12,16 @@
  *
  *   - scan_pos is the next record to look at. The receiver looks at each record once,
  *     as it arrives, and decides (decide): take it in (free to go), park it, or stop
- *     there (free to go, but the window is full: nothing more can run before a release).
- *     Parking is O(keys): an append to a chain per key, no slot needed.
+ *     there (free to go, but the window is full: nothing more can run before a release;
+ *     or it must wait, but parking it would take key entries past the tables' budget,
+ *     budget.c). Parking is O(keys): an append to a chain per key, no slot needed.
+ *   - Past a stopped scan, while nothing is ready, the look-ahead (lookahead.c) may take
+ *     in a message on free keys *ahead of the scan*: it has a slot, and its record's slot
+ *     field says so, like any record taken in. When the scan reaches it, it steps over it:
+ *     window_taken (its slot is still in use) or, released since, DONE
+ *     (lookahead_done_at). So records past scan_pos are not all untouched: some may be
+ *     taken in, in flight or finished; none is parked, and none moves (compaction stays
+ *     behind scan_pos).
  *   - A key's chain (shm_key.skip_head / skip_tail / skipped) lists parked records, linked
  *     through the records themselves (record links[i], core.h). Under fifo a parked
  *     record is in the chain of each of its keys, in ring order (= seq order), and a
@@ -34,7 +42,9 @@
  * A key table entry is needed for each key with a chain. To keep the table's load below
  * three quarters whatever is parked, at most a quarter of its largest size may be
  * chain-only keys (and the table grows with them: sched.c sched_key_room)
- * (header.skip_keys); a record that would need more stops the scan until some leave.
+ * (header.skip_keys), and the table grows for them only within the tables' budget
+ * (budget.c, sched.c sched_park_room); a record that would need more stops the scan
+ * until some leave, and the look-ahead finds what may go past it.
  *
  * Everything read from the ring is checked: a chain link must point forward into the
  * looked-at region at a committed, parked record that carries the chain's key.
@@ -143,10 +153,21 @@ static uint32_t new_keys(shm_chan *c, shm_record *r) {
     return n;
 }
 
+/* Tests only: chain-only keys at most, when fewer than a quarter of the table
+ * (shm_test_park_keys), so that small tests meet a stopped scan (lookahead.c). */
+static uint32_t park_keys_test; /* 0: no such bound */
+
+int shm_test_park_keys(uint32_t keys) {
+    __atomic_store_n(&park_keys_test, keys, __ATOMIC_RELAXED); /* as shm_test_keytab_first */
+    return SHM_OK;
+}
+
 /* May r be parked without the key table growing past its share for chains? */
 static int park_room(shm_chan *c, shm_record *r) {
-    uint32_t n = new_keys(c, r);
-    return c->hdr->skip_keys + n <= c->keytab_max / 4 && sched_park_room(c, n);
+    uint32_t n = new_keys(c, r), most = c->keytab_max / 4;
+    uint32_t t = __atomic_load_n(&park_keys_test, __ATOMIC_RELAXED);
+    if (UNLIKELY(t) && t < most) most = t;
+    return c->hdr->skip_keys + n <= most && sched_park_room(c, n);
 }
 
 /* What to do with the record r at scan_pos (read-only: work_pending asks it too).
@@ -164,6 +185,10 @@ static int decide(shm_chan *c, shm_record *r, uint64_t *blocker) {
         if (parks) *blocker = r->hashes[i];
     }
     if (parks) return fifo && !park_room(c, r) ? ADMIT_STOP : ADMIT_PARK;
+    /* delayed past now: not needed before its time, so only within the tables' budget
+     * (lookahead.c looks past it and wakes the receiver when it falls due) */
+    if (UNLIKELY(r->flags & REC_F_TIMES) && lookahead_not_due(r, META_LEN(LOAD_RELAXED(&r->meta))))
+        return sched_has_room_ahead(c, r->nkeys) ? ADMIT_TAKE : ADMIT_STOP;
     return sched_has_room(c, r->nkeys) ? ADMIT_TAKE : ADMIT_STOP;
 }
 
@@ -493,7 +518,14 @@ int window_has_work(shm_chan *c) {
          * the order: not work until a release makes room, and that release posts us.
          * (Its key count is final once committed; clamped, as it is unchecked here.) */
         uint32_t nk = w->nkeys < c->cfg.max_keys ? w->nkeys : c->cfg.max_keys;
-        if (sched_has_room(c, nk)) return 1;
+        if (!sched_has_room(c, nk)) continue;
+        /* eager: one delayed past now waits for the budget like the scan's (decide) */
+        uint64_t wl = META_LEN(LOAD_RELAXED(&w->meta));
+        if (UNLIKELY(w->flags & REC_F_TIMES) && wl >= REC_BODY && wl <= c->cap - REC_HDR &&
+            ring_validate_body(c, w, wl) == SHM_OK && lookahead_not_due(w, wl) &&
+            !sched_has_room_ahead(c, nk))
+            continue;
+        return 1;
     }
     /* With READY_LOW or more ready the poll does not scan (window_ingest), so a new record
      * is no work: the ready ones are (work_pending), or, when all of them are held back
@@ -508,11 +540,11 @@ int window_has_work(shm_chan *c) {
     uint32_t st = META_STATE(meta);
     if (st == REC_CLAIMED || st == REC_GATED) return 0; /* a commit after it wakes us */
     if (st == REC_WRITING) /* a placeholder, if there is room for one */
-        return placeholder_ok(c, r, meta) && (!fifo || park_room(c, r));
+        return placeholder_ok(c, r, meta) && (!fifo || park_room(c, r) || lookahead_has_work(c));
     if (st != REC_COMMITTED || h->ready_count >= READY_AHEAD) return 1; /* let the poll say */
     uint64_t len = META_LEN(meta), blocker;
     if (len < REC_BODY || len > c->cap - REC_HDR || ring_validate_body(c, r, len)) return 1;
-    return decide(c, r, &blocker) != ADMIT_STOP;
+    return decide(c, r, &blocker) != ADMIT_STOP || lookahead_has_work(c);
 }
 
 /* One intake step of the receiver's poll: wake parked records whose key freed up, look
@@ -533,6 +565,7 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
     if (rc == SHM_OK) rc = window_wake(c, moved);
     if (rc) return rc;
     uint32_t batch = h->ready_count < READY_LOW ? INGEST_BATCH : 0;
+    int stopped = 0; /* at a record that may go or park, but not now */
     for (uint32_t i = 0; i < batch && h->ready_count < READY_AHEAD; i++) {
         uint64_t pos = h->scan_pos, len;
         shm_record *r;
@@ -548,7 +581,10 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
             }
             len = META_LEN(meta);
             if (c->cfg.order == SHM_ORDER_FIFO) { /* it keeps its place on its keys */
-                if (!park_room(c, r)) break;
+                if (!park_room(c, r)) {
+                    stopped = 1;
+                    break;
+                }
                 rc = park(c, r, pos, 0);
                 if (rc) return rc;
             }
@@ -557,6 +593,8 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
             uint32_t st = META_STATE(LOAD_RELAXED(&r->meta));
             if (st == REC_DISCARDED) h->discarded++;
             if (st == REC_SKIP) h->skip_bytes += len; /* an island's bytes (islands.c) */
+        } else if (rc == SHM_E_CORRUPT && lookahead_done_at(c, pos, &len)) {
+            /* taken in ahead of the scan and finished since (lookahead.c) */
         } else if (rc) {
             return rc;
         } else if (h->writing_n && (rc = window_writing(c, moved)) != SHM_OK) {
@@ -569,7 +607,10 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
              * when one of them was first seen unfinished.) */
             uint64_t blocker = 0;
             int d = decide(c, r, &blocker);
-            if (d == ADMIT_STOP) break; /* the window is full: a release brings us back */
+            if (d == ADMIT_STOP) { /* the window is full: a release brings us back */
+                stopped = 1;
+                break;
+            }
             uint32_t s;
             rc = d == ADMIT_PARK ? park(c, r, pos, blocker) : sched_take_in(c, r, pos, &s);
             if (rc) return rc;
@@ -577,12 +618,16 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
         h->scan_pos = pos + len;
         *moved = 1;
     }
+    /* Nothing ready and the scan stopped: a free message may lie further on. */
+    STORE_RELAXED(&c->ahead_due, 0); /* lookahead_run sets it again (shm_timers_wait) */
+    if (stopped && (rc = lookahead_run(c, moved)) != SHM_OK) return rc;
     if (h->ingest_pos != h->scan_pos) return walk_ingest(c);
     return SHM_OK;
 }
 
-/* Is the committed record r at pos already in the window? Only after a receiver's
- * rebuild (rebuild.c) can the scan meet one: a message handed out before the crash. */
+/* Is the committed record r at pos already in the window? The scan meets one that the
+ * look-ahead took in before it (lookahead.c), or after a receiver's rebuild (rebuild.c):
+ * a message handed out before the crash. */
 int window_taken(shm_chan *c, shm_record *r, uint64_t pos) {
     uint32_t s = r->slot;
     if (s == NIL || s > c->cfg.max_messages) return 0;

@@ -484,6 +484,13 @@ class SmallWindowMachine(SchedulerMachine):
             self.send(keys)
 
 
+class LookaheadMachine(SmallWindowMachine):
+    """Parking limited to one key that has nothing but parked records (a test setting),
+    so that the scan stops often and messages on free keys further on are taken in by
+    the look-ahead (csrc/lookahead.c), ahead of records the scan has not reached; the
+    model must not notice."""
+
+
 class StatsMachine(SchedulerMachine):
     """Same operations; the counters and gauges in stats() follow the model exactly."""
 
@@ -507,6 +514,20 @@ MODEL_SETTINGS = settings(
 def test_scheduler_matches_the_reference_lock_manager(machine, new_chan_name, monkeypatch):
     monkeypatch.setattr(machine, "names", staticmethod(new_chan_name))
     run_state_machine_as_test(machine, settings=MODEL_SETTINGS)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_the_look_ahead_matches_the_reference_lock_manager(new_chan_name, monkeypatch, order):
+    from shmchan._lib import lib
+
+    monkeypatch.setattr(LookaheadMachine, "names", staticmethod(new_chan_name))
+    monkeypatch.setattr(LookaheadMachine, "order", order)
+    assert lib.shm_test_park_keys(1) == 0
+    try:
+        run_state_machine_as_test(LookaheadMachine, settings=MODEL_SETTINGS)
+    finally:
+        assert lib.shm_test_park_keys(0) == 0
 
 
 @pytest.mark.timeout(300)
