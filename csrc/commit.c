@@ -266,7 +266,6 @@ static void give_back_tables(shm_chan *c) {
         uint32_t k = h->keys_committed;
         memset(c->keys, 0, sizeof(shm_key) * (size_t)first_keys);
         c->keytab_size = first_keys;
-        h->idle_keys = 0; /* the idle entries (sched.c) went with the rest */
         STORE_RELAXED(&h->keys_active, first_keys); /* as in sched.c key_grow */
         STORE_RELAXED(&h->keys_committed, first_keys);
         uint64_t a = pg_up(off_of(c, c->keys) + (uint64_t)first_keys * sizeof(shm_key));

@@ -276,9 +276,6 @@ typedef struct {
     uint32_t lane_tail;  /* highest-seq slot on the lane                                     */
     uint32_t lane_count; /* slots on the lane                                                */
     uint32_t heap_count; /* entries of the ready heap; ready_count = heap_count + lane_count */
-    /* -- idle key entries (sched.c): receiver-written -- */
-    uint32_t idle_keys;  /* key table entries marked idle (shm_key.idle), at most a quarter */
-    uint32_t pad_idle;
 
     /* -- pause state (hold.c): written by any process, read by the receiver's scheduler -- */
     _Alignas(SHM_CACHELINE) uint64_t hold; /* HOLD_CHANNEL | claimed paused-key entries
@@ -392,7 +389,6 @@ typedef struct {
     uint32_t held;       /* eager order: slot holding the key, NIL = free               */
     uint32_t skipped;    /* parked records in this key's chain (window.c)             */
     uint32_t count;      /* nodes in the line: kept so that a line's depth is O(1) (inspect.c) */
-    uint32_t idle;       /* 1: holds nothing, kept for the key's next message (sched.c)     */
     uint64_t skip_head;  /* ring position of the first parked record; valid if skipped */
     uint64_t skip_tail;  /* ring position of the last one; each links to the next      */
 } shm_key;

@@ -89,7 +89,7 @@ static int64_t key_lookup(shm_chan *c, uint64_t hash) {
     uint32_t i = key_home_in(size, hash);
     for (uint32_t probes = 0; probes < size; probes++) {
         shm_key k = c->keys[i]; /* a copy: the entry may change under us */
-        if (k.head == NIL && k.held == NIL && k.skipped == 0 && !k.idle) return -1; /* free */
+        if (k.head == NIL && k.held == NIL && k.skipped == 0) return -1;
         if (k.hash == hash) return i;
         i = i + 1 >= size ? 0 : i + 1;
     }

@@ -4,22 +4,9 @@
  * here needs atomics except where a slot's state word is published to holders.
  *
  * Every key with messages in the window has an entry in an open-addressing table
- * (linear probing, deletion by backward shift) holding its *line*: the window's messages
- * carrying that key, in seq order, as a singly linked list of nodes, one node per
- * (message, distinct key hash).
- *
- * Idle entries: a key whose line empties, with nothing parked, usually comes back with
- * the next message (one hot key, or a few keys cycling). Deleting its entry (a backward
- * shift of its probe run) and inserting it again cost more than the rest of the release,
- * so its entry stays, marked idle (key.idle = 1, holding nothing), and the key's next
- * message takes it back. An idle entry is a tombstone for lookups: it does not end a
- * probe run, and an insert of another key may take it over (the first idle entry on the
- * key's probe run, once the key is known to be absent). At most a quarter of the table
- * is idle (header.idle_keys): past that an emptied entry is deleted as before, so probe
- * runs stay short and an insert always finds a place while the keys in use fit. A growth
- * (key_grow) drops the idle entries, and so do a rebuild and a give-back (they empty the
- * table). Idle entries hold no node and no chain: they are not in the bound that sizes
- * the table, so they never make it grow or commit memory.
+ * (linear probing, deletion by backward shift: no tombstones, so lookups stay short)
+ * holding its *line*: the window's messages carrying that key, in seq order, as a
+ * singly linked list of nodes, one node per (message, distinct key hash).
  *
  * order="fifo" (the default) is the deterministic-lock-manager rule: a message may be
  * handed out when it is first in every line it is in. It stays first while in flight,
@@ -72,16 +59,9 @@ void sched_init(shm_chan *c) {
 }
 
 /* ---- key table ------------------------------------------------------------------------- */
-/* Holds nothing (a free or an idle entry). */
-static inline int key_unused(const shm_key *k) {
+static inline int key_empty(const shm_key *k) {
     return k->head == NIL && k->held == NIL && k->skipped == 0;
 }
-
-/* A free entry: ends a probe run. */
-static inline int key_empty(const shm_key *k) { return key_unused(k) && !k->idle; }
-
-/* Idle entries allowed now (a quarter of the table). */
-static inline int keys_idle_room(shm_chan *c) { return c->hdr->idle_keys < c->keytab_size / 4; }
 
 /* Index of the entry for hash, or -1. */
 static int64_t key_find(shm_chan *c, uint64_t hash) {
@@ -144,11 +124,10 @@ static int key_grow(shm_chan *c) {
     memcpy(copy, c->keys, sizeof(shm_key) * (size_t)old);
     memset(c->keys, 0, sizeof(shm_key) * (size_t)size);
     c->keytab_size = size;
-    h->idle_keys = 0; /* the idle entries are not copied */
     STORE_RELAXED(&h->keys_active, size); /* read by keytab_view_size, under the seqlock */
     for (uint32_t j = 0; j < old; j++) {
         if (j == old / 2) test_pause(SHM_PAUSE_KEY_GROW);
-        if (key_unused(&copy[j])) continue;
+        if (key_empty(&copy[j])) continue;
         uint32_t i = key_home(c, copy[j].hash);
         for (uint32_t probes = 0; probes < size && !key_empty(&c->keys[i]); probes++)
             i = key_next(c, i);
@@ -172,11 +151,8 @@ int sched_keys_reset(shm_chan *c) {
     c->keytab_size = size;
     STORE_RELAXED(&h->keys_active, size); /* as in key_grow */
     memset(c->keys, 0, sizeof(shm_key) * (size_t)size);
-    h->idle_keys = 0;
     return SHM_OK;
 }
-
-static void key_wake(shm_chan *c, shm_key *k);
 
 /* Index of the entry for hash, created empty-lined if absent; -1 if the table is full
  * (impossible by sizing unless the segment is corrupt). */
@@ -190,30 +166,16 @@ static int64_t key_insert(shm_chan *c, uint64_t hash) {
         if (rc) break;
     }
     uint32_t i = key_home(c, hash);
-    int64_t spare = -1; /* the first idle entry on the probe run */
     for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
         shm_key *k = &c->keys[i];
-        if (k->hash == hash && !key_empty(k)) {
-            if (k->idle) key_wake(c, k);
+        if (key_empty(k)) {
+            k->hash = hash;
             return i;
         }
-        if (key_empty(k)) break;
-        if (spare < 0 && k->idle) spare = i;
+        if (k->hash == hash) return i;
         i = key_next(c, i);
     }
-    /* absent: the first idle entry on its run, or the free entry that ends the run */
-    if (spare >= 0) i = (uint32_t)spare;
-    else if (!key_empty(&c->keys[i])) return -1;
-    shm_key *k = &c->keys[i];
-    if (k->idle) key_wake(c, k);
-    k->hash = hash;
-    return i;
-}
-
-/* An idle entry is in use again (its fields hold nothing already). */
-static void key_wake(shm_chan *c, shm_key *k) {
-    k->idle = 0;
-    if (c->hdr->idle_keys) c->hdr->idle_keys--;
+    return -1;
 }
 
 /* Remove entry i (now empty) by shifting back the entries of its probe run. */
@@ -236,28 +198,12 @@ static void key_delete(shm_chan *c, uint32_t i) {
     c->keys[i].count = 0;
     c->keys[i].skip_head = c->keys[i].skip_tail = 0;
     c->keys[i].hash = 0;
-    c->keys[i].idle = 0;
 }
 
-/* Entry i holds nothing now: kept idle for the key's next message while a quarter of
- * the table is not idle yet, else deleted. */
-static void key_done(shm_chan *c, uint32_t i) {
-    shm_key *k = &c->keys[i];
-    if (k->idle) return;
-    if (keys_idle_room(c)) {
-        k->idle = 1;
-        k->count = 0;
-        c->hdr->idle_keys++;
-    } else {
-        key_delete(c, i);
-    }
-}
-
-/* For window.c: the entry of a key (NULL if none; an idle entry holds nothing), the entry
- * made if absent (NULL only if the table is full), and dropping an entry that no longer
- * holds anything. A pointer is good only until the next deletion (entries shift back) or
- * insertion (the table may grow). Every entry that holds nothing is made idle or deleted
- * at once: a probe run has no gaps. */
+/* For window.c: the entry of a key (NULL if none), the entry made if absent (NULL only if
+ * the table is full), and dropping an entry that no longer holds anything. A pointer is
+ * good only until the next deletion (entries shift back) or insertion (the table may
+ * grow). Every entry that holds nothing is deleted at once: a probe run has no gaps. */
 shm_key *sched_key_find(shm_chan *c, uint64_t hash) {
     int64_t k = key_find(c, hash);
     return k < 0 ? NULL : &c->keys[k];
@@ -275,7 +221,7 @@ shm_key *sched_key_get(shm_chan *c, uint64_t hash) {
  * that is held: ChannelCorrupted on its release, or worse, its messages let through). */
 void sched_key_tidy(shm_chan *c, shm_key *k) {
     if (k < c->keys || k >= c->keys + c->keytab_size) return;
-    if (key_unused(k)) key_done(c, (uint32_t)(k - c->keys));
+    if (key_empty(k)) key_delete(c, (uint32_t)(k - c->keys));
 }
 
 /* ---- the ready queue: a binary min-heap of slots by seq, and the lane -------------------
@@ -634,7 +580,7 @@ static int fifo_unlink(shm_chan *c, uint32_t s) {
         if (key->head == NIL) {
             key->tail = NIL;
             if (key->skipped) window_wake_push(c, key->hash); /* its parked chain may move */
-            else if (key_unused(key)) key_done(c, (uint32_t)k);
+            else if (key_empty(key)) key_delete(c, (uint32_t)k);
         } else {
             if (!NODE_OK(c, key->head)) return SHM_E_CORRUPT;
             c->nodes[key->head].prev = NIL;
@@ -661,7 +607,7 @@ static int eager_unlink(shm_chan *c, uint32_t s) {
         shm_key *key = &c->keys[k];
         key->held = NIL;
         if (key->skipped) window_wake_push(c, key->hash); /* its parked chain may move */
-        else if (key_unused(key)) key_done(c, (uint32_t)k);
+        else if (key_empty(key)) key_delete(c, (uint32_t)k);
         node_free(c, n);
         n = sib;
     }
@@ -758,22 +704,16 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     }
     if (rc == SHM_OK && on_list != out) { rc = SHM_E_CORRUPT; *what = 16; }
     if (rc == SHM_OK) rc = window_check(c, what); /* the parked records' chains */
-    /* the key table: no entry that holds nothing is left with a key's hash unless it is
-     * idle (a gap in a probe run, sched_key_tidy), every key is found from its home, and
-     * the idle entries hold nothing and are counted */
-    uint32_t idle = 0;
+    /* the key table: no entry that holds nothing is left with a key's hash (a gap in a
+     * probe run, sched_key_tidy), and every key is found from its home */
     for (uint32_t k = 0; k < c->keytab_size && rc == SHM_OK; k++) {
         shm_key *key = &c->keys[k];
         if (key_empty(key)) {
             if (key->hash != 0) { rc = SHM_E_CORRUPT; *what = 17; }
         } else if (key_find(c, key->hash) != (int64_t)k) {
             rc = SHM_E_CORRUPT; *what = 18;
-        } else if (key->idle) {
-            idle++;
-            if (!key_unused(key) || key->count) { rc = SHM_E_CORRUPT; *what = 23; }
         }
     }
-    if (rc == SHM_OK && idle != c->hdr->idle_keys) { rc = SHM_E_CORRUPT; *what = 24; }
     /* every line's nodes belong to live messages, and the line is in seq order */
     for (uint32_t k = 0; k < c->keytab_size && rc == SHM_OK; k++) {
         shm_key *key = &c->keys[k];

@@ -42,7 +42,7 @@
 #define SHM_CFG_TEMPORARY   4   /* removed when its last user exits (shmchan/temporary.py) */
 
 #define SHM_MAX_KEYS_LIMIT  64
-#define SHM_LAYOUT_VERSION  19
+#define SHM_LAYOUT_VERSION  18
 
 /* --- configuration, fixed at create time -------------------------------- */
 typedef struct {
