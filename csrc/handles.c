@@ -149,6 +149,23 @@ void slot_free(shm_chan *c, uint32_t s) {
     c->hdr->window--;
 }
 
+/* s is RELEASED and the caller knows it: it moved s there itself, under rx_mu, so no one
+ * else can have finished it meanwhile (release_many_rx, shm_release's own-process path).
+ * Its keys go to the next in line, its record is done, its slot free. */
+static int finish_released(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    h->inflight--;
+    h->held_keys -= sl->nkeys;
+    int rc = sched_release(c, s);
+    if (rc) return rc;
+    out_unlink(c, s);
+    ring_mark_done(c, sl->pos);
+    slot_free(c, s);
+    h->released++;
+    return SHM_OK;
+}
+
 int handles_finish(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
@@ -162,7 +179,8 @@ int handles_finish(shm_chan *c, uint32_t s) {
         h->dead_letters--;
         return SHM_OK;
     }
-    if (st != SLOT_RELEASED && st != SLOT_NACKED) return SHM_OK; /* duplicate notice */
+    if (st == SLOT_RELEASED) return finish_released(c, s);
+    if (st != SLOT_NACKED) return SHM_OK; /* duplicate notice */
     h->inflight--;
     h->held_keys -= sl->nkeys;
     if (st == SLOT_NACKED && (c->cfg.max_attempts == 0 || sl->attempt < c->cfg.max_attempts)) {
@@ -172,18 +190,11 @@ int handles_finish(shm_chan *c, uint32_t s) {
     }
     int rc = sched_release(c, s);
     if (rc) return rc;
-    if (st == SLOT_NACKED) {
-        /* Out of attempts: a dead letter. It keeps its slot and record, keys released,
-         * and stays on the handed-out list (anyone may discard it). */
-        sl->dead_reason = SHM_DEAD_ATTEMPTS;
-        STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w), SLOT_DEAD)); /* see slot_free */
-        h->dead_letters++;
-        return SHM_OK;
-    }
-    out_unlink(c, s);
-    ring_mark_done(c, sl->pos);
-    slot_free(c, s);
-    h->released++;
+    /* Out of attempts: a dead letter. It keeps its slot and record, keys released, and
+     * stays on the handed-out list (anyone may discard it). */
+    sl->dead_reason = SHM_DEAD_ATTEMPTS;
+    STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w), SLOT_DEAD)); /* see slot_free */
+    h->dead_letters++;
     return SHM_OK;
 }
 
@@ -484,29 +495,40 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     shm_slot *sl = &c->slots[s];
     uint64_t expect = SLOT_WORD(gen, SLOT_INFLIGHT);
+    uint64_t want = SLOT_WORD(gen, nack ? SLOT_NACKED : SLOT_RELEASED);
+    if (c->is_rx) {
+        /* The receiver's own release: the CAS is made under rx_mu, so the slot is still
+         * RELEASED when we finish it (no drain or upkeep of this process can have
+         * finished it in between), and its state need not be looked at again. */
+        pthread_mutex_lock(&c->rx_mu);
+        if (c->is_rx) { /* still: it changes only under rx_mu */
+            /* seq_cst: as below */
+            if (!CAS_SEQCST(&sl->state, &expect, want)) {
+                pthread_mutex_unlock(&c->rx_mu);
+                return SHM_STALE;
+            }
+            int out = SHM_OK;
+            rx_begin(c);
+            int rc = nack ? handles_finish(c, s) : finish_released(c, s);
+            if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
+                /* the last message out of an empty ring (ring.c); before the fence, so
+                 * that a sender that starts waiting meanwhile is seen by the check below */
+                ring_rewind(c);
+                FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
+                if (space_wake_due(c, 0)) out |= WAKE_TX;
+            }
+            if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+            if (rc == SHM_OK && handles_rx_asleep(c)) out |= WAKE_RX;
+            rx_end(c);
+            pthread_mutex_unlock(&c->rx_mu);
+            return rc ? rc : out;
+        }
+        pthread_mutex_unlock(&c->rx_mu);
+    }
     /* seq_cst: exactly one transition out of INFLIGHT per generation; pairs with the
      * consumer's release store in hand_out (acquire side) and is ordered before the push
      * and the rx_sleeping check below. */
-    if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gen, nack ? SLOT_NACKED : SLOT_RELEASED)))
-        return SHM_STALE;
-    if (c->is_rx) {
-        int out = SHM_OK;
-        pthread_mutex_lock(&c->rx_mu);
-        rx_begin(c);
-        int rc = handles_finish(c, s);
-        if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
-            /* the last message out of an empty ring (ring.c); before the fence, so that a
-             * sender that starts waiting meanwhile is seen by the check below */
-            ring_rewind(c);
-            FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
-            if (space_wake_due(c, 0)) out |= WAKE_TX;
-        }
-        if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
-        if (rc == SHM_OK && handles_rx_asleep(c)) out |= WAKE_RX;
-        rx_end(c);
-        pthread_mutex_unlock(&c->rx_mu);
-        return rc ? rc : out;
-    }
+    if (!CAS_SEQCST(&sl->state, &expect, want)) return SHM_STALE;
     handles_push(c, s);
     /* seq_cst fence: pairs with the receiver's store of rx_sleeping and re-check. */
     FENCE_SEQCST();
@@ -523,9 +545,10 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
     int rc = SHM_OK, broken = 0;
     pthread_mutex_lock(&c->rx_mu);
     rx_begin(c);
+    uint32_t touched = slots_touched(c, c->hdr); /* fixed while we hold rx_mu */
     for (uint32_t i = 0; i < n && !broken; i++) {
         uint32_t s = slots[i];
-        if (s == NIL || s >= slots_touched(c, c->hdr)) { /* never handed out */
+        if (s == NIL || s >= touched) { /* never handed out */
             rc = SHM_E_INVALID;
             continue;
         }
@@ -533,7 +556,7 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
         /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
         if (!CAS_SEQCST(&c->slots[s].state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
             continue; /* stale: a no-op */
-        int r = handles_finish(c, s);
+        int r = finish_released(c, s); /* our CAS, under rx_mu: nobody finished it since */
         if (r) { /* half done: leave the header dirty for the next receiver's rebuild */
             rc = r;
             broken = 1;
