@@ -149,9 +149,11 @@ void slot_free(shm_chan *c, uint32_t s) {
     c->hdr->window--;
 }
 
-/* s is RELEASED and the caller knows it: it moved s there itself, under rx_mu, so no one
- * else can have finished it meanwhile (release_many_rx, shm_release's own-process path).
- * Its keys go to the next in line, its record is done, its slot free. */
+/* s is RELEASED: its keys go to the next in line, its record is done, its slot free.
+ * handles_finish reads the state word first; release_many_rx calls this directly, since
+ * it made the CAS to RELEASED itself under rx_mu, and every path that finishes a slot
+ * holds rx_mu (shm_release instead makes its CAS before taking the lock, and upkeep may
+ * finish the slot in between, so it goes through handles_finish). */
 static int finish_released(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
@@ -495,40 +497,29 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     if (s == NIL || s >= slots_touched(c, c->hdr)) return SHM_E_INVALID; /* never handed out */
     shm_slot *sl = &c->slots[s];
     uint64_t expect = SLOT_WORD(gen, SLOT_INFLIGHT);
-    uint64_t want = SLOT_WORD(gen, nack ? SLOT_NACKED : SLOT_RELEASED);
-    if (c->is_rx) {
-        /* The receiver's own release: the CAS is made under rx_mu, so the slot is still
-         * RELEASED when we finish it (no drain or upkeep of this process can have
-         * finished it in between), and its state need not be looked at again. */
-        pthread_mutex_lock(&c->rx_mu);
-        if (c->is_rx) { /* still: it changes only under rx_mu */
-            /* seq_cst: as below */
-            if (!CAS_SEQCST(&sl->state, &expect, want)) {
-                pthread_mutex_unlock(&c->rx_mu);
-                return SHM_STALE;
-            }
-            int out = SHM_OK;
-            rx_begin(c);
-            int rc = nack ? handles_finish(c, s) : finish_released(c, s);
-            if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
-                /* the last message out of an empty ring (ring.c); before the fence, so
-                 * that a sender that starts waiting meanwhile is seen by the check below */
-                ring_rewind(c);
-                FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
-                if (space_wake_due(c, 0)) out |= WAKE_TX;
-            }
-            if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
-            if (rc == SHM_OK && handles_rx_asleep(c)) out |= WAKE_RX;
-            rx_end(c);
-            pthread_mutex_unlock(&c->rx_mu);
-            return rc ? rc : out;
-        }
-        pthread_mutex_unlock(&c->rx_mu);
-    }
     /* seq_cst: exactly one transition out of INFLIGHT per generation; pairs with the
      * consumer's release store in hand_out (acquire side) and is ordered before the push
      * and the rx_sleeping check below. */
-    if (!CAS_SEQCST(&sl->state, &expect, want)) return SHM_STALE;
+    if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gen, nack ? SLOT_NACKED : SLOT_RELEASED)))
+        return SHM_STALE;
+    if (c->is_rx) {
+        int out = SHM_OK;
+        pthread_mutex_lock(&c->rx_mu);
+        rx_begin(c);
+        int rc = handles_finish(c, s);
+        if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
+            /* the last message out of an empty ring (ring.c); before the fence, so that a
+             * sender that starts waiting meanwhile is seen by the check below */
+            ring_rewind(c);
+            FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
+            if (space_wake_due(c, 0)) out |= WAKE_TX;
+        }
+        if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
+        if (rc == SHM_OK && handles_rx_asleep(c)) out |= WAKE_RX;
+        rx_end(c);
+        pthread_mutex_unlock(&c->rx_mu);
+        return rc ? rc : out;
+    }
     handles_push(c, s);
     /* seq_cst fence: pairs with the receiver's store of rx_sleeping and re-check. */
     FENCE_SEQCST();
