@@ -27,25 +27,15 @@
  * The tables' budget (budget.c) exempts a message taken in while none is ready: the
  * next one a receive can get. Here none is ever ready when the next record is looked
  * at, so the run keeps the budget itself: past the first message of the call it takes
- * a record in only if the tables already have room for it committed (marks_suffice),
- * and otherwise leaves it to the general poll, which applies the budget as before. Every shared-memory effect is the one the general path has (sched_take_in,
- * hand_out), so a receiver killed in the middle leaves what rebuild.c already handles.
+ * a record in only if the tables already have room for it committed (sched.c
+ * sched_room_committed), and otherwise leaves it to the general poll, which applies the
+ * budget as before. Every shared-memory effect is the one the general path has
+ * (sched_take_in, hand_out), so a receiver killed in the middle leaves what rebuild.c
+ * already handles.
  */
 #include "core.h"
 
 #define RUN_MIN 2u /* a receive for one message keeps the general path's batched scan */
-
-/* Room for one more message of nkeys keys within the tables' committed marks, so taking
- * it in raises none (the tests of sched.c has_room and key_grow, without the commits). */
-static int marks_suffice(shm_chan *c, uint32_t nkeys) {
-    shm_header *h = c->hdr;
-    if (h->free_slots == NIL && h->fresh_slots >= h->slots_committed) return 0;
-    if ((uint64_t)h->nodes_used + 1 + nkeys > h->nodes_committed) return 0;
-    /* the key table grows once its bound (nodes in use plus chain-only keys) would pass
-     * half its size */
-    uint64_t bound = (uint64_t)h->nodes_used + h->skip_keys + nkeys;
-    return c->keytab_size >= c->keytab_max || bound <= c->keytab_size / 2;
-}
 
 int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
                 int *moved) {
@@ -59,7 +49,7 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
         shm_stall stall;
         if (ring_peek(c, pos, &r, &len, &stall) != SHM_OK) break; /* the general path's */
         if ((r->flags & REC_F_TIMES) || window_taken(c, r, pos)) break;
-        if (*got > 0 && !marks_suffice(c, r->nkeys)) break; /* the budget decides */
+        if (*got > 0 && !sched_room_committed(c, r->nkeys)) break; /* the budget decides */
         if (!window_free_to_go(c, r)) break;
         uint32_t s;
         int rc = sched_take_in(c, r, pos, &s);

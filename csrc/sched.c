@@ -480,21 +480,29 @@ int sched_park_room(shm_chan *c, uint32_t n) {
     return ok;
 }
 
-static int has_room(shm_chan *c, uint32_t nkeys) {
+/* has_room's tests; commit 0 answers them from what is committed already, and finds no
+ * room where has_room would commit more (sched_room_committed). */
+static int room(shm_chan *c, uint32_t nkeys, int commit) {
     shm_header *h = c->hdr;
     if (h->free_slots == NIL) {
         if (!SLOT_OK(c, h->fresh_slots)) return 0;
-        if (h->fresh_slots >= h->slots_committed && commit_slots(c, h->fresh_slots + 1) != SHM_OK)
+        if (h->fresh_slots >= h->slots_committed &&
+            (!commit || commit_slots(c, h->fresh_slots + 1) != SHM_OK))
             return 0;
     }
     if (c->max_nodes - 1 - h->nodes_used < nkeys) return 0;
     /* free nodes: the free list's (fresh_nodes - 1 - nodes_used) and the committed fresh
      * ones (nodes_committed - fresh_nodes) */
     if ((uint64_t)h->nodes_used + 1 + nkeys > h->nodes_committed &&
-        commit_nodes(c, h->nodes_used + 1 + nkeys) != SHM_OK)
+        (!commit || commit_nodes(c, h->nodes_used + 1 + nkeys) != SHM_OK))
         return 0;
-    return sched_key_room(c, nkeys);
+    if (commit) return sched_key_room(c, nkeys);
+    return c->keytab_size >= c->keytab_max || keys_size_for(c, nkeys) == c->keytab_size;
 }
+
+static int has_room(shm_chan *c, uint32_t nkeys) { return room(c, nkeys, 1); }
+
+int sched_room_committed(shm_chan *c, uint32_t nkeys) { return room(c, nkeys, 0); }
 
 /* ---- eager helpers ------------------------------------------------------------------ */
 /* Take every key of s (all free: window.c parks a message that meets a held key). */
