@@ -49,14 +49,12 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
         shm_stall stall;
         if (ring_peek(c, pos, &r, &len, &stall) != SHM_OK) break; /* the general path's */
         if ((r->flags & REC_F_TIMES) || window_taken(c, r, pos)) break;
-        if (*got > 0 && !sched_room_committed(c, r->nkeys)) break; /* the budget decides */
-        if (!window_free_to_go(c, r)) break;
         uint32_t s;
-        int rc = sched_take_in(c, r, pos, &s);
-        if (rc) return rc;
+        int rc = sched_take_in_free(c, r, pos, *got == 0, &s);
+        if (rc < 0) return rc;
+        if (rc == 0) break; /* a key in the table, or no room: the general path decides */
         h->scan_pos = pos + len;
         *moved = 1;
-        if (sched_pop_ready(c) != s) return SHM_E_CORRUPT; /* it was the only one ready */
         if (!*now) *now = coarse_ns();
         rc = handles_hand_out(c, s, &out[*got], *now);
         if (rc) return rc;

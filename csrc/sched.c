@@ -63,16 +63,24 @@ static inline int key_empty(const shm_key *k) {
     return k->head == NIL && k->held == NIL && k->skipped == 0;
 }
 
-/* Index of the entry for hash, or -1. */
-static int64_t key_find(shm_chan *c, uint64_t hash) {
+/* Index of the entry for hash, or -1; *end: where the probe stopped (the empty entry an
+ * insertion of hash would fill, if nothing is inserted or deleted meanwhile). */
+static inline int64_t key_probe(shm_chan *c, uint64_t hash, uint32_t *end) {
     uint32_t i = key_home(c, hash);
     for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
         shm_key *k = &c->keys[i];
-        if (key_empty(k)) return -1;
+        if (key_empty(k)) break;
         if (k->hash == hash) return i;
         i = key_next(c, i);
     }
+    *end = i;
     return -1;
+}
+
+/* Index of the entry for hash, or -1. */
+static int64_t key_find(shm_chan *c, uint64_t hash) {
+    uint32_t end;
+    return key_probe(c, hash, &end);
 }
 
 /* ---- the key table's size: grown with use --------------------------------------------
@@ -550,7 +558,8 @@ static int attach_keys(shm_chan *c, uint32_t s, shm_record *r) {
     return SHM_OK;
 }
 
-int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) {
+/* The first half of a take-in: a slot for the record at pos, in the window. */
+static inline int take_slot(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) {
     shm_header *h = c->hdr;
     uint32_t s = h->free_slots;
     if (s != NIL) {
@@ -558,7 +567,8 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
         h->free_slots = c->slots[s].next;
     } else {
         /* never used: its state word is SLOT_WORD(0, SLOT_FREE). The mark moves before the
-         * slot's state is published (ready_push's release store), so a receiver's rebuild
+         * slot's state is published (ready_push's release store, or hand_out's for a
+         * message taken in by sched_take_in_free), so a receiver's rebuild
          * (rebuild.c), which looks only below the mark, sees every slot in use. */
         s = h->fresh_slots;
         if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
@@ -573,15 +583,29 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     sl->holder = 0;
     sl->pin = PIN_FREE;
     window_link(c, s);
+    *slot_out = s;
+    return SHM_OK;
+}
 
-    int rc = attach_keys(c, s, r);
-    if (rc) return rc;
+/* The last half: the message is counted and the record names its slot. */
+static inline void take_done(shm_chan *c, shm_record *r, uint32_t s) {
+    shm_header *h = c->hdr;
     h->queued_in_window++;
     h->ingested++;
     /* The record is ours now (compaction finds its slot through it). Last, and a release
      * store so the count above comes first: a receiver's rebuild takes a record with a
      * slot as counted in `ingested` (rebuild.c). Pairs with nothing across processes. */
     STORE_RELEASE(&r->slot, s);
+}
+
+int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) {
+    uint32_t s;
+    int rc = take_slot(c, r, pos, &s);
+    if (rc) return rc;
+    shm_slot *sl = &c->slots[s];
+    rc = attach_keys(c, s, r);
+    if (rc) return rc;
+    take_done(c, r, s);
     *slot_out = s;
     if (UNLIKELY(r->flags & REC_F_TIMES)) timers_take_in(c, s, r); /* delay, ttl (timers.c) */
     /* Only a message free to go is taken in (window.c): first in all its lines (fifo),
@@ -589,6 +613,95 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
     if (c->cfg.order == SHM_ORDER_FIFO) return sl->pending == 0 ? ready_push(c, s) : SHM_E_CORRUPT;
     rc = eager_take(c, s);
     return rc ? rc : ready_push(c, s);
+}
+
+/* ---- taking in a message on free keys, to hand it out at once (batchin.c) ---------------
+ * A receive of many messages takes a run of new records in and hands each out as it is
+ * taken in (batchin.c). For a message none of whose keys is in the table -- nobody holds
+ * them, no line or parked chain is on them: the common case -- the take-in is cut down
+ * to what it changes, with the same effects in shared memory as sched_take_in followed by
+ * the pop of the ready queue:
+ *   - one probe per key. The probe that finds a key absent ends at the empty entry its
+ *     insertion would fill (key_probe). Between that probe and the insertion only the
+ *     message's own other keys are inserted (distinct hashes: rec_first_of_hash) and
+ *     nothing is deleted, so every entry the probe passed still holds another key, and
+ *     the insertion carries on from where the probe stopped. The one exception is a
+ *     doubling of the table (key_insert's rule, tested the same way here): that key and
+ *     the rest go through key_insert, which probes afresh.
+ *   - the room test answered from what is committed (room(.., 0)); the first message of a
+ *     receive asks sched_has_room instead, which may commit more, as decide() would.
+ *   - no ready queue: the caller hands the message out at once (handles_hand_out), so its
+ *     state goes FREE -> INFLIGHT with no READY between, and the queue it would have
+ *     been the only entry of is not touched. A receiver killed between leaves dirty set
+ *     and a FREE slot that the record names: the rebuild frees the slot and takes the
+ *     record in again (window_taken: a FREE slot is not taken), as it does for a receiver
+ *     killed inside sched_take_in before its ready_push. If the hand-out fails, its
+ *     sched_unpop puts the message on the ready queue, as after a pop.
+ * The caller has checked that nothing is ready or waking and the record carries no
+ * times (batchin.c), so the message is the lowest seq that may go.
+ * Returns 1 (taken in: *slot_out), 0 (a key is in the table, or the room is not there:
+ * the general path decides) or an error. */
+static int attach_free_keys(shm_chan *c, uint32_t s, shm_record *r, const uint32_t *at) {
+    shm_slot *sl = &c->slots[s];
+    int fifo = c->cfg.order == SHM_ORDER_FIFO, probed = 1;
+    sl->first_node = NIL;
+    sl->nkeys = 0;
+    sl->pending = 0;
+    for (uint32_t i = 0; i < r->nkeys; i++) {
+        if (!rec_first_of_hash(r, i)) continue;
+        uint64_t hash = r->hashes[i];
+        uint32_t n = node_alloc(c);
+        if (n == NIL) return SHM_E_CORRUPT; /* room() said there was room */
+        c->nodes[n].hash = hash;
+        c->nodes[n].slot = s;
+        c->nodes[n].sibling = sl->first_node;
+        sl->first_node = n;
+        sl->nkeys++;
+        int64_t k = -1;
+        if (UNLIKELY(keys_bound(c) + 1 > c->keytab_size / 2) && c->keytab_size < c->keytab_max)
+            probed = 0; /* key_insert may double the table: the probes' ends mean nothing */
+        if (probed) {
+            uint32_t j = at[i];
+            for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
+                shm_key *e = &c->keys[j];
+                if (key_empty(e)) {
+                    e->hash = hash;
+                    k = j;
+                    break;
+                }
+                if (e->hash == hash) break; /* absent a moment ago: corrupt */
+                j = key_next(c, j);
+            }
+        } else {
+            k = key_insert(c, hash);
+            if (k >= 0 && !key_empty(&c->keys[k])) k = -1; /* absent a moment ago */
+        }
+        if (k < 0) return SHM_E_CORRUPT;
+        shm_key *key = &c->keys[k];
+        if (fifo) {
+            if (line_append(c, key, n)) return SHM_E_CORRUPT;
+        } else {
+            c->nodes[n].next = NIL;
+            key->held = s;
+        }
+    }
+    return SHM_OK;
+}
+
+int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, int may_commit,
+                       uint32_t *slot_out) {
+    uint32_t nkeys = r->nkeys, at[SHM_MAX_KEYS_LIMIT];
+    if (nkeys > c->cfg.max_keys || nkeys > SHM_MAX_KEYS_LIMIT) return 0; /* the general path says */
+    for (uint32_t i = 0; i < nkeys; i++)
+        if (key_probe(c, r->hashes[i], &at[i]) >= 0) return 0;
+    if (!(may_commit ? sched_has_room(c, nkeys) : room(c, nkeys, 0))) return 0;
+    uint32_t s;
+    int rc = take_slot(c, r, pos, &s);
+    if (rc == SHM_OK) rc = attach_free_keys(c, s, r, at);
+    if (rc) return rc;
+    take_done(c, r, s);
+    *slot_out = s;
+    return 1;
 }
 
 /* Recovery: a handed-out message rejoins its lines (it heads them) or retakes its keys. */
