@@ -6,32 +6,34 @@
  * message at a time (sched.c): with a few hundred ready, every pop sifts the heap's last
  * entry down its whole height. A receive asking for many messages (recv_batch,
  * recv_many) that finds nothing ready, nothing to wake and nothing being written instead
- * takes the records at scan_pos one at a time and hands each out as it is taken in: the
- * heap holds only that one message, so the pop is O(1), and the record is looked at once
- * while it is in the cache.
+ * takes the records at scan_pos one at a time and hands each out as it is taken in, and
+ * the record is looked at once while it is in the cache.
  *
- * It is the general path's steps, in the same order and through the same functions, for
- * the case where they cannot interleave with anything else:
+ * It is the general path's steps, in the same order, for the case where they cannot
+ * interleave with anything else:
  *   - nothing is ready (ready_count 0) and nothing is paused (hold.c), so the message
  *     just taken in is the lowest seq that may go: the general path would hand it out
- *     next too. Records come in ring order, which is seq order.
+ *     next too. Records come in ring order, which is seq order. So the message skips
+ *     the ready queue and goes straight from its take-in to its hand-out.
  *   - no key is on the wake list and no placeholder is on the writing list: no parked
  *     or unfinished record can become ready meanwhile (their keys' lines and chains make
  *     any new record on the same keys park, and the run stops at it).
  *   - no message has a delay or a ttl (timers.c), and the record carries none.
- * The run stops at the first record that is not committed, is already in the window
- * (after a rebuild), must park or finds the window full (window_free_to_go says which),
+ * The run takes in only a message none of whose keys is in the key table (sched.c
+ * sched_take_in_free: one probe per key, which the insertion reuses). It stops at the
+ * first record that is not committed, is already in the window (after a rebuild or a
+ * look-ahead), has a key in the table (it parks, or waits for a line) or finds no room,
  * and the general poll goes on from there: it parks, stalls and steps over records as
  * before.
  *
  * The tables' budget (budget.c) exempts a message taken in while none is ready: the
  * next one a receive can get. Here none is ever ready when the next record is looked
- * at, so the run keeps the budget itself: past the first message of the call it takes
- * a record in only if the tables already have room for it committed (sched.c
- * sched_room_committed), and otherwise leaves it to the general poll, which applies the
- * budget as before. Every shared-memory effect is the one the general path has
- * (sched_take_in, hand_out), so a receiver killed in the middle leaves what rebuild.c
- * already handles.
+ * at, so the run keeps the budget itself: the first message of the call is taken in if
+ * there is room for it, committing more if need be (as the general path does), and every
+ * later one only if the tables already have room for it committed (sched.c counts that
+ * room once for the run); otherwise it is left to the general poll, which applies the
+ * budget as before. Every shared-memory effect is one the general path has (a take-in,
+ * hand_out), so a receiver killed in the middle leaves what rebuild.c already handles.
  */
 #include "core.h"
 
@@ -43,6 +45,7 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
     if (max - *got < RUN_MIN || h->ready_count != 0 || h->wake_n || h->wake_overflow ||
         h->writing_n || h->timed || h->delayed_count || UNLIKELY(hold_any(c)))
         return SHM_OK;
+    uint32_t room = SCHED_ROOM_UNKNOWN; /* the tables' room for the run (sched.c) */
     while (*got < max) {
         uint64_t pos = h->scan_pos, len;
         shm_record *r;
@@ -50,7 +53,7 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
         if (ring_peek(c, pos, &r, &len, &stall) != SHM_OK) break; /* the general path's */
         if ((r->flags & REC_F_TIMES) || window_taken(c, r, pos)) break;
         uint32_t s;
-        int rc = sched_take_in_free(c, r, pos, *got == 0, &s);
+        int rc = sched_take_in_free(c, r, pos, &room, &s);
         if (rc < 0) return rc;
         if (rc == 0) break; /* a key in the table, or no room: the general path decides */
         h->scan_pos = pos + len;

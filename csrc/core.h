@@ -660,8 +660,8 @@ int sched_has_ready(shm_chan *c);
 int sched_park_room(shm_chan *c, uint32_t n);
 int sched_unpop(shm_chan *c, uint32_t s);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
-int sched_room_committed(shm_chan *c, uint32_t nkeys); /* has_room without committing (batchin.c) */
-int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, int may_commit,
+#define SCHED_ROOM_UNKNOWN UINT32_MAX /* sched_take_in_free's *room_left before the first */
+int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *room_left,
                        uint32_t *slot_out); /* batchin.c */
 int sched_tables_needed(shm_chan *c);
 int sched_has_room_ahead(shm_chan *c, uint32_t nkeys);

@@ -399,7 +399,7 @@ uint32_t sched_pop_ready(shm_chan *c) {
     return top;
 }
 
-static uint32_t node_alloc(shm_chan *c) {
+static inline uint32_t node_alloc(shm_chan *c) {
     shm_header *h = c->hdr;
     uint32_t n = h->free_nodes;
     if (n != NIL) {
@@ -420,7 +420,7 @@ static void node_free(shm_chan *c, uint32_t n) {
     c->hdr->nodes_used--;
 }
 
-static int line_append(shm_chan *c, shm_key *k, uint32_t n) {
+static inline int line_append(shm_chan *c, shm_key *k, uint32_t n) {
     if (k->head != NIL && (!NODE_OK(c, k->head) || !NODE_OK(c, k->tail))) return SHM_E_CORRUPT;
     c->nodes[n].next = NIL;
     c->nodes[n].prev = k->head == NIL ? NIL : k->tail;
@@ -489,7 +489,7 @@ int sched_park_room(shm_chan *c, uint32_t n) {
 }
 
 /* has_room's tests; commit 0 answers them from what is committed already, and finds no
- * room where has_room would commit more (sched_room_committed). */
+ * room where has_room would commit more (run_room counts the same for a run). */
 static int room(shm_chan *c, uint32_t nkeys, int commit) {
     shm_header *h = c->hdr;
     if (h->free_slots == NIL) {
@@ -509,8 +509,6 @@ static int room(shm_chan *c, uint32_t nkeys, int commit) {
 }
 
 static int has_room(shm_chan *c, uint32_t nkeys) { return room(c, nkeys, 1); }
-
-int sched_room_committed(shm_chan *c, uint32_t nkeys) { return room(c, nkeys, 0); }
 
 /* ---- eager helpers ------------------------------------------------------------------ */
 /* Take every key of s (all free: window.c parks a message that meets a held key). */
@@ -688,18 +686,47 @@ static int attach_free_keys(shm_chan *c, uint32_t s, shm_record *r, const uint32
     return SHM_OK;
 }
 
-int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, int may_commit,
+/* room(.., 0)'s node and key-entry tests, counted once for a run: how many more nodes
+ * the run may take (one per distinct key of a message) while each message it takes in
+ * would pass them. Within the run only nodes_used changes what they test (by each
+ * message's own nodes; a doubling of the key table only adds room), so passing
+ * `nkeys <= *room` and then taking `nodes` off is the same as asking room() each time.
+ * The slot test stays per message (free list or committed fresh slots). */
+static uint32_t run_room(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t used = h->nodes_used, cap = c->max_nodes - 1;
+    if ((uint64_t)h->nodes_committed < cap + 1) cap = h->nodes_committed ? h->nodes_committed - 1 : 0;
+    uint64_t left = cap > used ? cap - used : 0;
+    if (c->keytab_size < c->keytab_max) {
+        uint64_t bound = keys_bound(c), half = c->keytab_size / 2;
+        uint64_t keys = half > bound ? half - bound : 0;
+        if (keys < left) left = keys;
+    }
+    return left > UINT32_MAX ? UINT32_MAX : (uint32_t)left;
+}
+
+int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *room_left,
                        uint32_t *slot_out) {
+    shm_header *h = c->hdr;
     uint32_t nkeys = r->nkeys, at[SHM_MAX_KEYS_LIMIT];
     if (nkeys > c->cfg.max_keys || nkeys > SHM_MAX_KEYS_LIMIT) return 0; /* the general path says */
     for (uint32_t i = 0; i < nkeys; i++)
         if (key_probe(c, r->hashes[i], &at[i]) >= 0) return 0;
-    if (!(may_commit ? sched_has_room(c, nkeys) : room(c, nkeys, 0))) return 0;
+    int first = *room_left == SCHED_ROOM_UNKNOWN;
+    if (first) { /* the first of a receive: as decide() asks, committing more if need be */
+        if (!sched_has_room(c, nkeys)) return 0;
+    } else if (nkeys > *room_left ||
+               (h->free_slots == NIL &&
+                (!SLOT_OK(c, h->fresh_slots) || h->fresh_slots >= h->slots_committed))) {
+        return 0; /* room()'s tests */
+    }
     uint32_t s;
     int rc = take_slot(c, r, pos, &s);
     if (rc == SHM_OK) rc = attach_free_keys(c, s, r, at);
     if (rc) return rc;
     take_done(c, r, s);
+    if (first) *room_left = run_room(c);
+    else *room_left -= c->slots[s].nkeys; /* at most nkeys */
     *slot_out = s;
     return 1;
 }
