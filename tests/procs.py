@@ -139,6 +139,13 @@ def check_core(rx: shmchan.Receiver) -> None:
     assert lib.shm_check_scheduler(rx._seg.ptr, what) == 0, f"check {what[0]} failed"
 
 
+def header_u32(ch: shmchan.Channel, name: str) -> int:
+    """A 32-bit field of the channel's header, read from the segment as it is now."""
+    with open(shmchan._segment.name_file(ch.name, None), "rb") as f:
+        f.seek(layout_fact(name))
+        return int(struct.unpack("<I", f.read(4))[0])
+
+
 @contextlib.contextmanager
 def tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, int]]:
     """This process claims the ring's tail and stops there, as a live producer between

@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 import pytest
-from procs import check_core
+from procs import check_core, header_u32
 
 import shmchan
 
@@ -195,3 +195,90 @@ def test_one_producers_free_messages_come_in_send_order_whatever_the_receive_siz
         got.extend(int(s) for s in b.seqs)
         b.release()
     assert got == seqs
+
+
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_messages_of_many_new_keys_each_hold_every_key_they_were_taken_in_with(
+    make_channel: Any, order: str
+) -> None:
+    # A run takes in a message on keys absent from the table with one probe per key,
+    # which the insertion carries on from (sched.c sched_take_in_free). Many keys per
+    # message fill the table's probe runs, so a key often finds its insertion point
+    # taken by a key of the same message inserted just before it.
+    rnd = random.Random(7)
+    ch = make_channel(capacity=4 << 20, max_keys=8, order=order)
+    tx, rx = ch.sender(), ch.receiver()
+    for rnd_round in range(6):
+        n = 200
+        fresh = rnd.sample(range(10**9), 8 * n)  # no key shared: every message is free
+        keys = [tuple(fresh[8 * i : 8 * i + 8]) for i in range(n)]
+        seqs = list(tx.send_batch(bytes(n), [1] * n, keys))
+        held: list[Any] = []
+        got: list[int] = []
+        while len(got) < n:  # all free, so all come, in send order
+            held.append(rx.recv_batch(n, timeout=5))
+            got.extend(int(s) for s in held[-1].seqs)
+        assert got == seqs, rnd_round
+        check_core(rx)
+        # Every key of every held message is locked: a message on any one of them waits.
+        probes = [k[rnd.randrange(8)] for k in keys[:50]]
+        tx.send_batch(bytes(50), [1] * 50, probes)
+        with pytest.raises(shmchan.Empty):
+            rx.recv_batch(50, timeout=0)
+        for b in held:
+            b.release()
+        later = rx.recv_batch(50, timeout=5)
+        assert len(later) == 50
+        later.release()
+        check_core(rx)
+    assert ch.stats().inflight == 0 and ch.stats().held_keys == 0
+
+
+def _within_committed(ch: Any) -> None:
+    """Every slot and node the receiver ever used lies in what its tables committed."""
+    assert header_u32(ch, "header.fresh_slots") <= header_u32(ch, "header.slots_committed")
+    assert header_u32(ch, "header.fresh_nodes") <= header_u32(ch, "header.nodes_committed")
+
+
+@pytest.mark.parametrize("nkeys", [0, 1, 8])
+def test_a_run_stops_where_the_committed_tables_end_and_the_general_poll_goes_on(
+    make_channel: Any, nkeys: int
+) -> None:
+    # The run counts the tables' room once and takes off each message's share: it must
+    # stop where the committed slots, nodes or key entries end, never use a slot or a
+    # node beyond them (the general poll commits more, within the tables' budget). Each
+    # round asks for more than the last, so every round's run meets that end.
+    ch = make_channel(capacity=8 << 20, max_keys=8)
+    tx, rx = ch.sender(), ch.receiver()
+    for n in (40, 100, 250, 600, 1500):
+        keys = [tuple(range(i * 8, i * 8 + nkeys)) for i in range(n)]
+        seqs = list(tx.send_batch(bytes(n), [1] * n, keys))
+        held: list[Any] = []
+        got: list[int] = []
+        while len(got) < n:
+            held.append(rx.recv_batch(n, timeout=5))
+            got.extend(int(s) for s in held[-1].seqs)
+            _within_committed(ch)
+        assert got == seqs
+        check_core(rx)
+        for b in held:
+            b.release()
+
+
+def test_a_run_stops_where_the_window_is_full_and_goes_on_after_a_release(
+    make_channel: Any,
+) -> None:
+    ch = make_channel(capacity=4 << 20, max_messages=64)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"x", keys="held")
+    first = rx.recv(timeout=5)  # it stays out: the window has 63 slots for the runs
+    seqs = list(tx.send_batch(bytes(300), [1] * 300, [(i,) for i in range(300)]))
+    got: list[int] = []
+    while len(got) < 300:
+        b = rx.recv_batch(300, timeout=5)
+        assert len(b) <= 63
+        got.extend(int(s) for s in b.seqs)
+        check_core(rx)
+        b.release()
+    assert got == seqs
+    first.release()
