@@ -57,6 +57,9 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
         if (rc < 0) return rc;
         if (rc == 0) break; /* a key in the table, or no room: the general path decides */
         h->scan_pos = pos + len;
+        /* Nothing parked before it: ingest_pos passes it now, as walk_ingest (window.c)
+         * would pass a record taken in, so the poll does not walk the run again. */
+        if (h->ingest_pos == pos) h->ingest_pos = pos + len;
         *moved = 1;
         if (!*now) *now = coarse_ns();
         rc = handles_hand_out(c, s, &out[*got], *now);
