@@ -61,6 +61,7 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
          * would pass a record taken in, so the poll does not walk the run again. */
         if (h->ingest_pos == pos) h->ingest_pos = pos + len;
         *moved = 1;
+        if (*got == 1) test_pause(SHM_PAUSE_RUN_TAKEN); /* its slot FREE, the record its */
         if (!*now) *now = coarse_ns();
         rc = handles_hand_out(c, s, &out[*got], *now);
         if (rc) return rc;

@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 import pytest
-from procs import check_core, header_u32
+from procs import check_core, header_u32, kill_at_pause, take_receiver_seat
 
 import shmchan
 
@@ -282,3 +282,47 @@ def test_a_run_stops_where_the_window_is_full_and_goes_on_after_a_release(
         b.release()
     assert got == seqs
     first.release()
+
+
+_RUN_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rx = shmchan.Channel.open(name).receiver()
+    lib.shm_test_pause_at(lib.SHM_PAUSE_RUN_TAKEN, notify, wait)
+    rx.recv_batch(100, timeout=10)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_receiver_killed_between_a_runs_take_in_and_hand_out_loses_nothing(
+    chan_name: str, order: str
+) -> None:
+    # The run hands a message out straight from its take-in, with no READY state
+    # between: killed there, the slot is FREE while the record and the key table name
+    # it. The next receiver rebuilds and hands every message out once, in key order.
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 20, order=order)
+    try:
+        tx = ch.sender()
+        seqs = list(tx.send_batch(bytes(20), [1] * 20, [f"k{i % 10}" for i in range(20)]))
+        kill_at_pause(_RUN_VICTIM, chan_name, "a run's second take-in")
+        rx = take_receiver_seat(ch)
+        check_core(rx)
+        got: list[tuple[int, int]] = []
+        while len(got) < 20:
+            b = rx.recv_batch(100, timeout=10)
+            got.extend(zip((int(s) for s in b.seqs), (int(a) for a in b.attempts), strict=True))
+            check_core(rx)
+            b.release()
+        assert sorted(s for s, _ in got) == seqs  # each once
+        if order == "fifo":
+            assert [s for s, _ in got] == seqs  # k0..k9, then k0..k9 again
+        # the first was handed out to the dead receiver: its second attempt
+        assert dict(got)[seqs[0]] == 2 and all(a == 1 for s, a in got if s != seqs[0])
+        assert ch.stats().inflight == 0
+        rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name)
