@@ -636,9 +636,9 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
  *     killed inside sched_take_in before its ready_push. If the hand-out fails, its
  *     sched_unpop puts the message on the ready queue, as after a pop.
  * The caller has checked that nothing is ready or waking and the record carries no
- * times (batchin.c), so the message is the lowest seq that may go.
- * Returns 1 (taken in: *slot_out), 0 (a key is in the table, or the room is not there:
- * the general path decides) or an error. */
+ * times (batchin.c), so the message is the lowest seq that may go. */
+
+/* attach_keys for keys found absent: at[i] is where key i's probe stopped. */
 static int attach_free_keys(shm_chan *c, uint32_t s, shm_record *r, const uint32_t *at) {
     shm_slot *sl = &c->slots[s];
     int fifo = c->cfg.order == SHM_ORDER_FIFO, probed = 1;
@@ -695,7 +695,8 @@ static int attach_free_keys(shm_chan *c, uint32_t s, shm_record *r, const uint32
 static uint32_t run_room(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t used = h->nodes_used, cap = c->max_nodes - 1;
-    if ((uint64_t)h->nodes_committed < cap + 1) cap = h->nodes_committed ? h->nodes_committed - 1 : 0;
+    if ((uint64_t)h->nodes_committed < cap + 1)
+        cap = h->nodes_committed ? h->nodes_committed - 1 : 0;
     uint64_t left = cap > used ? cap - used : 0;
     if (c->keytab_size < c->keytab_max) {
         uint64_t bound = keys_bound(c), half = c->keytab_size / 2;
@@ -705,11 +706,14 @@ static uint32_t run_room(shm_chan *c) {
     return left > UINT32_MAX ? UINT32_MAX : (uint32_t)left;
 }
 
+/* Take r in if none of its keys is in the table and there is room. *room_left: the run's
+ * room (SCHED_ROOM_UNKNOWN before its first message). Returns 1 (taken in: *slot_out), 0
+ * (a key is in the table, or no room: the general path decides) or an error. */
 int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *room_left,
                        uint32_t *slot_out) {
     shm_header *h = c->hdr;
     uint32_t nkeys = r->nkeys, at[SHM_MAX_KEYS_LIMIT];
-    if (nkeys > c->cfg.max_keys || nkeys > SHM_MAX_KEYS_LIMIT) return 0; /* the general path says */
+    if (nkeys > c->cfg.max_keys || nkeys > SHM_MAX_KEYS_LIMIT) return 0; /* the general path's */
     for (uint32_t i = 0; i < nkeys; i++)
         if (key_probe(c, r->hashes[i], &at[i]) >= 0) return 0;
     int first = *room_left == SCHED_ROOM_UNKNOWN;
