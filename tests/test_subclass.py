@@ -1,5 +1,5 @@
-"""The Python classes over the C types (csrc/hot/subclass.c): shmchan.Handle and
-shmchan.Receiver call their C methods as their own, Handles are plain objects outside
+"""The Python classes over the C types (csrc/hot/subclass.c): shmchan.Handle,
+shmchan.Receiver and shmchan.Sender call their C methods as their own, Handles are plain objects outside
 the cyclic collector, and what a subclass defines for itself stays its own."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC
 
 HANDLE_NAMES = ["release", "ack", "payload", "data", "keys", "seq", "attempt", "__enter__"]
 RECEIVER_NAMES = ["recv", "recv_many", "release_many", "recv_batch"]
+SENDER_NAMES = ["send", "send_many", "send_batch"]
 
 
 def bind_handle_type(handle_type: type) -> None:
@@ -51,7 +52,9 @@ def bound() -> Iterator[Any]:
 
 @pytest.mark.parametrize(
     ("cls", "name"),
-    [(shmchan.Handle, n) for n in HANDLE_NAMES] + [(shmchan.Receiver, n) for n in RECEIVER_NAMES],
+    [(shmchan.Handle, n) for n in HANDLE_NAMES]
+    + [(shmchan.Receiver, n) for n in RECEIVER_NAMES]
+    + [(shmchan.Sender, n) for n in SENDER_NAMES],
 )
 def test_the_c_methods_and_attributes_are_the_classs_own(cls, name):
     """CPython calls a C method the quick way only on objects of exactly its class."""

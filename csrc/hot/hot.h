@@ -247,6 +247,14 @@ void hot_handles_flush(void); /* frees the kept Handle memory (before bind chang
 int hot_subclass_args(PyObject *cls, PyObject *args, PyObject *kwds);
 int hot_subclass_descriptors(PyTypeObject *sub, PyTypeObject *base);
 int hot_subclass_plain(PyTypeObject *sub, PyTypeObject *base, destructor dealloc);
+/* The __init_subclass__ of a base whose subclasses take its descriptors as their own
+ * (the base: the nearest C type above the subclass); HOT_INIT_SUBCLASS is its entry
+ * in the base's method table. */
+PyObject *hot_init_subclass(PyObject *cls, PyObject *args, PyObject *kwds);
+#define HOT_INIT_SUBCLASS                                                                   \
+    {"__init_subclass__", (PyCFunction)(void (*)(void))hot_init_subclass,                   \
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,                                             \
+     "Give the subclass its own copies of this type's method and attribute descriptors."}
 
 /* batch.c */
 PyObject *hot_batch_new(SegmentObject *seg, const shm_msg *msgs, Py_ssize_t n);

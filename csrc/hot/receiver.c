@@ -462,14 +462,6 @@ static PyObject *Receiver_recv_batch(ReceiverObject *self, PyObject *const *args
     return res;
 }
 
-/* __init_subclass__: shmchan.Receiver takes its own copies of the descriptors above, so
- * that rx.recv() is CPython's quick call of a C method (subclass.c). */
-static PyObject *Receiver_init_subclass(PyObject *cls, PyObject *args, PyObject *kwds) {
-    if (hot_subclass_args(cls, args, kwds) < 0) return NULL;
-    if (hot_subclass_descriptors((PyTypeObject *)cls, &ReceiverType) < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef Receiver_methods[] = {
     {"_receive", (PyCFunction)Receiver_receive, METH_VARARGS,
      "_receive(n, deadline, block): the receive loop for the Python slow paths"},
@@ -486,8 +478,7 @@ static PyMethodDef Receiver_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "recv_batch(max_items=256, timeout=None) -> Batch: up to max_items messages as one\n"
      "object, no Python object per message; at least one unless it raises Empty."},
-    {"__init_subclass__", (PyCFunction)(void (*)(void))Receiver_init_subclass,
-     METH_VARARGS | METH_KEYWORDS | METH_CLASS, NULL},
+    HOT_INIT_SUBCLASS, /* shmchan.Receiver's rx.recv(): CPython's quick C call (subclass.c) */
     {NULL},
 };
 

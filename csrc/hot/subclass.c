@@ -107,3 +107,11 @@ int hot_subclass_args(PyObject *cls, PyObject *args, PyObject *kwds) {
                  ((PyTypeObject *)cls)->tp_name);
     return -1;
 }
+
+PyObject *hot_init_subclass(PyObject *cls, PyObject *args, PyObject *kwds) {
+    if (hot_subclass_args(cls, args, kwds) < 0) return NULL;
+    PyTypeObject *sub = (PyTypeObject *)cls, *base = sub->tp_base;
+    while (base != NULL && (base->tp_flags & Py_TPFLAGS_HEAPTYPE)) base = base->tp_base;
+    if (base != NULL && hot_subclass_descriptors(sub, base) < 0) return NULL;
+    Py_RETURN_NONE;
+}
