@@ -1,6 +1,7 @@
 """The Python classes over the C types (csrc/hot/subclass.c): shmchan.Handle,
-shmchan.Receiver and shmchan.Sender call their C methods as their own, Handles are plain objects outside
-the cyclic collector, and what a subclass defines for itself stays its own."""
+shmchan.Receiver and shmchan.Sender call their C methods as their own, Handles are plain
+objects outside the cyclic collector, and what a subclass defines for itself stays its
+own."""
 
 from __future__ import annotations
 
