@@ -22,6 +22,7 @@ HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC
 HANDLE_NAMES = ["release", "ack", "payload", "data", "keys", "seq", "attempt", "__enter__"]
 RECEIVER_NAMES = ["recv", "recv_many", "release_many", "recv_batch"]
 SENDER_NAMES = ["send", "send_many", "send_batch"]
+BATCH_NAMES = ["payload", "keys", "joined", "release", "seqs"]
 
 
 def bind_handle_type(handle_type: type) -> None:
@@ -55,7 +56,8 @@ def bound() -> Iterator[Any]:
     ("cls", "name"),
     [(shmchan.Handle, n) for n in HANDLE_NAMES]
     + [(shmchan.Receiver, n) for n in RECEIVER_NAMES]
-    + [(shmchan.Sender, n) for n in SENDER_NAMES],
+    + [(shmchan.Sender, n) for n in SENDER_NAMES]
+    + [(shmchan.Batch, n) for n in BATCH_NAMES],
 )
 def test_the_c_methods_and_attributes_are_the_classs_own(cls, name):
     """CPython calls a C method the quick way only on objects of exactly its class."""
@@ -140,6 +142,22 @@ def test_what_a_subclass_defines_stays_its_own():
     assert Below.release is Mine.release  # nor hidden by one below it
     assert vars(Mine)["payload"].__objclass__ is Mine
     assert "payload" not in vars(Below)  # Mine's copy already resolves it
+
+
+def test_a_receiver_subclass_keeps_what_it_overrides():
+    """The same for the bases that only copy descriptors (Receiver, Sender, Batch)."""
+
+    class Mine(_hot.ReceiverBase):
+        def recv(self) -> str:
+            return "mine"
+
+    class Below(Mine):
+        pass
+
+    assert Below.recv is Mine.recv
+    assert vars(Mine)["recv_many"].__objclass__ is Mine
+    assert "recv_many" not in vars(Below)
+    assert Mine.__flags__ & HAVE_GC  # with a __dict__: still collected
 
 
 def test_only_a_subclass_that_adds_nothing_is_plain():
