@@ -204,15 +204,7 @@ static inline double monotonic(void) {
 static inline int timeout_plain(PyObject *t) {
     if (t == Py_None) return 1;
     if (PyFloat_CheckExact(t)) return PyFloat_AS_DOUBLE(t) >= 0.0;
-    if (PyLong_CheckExact(t)) {
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
-        if (v == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0;
-        }
-        return overflow > 0 || (overflow == 0 && v >= 0);
-    }
+    if (PyLong_CheckExact(t)) return _PyLong_Sign(t) >= 0; /* any size; no conversion */
     return 0;
 }
 
