@@ -19,7 +19,7 @@ from shmchan._lib import ffi, lib
 
 HAVE_GC = 1 << 14  # Py_TPFLAGS_HAVE_GC
 
-HANDLE_NAMES = ["release", "ack", "payload", "data", "keys", "seq", "attempt", "__enter__"]
+HANDLE_NAMES = ["release", "ack", "payload", "data", "keys", "seq", "attempt", "_finish"]
 RECEIVER_NAMES = ["recv", "recv_many", "release_many", "recv_batch"]
 SENDER_NAMES = ["send", "send_many", "send_batch"]
 BATCH_NAMES = ["payload", "keys", "joined", "release", "seqs"]
@@ -62,6 +62,12 @@ def bound() -> Iterator[Any]:
 def test_the_c_methods_and_attributes_are_the_classs_own(cls, name):
     """CPython calls a C method the quick way only on objects of exactly its class."""
     assert vars(cls)[name].__objclass__ is cls
+
+
+def test_special_methods_stay_the_bases():
+    """__enter__ and __exit__ are found by a special lookup, not the quick call."""
+    assert "__enter__" not in vars(shmchan.Handle)
+    assert shmchan.Handle.__exit__ is _hot.HandleBase.__exit__
 
 
 def test_the_copies_keep_their_docstrings():

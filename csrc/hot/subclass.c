@@ -11,7 +11,8 @@
  * h.payload paid for both. A copy of each descriptor made for the subclass (the same C
  * function or member, the same docstring, the subclass as its type) passes the test.
  * A copy is made only for a name the subclass resolves to the base's own descriptor: a
- * name the subclass (or a class between them) defines stays as it is.
+ * name the subclass (or a class between them) defines stays as it is. Special methods
+ * (__enter__, ...) are left to the base.
  *
  * Plain memory. Every class made by a class statement is collected by the cyclic
  * garbage collector (CPython makes each one so, since its instances could be part of a
@@ -19,10 +20,10 @@
  * subtype_dealloc. A subclass that adds nothing to the base's object -- no __dict__, no
  * slots, no weak references, no finalizer -- has nothing the collector could follow but
  * the class, so hot_subclass_plain gives it the base's allocation instead: objects
- * outside the collector, freed by the base's own deallocator. What is left of the
- * class's hold on its objects is the type reference each object owns (PyObject_Init
- * takes it, the deallocator drops it). The one cycle the collector no longer sees is a
- * class holding one of its own instances as a class attribute: then neither is freed.
+ * outside the collector, freed directly by a deallocator the base provides. Each object
+ * still owns a reference to its class (PyObject_Init takes it, that deallocator drops
+ * it). The one cycle the collector no longer sees is a class holding one of its own
+ * instances as a class attribute: then neither is freed.
  */
 #include "hot.h"
 
@@ -51,7 +52,11 @@ static int put(PyTypeObject *sub, const char *name, PyObject *d) {
     return r;
 }
 
+/* Is a copy of base's descriptor `name` wanted on sub? Not for special methods
+ * (__enter__, ...): CPython finds those by their type slot or a special lookup, not by
+ * the quick call, and setting one on a class rewires its slots. */
 static int wanted(PyTypeObject *sub, PyTypeObject *base, const char *name) {
+    if (name[0] == '_' && name[1] == '_') return 0;
     PyObject *s = PyUnicode_InternFromString(name);
     if (s == NULL) return -1;
     int r = resolves_to_base(sub, base, s);
