@@ -8,7 +8,7 @@ from setuptools import Extension, setup
 # _shmchan_hot: one file per type, csrc/hot/hot.h shared by all
 HOT_SOURCES = [
     "module", "segment", "wake", "handle", "batch", "receiver", "sender", "handover", "keys",
-    "publish",
+    "publish", "subclass",
 ]
 
 setup(

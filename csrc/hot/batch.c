@@ -352,6 +352,7 @@ static PyMethodDef Batch_methods[] = {
      "nack(which=None): give messages back, as Handle.nack does, each exactly once."},
     {"__enter__", (PyCFunction)Batch_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))Batch_exit, METH_FASTCALL, NULL},
+    HOT_INIT_SUBCLASS, /* shmchan.Batch's b.payload(i): CPython's quick C call (subclass.c) */
     {NULL},
 };
 

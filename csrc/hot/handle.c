@@ -11,13 +11,18 @@
  *
  * Handles are made and dropped once per message, so a dropped Handle's memory is kept
  * for the next one (a free list of up to FREE_HANDLES, as CPython keeps for its own
- * small objects): allocating and freeing a garbage-collected object was an eighth of a
- * consumer's time. Only memory is reused, never a handle: an object on the list has
- * been deallocated completely (its message released or handed over, its references
- * dropped, untracked by the collector, its reference to the type dropped), and comes
- * back zeroed, as tp_alloc gives it. Only objects of exactly hot_handle_type are kept
- * (their size and allocator are that type's); bind() empties the list before it
- * changes the type.
+ * small objects): allocating and freeing an object was an eighth of a consumer's time.
+ * Only memory is reused, never a handle: an object on the list has been deallocated
+ * completely (its message released or handed over, its references dropped, its
+ * reference to the type dropped). Only objects of exactly hot_handle_type are kept, and
+ * only while that type is plain (below: its size and allocator are HandleBase's);
+ * bind() empties the list before it changes the type.
+ *
+ * shmchan.Handle adds only methods, so when the class is made (__init_subclass__) it
+ * takes HandleBase's descriptors as its own and HandleBase's plain memory (subclass.c):
+ * its objects are not tracked by the cyclic collector (nothing a HandleBase refers to
+ * is visible to it anyway) and are deallocated by Handle_dealloc_plain directly, not
+ * through subtype_dealloc.
  */
 #include "hot.h"
 
@@ -26,18 +31,19 @@ static HandleObject *free_handles[FREE_HANDLES];
 static int nfree_handles;
 
 void hot_handles_flush(void) {
-    while (nfree_handles > 0) hot_handle_type->tp_free((PyObject *)free_handles[--nfree_handles]);
+    while (nfree_handles > 0) PyObject_Free(free_handles[--nfree_handles]);
 }
 
 static HandleObject *handle_alloc(void) {
     PyTypeObject *t = hot_handle_type;
     if (nfree_handles == 0) return (HandleObject *)t->tp_alloc(t, 0);
     HandleObject *h = free_handles[--nfree_handles];
-    /* as PyType_GenericAlloc: zeroed fields, a new reference (and one to a heap type),
-     * tracked by the collector if the type is collected */
-    memset((char *)h + sizeof(PyObject), 0, sizeof(HandleObject) - sizeof(PyObject));
+    /* as PyType_GenericAlloc: a new reference (and one to the type), and zero in every
+     * field hot_make_handle does not write (see HandleObject) */
     (void)PyObject_Init((PyObject *)h, t);
-    if (PyType_IS_GC(t)) PyObject_GC_Track(h);
+    h->keys = NULL;
+    h->payload = NULL;
+    h->done = 0;
     return h;
 }
 
@@ -92,24 +98,47 @@ static PyObject *handle_finish(HandleObject *h, int nack) {
     return release_failed(h, r);
 }
 
-static void Handle_dealloc(PyObject *self) {
-    HandleObject *h = (HandleObject *)self;
-    /* Collected while held, in the process that holds it: release it. Nothing here runs
-     * Python code (so no finalizer and no resurrection), and there is nobody to tell
-     * about an error. A handle pickled away has pid -1; one inherited by a forked child
-     * has the parent's pid, not the child's segment pid. */
+/* What every Handle's deallocation does first. Collected while held, in the process that
+ * holds it: release it. Nothing here runs Python code (so no finalizer and no
+ * resurrection), and there is nobody to tell about an error. A handle pickled away has
+ * pid -1; one inherited by a forked child has the parent's pid, not the child's segment
+ * pid. */
+static void handle_clear(HandleObject *h) {
     if (!h->done && h->seg != NULL && h->pid == h->seg->pid) (void)hot_release_core(h, 0);
     Py_CLEAR(h->seg);
     Py_CLEAR(h->keys);
     Py_CLEAR(h->payload);
-    /* Kept for the next Handle: the subclass's deallocator (subtype_dealloc) untracked it
-     * before calling us, and drops its reference to the type after we return. */
-    if (Py_TYPE(self) == hot_handle_type && nfree_handles < FREE_HANDLES &&
-        Py_TYPE(self)->tp_basicsize == (Py_ssize_t)sizeof(HandleObject)) {
-        free_handles[nfree_handles++] = h;
-        return;
-    }
+}
+
+/* HandleBase's deallocator; a subclass that is not plain reaches it from subtype_dealloc,
+ * which drops the type reference afterwards. */
+static void Handle_dealloc(PyObject *self) {
+    handle_clear((HandleObject *)self);
     Py_TYPE(self)->tp_free(self);
+}
+
+/* The deallocator of a plain subclass (hot_subclass_plain), shmchan.Handle: called
+ * directly, or from subtype_dealloc for a class statement's subclass of it (which then
+ * leaves the type reference to us, its base being a heap type), so it drops the object's
+ * reference to its type itself. The memory of an exactly hot_handle_type object is kept
+ * for the next Handle. */
+static void Handle_dealloc_plain(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    handle_clear((HandleObject *)self);
+    if (tp == hot_handle_type && tp->tp_dealloc == Handle_dealloc_plain &&
+        nfree_handles < FREE_HANDLES)
+        free_handles[nfree_handles++] = (HandleObject *)self;
+    else
+        tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+/* __init_subclass__: see the top of the file and subclass.c */
+static PyObject *Handle_init_subclass(PyObject *cls, PyObject *args, PyObject *kwds) {
+    if (hot_subclass_args(cls, args, kwds) < 0) return NULL;
+    if (hot_subclass_descriptors((PyTypeObject *)cls, &HandleType) < 0) return NULL;
+    (void)hot_subclass_plain((PyTypeObject *)cls, &HandleType, Handle_dealloc_plain);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Handle_release(HandleObject *h, PyObject *unused) {
@@ -236,6 +265,8 @@ static PyMethodDef Handle_methods[] = {
      "_finish(nack) -> bool: release or give back, once"},
     {"__enter__", (PyCFunction)Handle_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))Handle_exit, METH_FASTCALL, NULL},
+    {"__init_subclass__", (PyCFunction)(void (*)(void))Handle_init_subclass,
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS, NULL},
     {NULL},
 };
 

@@ -22,7 +22,8 @@
  *
  * Files, one per type: segment.c (SegmentBase, and the two named semaphores),
  * handle.c (HandleBase), batch.c (BatchBase), receiver.c (ReceiverBase), sender.c
- * (SenderBase), handover.c (hand_over / adopt_many), module.c (bind, module init).
+ * (SenderBase), handover.c (hand_over / adopt_many), module.c (bind, module init);
+ * subclass.c: what the Python subclasses take from their bases when they are made.
  * Names defined in one file and used in another start with hot_ (the type objects are
  * <Name>Type); the three small helpers of the per-message path are static inline here,
  * so each call still inlines; everything else is static to its file.
@@ -145,7 +146,8 @@ typedef struct {
     wake_ends wk;         /* its wake-ups: semaphores and futex words (wake.c)      */
 } SegmentObject;
 
-/* HandleBase (handle.c): a message on loan */
+/* HandleBase (handle.c): a message on loan. A kept one is reused with only keys,
+ * payload and done zeroed (handle_alloc): hot_make_handle writes every other field. */
 typedef struct {
     PyObject_HEAD
     SegmentObject *seg;
@@ -202,15 +204,7 @@ static inline double monotonic(void) {
 static inline int timeout_plain(PyObject *t) {
     if (t == Py_None) return 1;
     if (PyFloat_CheckExact(t)) return PyFloat_AS_DOUBLE(t) >= 0.0;
-    if (PyLong_CheckExact(t)) {
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
-        if (v == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0;
-        }
-        return overflow > 0 || (overflow == 0 && v >= 0);
-    }
+    if (PyLong_CheckExact(t)) return _PyLong_Sign(t) >= 0; /* any size; no conversion */
     return 0;
 }
 
@@ -236,6 +230,23 @@ PyObject *hot_make_handle(SegmentObject *seg, const shm_msg *m);
 int hot_release_core(HandleObject *h, int nack);
 PyObject *hot_handles_from(PyObject *mod, PyObject *args);
 void hot_handles_flush(void); /* frees the kept Handle memory (before bind changes the type) */
+
+/* subclass.c: for a base's __init_subclass__ (see there). hot_subclass_args refuses
+ * arguments (as object.__init_subclass__ does); hot_subclass_descriptors gives the
+ * subclass its own copy of each base descriptor it does not override; hot_subclass_plain
+ * gives a subclass that adds nothing to the object the base's uncollected memory and
+ * `dealloc` (which must drop the object's type reference): 1 if it did, 0 if it could not. */
+int hot_subclass_args(PyObject *cls, PyObject *args, PyObject *kwds);
+int hot_subclass_descriptors(PyTypeObject *sub, PyTypeObject *base);
+int hot_subclass_plain(PyTypeObject *sub, PyTypeObject *base, destructor dealloc);
+/* The __init_subclass__ of a base whose subclasses take its descriptors as their own
+ * (the base: the nearest C type above the subclass); HOT_INIT_SUBCLASS is its entry
+ * in the base's method table. */
+PyObject *hot_init_subclass(PyObject *cls, PyObject *args, PyObject *kwds);
+#define HOT_INIT_SUBCLASS                                                                   \
+    {"__init_subclass__", (PyCFunction)(void (*)(void))hot_init_subclass,                   \
+     METH_VARARGS | METH_KEYWORDS | METH_CLASS,                                             \
+     "Give the subclass its own copies of this type's method and attribute descriptors."}
 
 /* batch.c */
 PyObject *hot_batch_new(SegmentObject *seg, const shm_msg *msgs, Py_ssize_t n);

@@ -478,6 +478,7 @@ static PyMethodDef Receiver_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "recv_batch(max_items=256, timeout=None) -> Batch: up to max_items messages as one\n"
      "object, no Python object per message; at least one unless it raises Empty."},
+    HOT_INIT_SUBCLASS, /* shmchan.Receiver's rx.recv(): CPython's quick C call (subclass.c) */
     {NULL},
 };
 
