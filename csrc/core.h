@@ -505,6 +505,9 @@ struct shm_chan {
     uint64_t compact_fail_ns;   /* ... or for RECHECK_NS after this failure            */
     int compact_watch_hit;
     uint32_t refusals_seen;     /* header.refusals at the receiver's last look (compact.c) */
+    uint64_t head_still;  /* head where ring_advance_head last stopped, while nothing that
+                           * could let it go further has happened since (ring.c); NO_POS:
+                           * unknown, look */
     uint64_t verify_below; /* durable: records before this ring position were there when
                             * this receiver took its seat (recovered): their checksums are
                             * checked when taken in and when handed out (crc32c.c) */
@@ -646,6 +649,12 @@ int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
 int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t final_state,
                      int *wake);
 int ring_advance_head(shm_chan *c);
+#define HEAD_UNKNOWN UINT64_MAX /* head_still: look (see ring_head_may_move) */
+/* May ring_advance_head move head now? No if head is where the last advance left it and
+ * nothing has happened since that could let it go further: ring_mark_done, island_add and
+ * walk_ingest passing a finished record set head_still to HEAD_UNKNOWN (ring.c). */
+static inline int ring_head_may_move(shm_chan *c) { return c->hdr->head != c->head_still; }
+static inline void ring_head_unknown(shm_chan *c) { c->head_still = HEAD_UNKNOWN; }
 int ring_rewind(shm_chan *c);
 int ring_give_back(shm_chan *c);
 int space_wake_due(shm_chan *c, int idle);
@@ -694,7 +703,15 @@ int lookahead_ahead_of_scan(shm_chan *c);
 void lookahead_reset(shm_chan *c);
 void lookahead_free(shm_chan *c);
 /* compact.c */
-int compact(shm_chan *c);
+int compact_look(shm_chan *c);
+/* Compaction can only win space inside [head, scan_pos), and below a sixteenth of the
+ * ring that is too little to be worth it: the common case, decided here without a call
+ * (receiver-owned fields only). */
+static inline int compact(shm_chan *c) {
+    uint64_t head = c->hdr->head, stop = c->hdr->scan_pos;
+    if (head >= stop || stop - head < c->limit / 16) return 0;
+    return compact_look(c);
+}
 /* islands.c */
 uint64_t island_skip(shm_chan *c, uint64_t a, uint64_t b, uint64_t *first_out);
 int island_find(shm_chan *c, uint64_t pos);

@@ -68,6 +68,7 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
     c->done_count = c->compact_retry_at = c->compact_watch_end = c->compact_fail_ns = 0;
     c->compact_watch_hit = 0;
     c->refusals_seen = 0;
+    ring_head_unknown(c);
     lookahead_reset(c); /* a new receiver starts with an empty look-ahead (lookahead.c) */
     /* The tables' committed marks and the key table's size (commit.c); a size no receiver
      * could have set calls for a rebuild, as a death mid-operation does. */
@@ -374,7 +375,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
             (*got)++;
         }
         if (rc) break;
-        moved |= ring_advance_head(c);
+        if (ring_head_may_move(c)) moved |= ring_advance_head(c); /* see ring.c */
         moved |= compact(c);
         if (*got) break;
         if (stalled) {
@@ -509,7 +510,8 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
         pthread_mutex_lock(&c->rx_mu);
         rx_begin(c);
         int rc = handles_finish(c, s);
-        if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
+        /* a nack, or a release finished meanwhile by upkeep, frees nothing: see ring.c */
+        if (rc == SHM_OK && ((ring_head_may_move(c) && ring_advance_head(c)) | compact(c))) {
             /* the last message out of an empty ring (ring.c); before the fence, so that a
              * sender that starts waiting meanwhile is seen by the check below */
             ring_rewind(c);

@@ -160,6 +160,7 @@ int island_add(shm_chan *c, uint64_t pos, uint64_t len) {
         /* release: pairs with the acquire load in island_skip; head is stored after it */
         STORE_RELEASE(&h->island_count, LOAD_RELAXED(&h->island_count) + 1);
         h->island_bytes += len;
+        ring_head_unknown(c); /* head may pass it now */
         return 1;
     }
     return 0; /* table full */

@@ -480,8 +480,8 @@ static int walk_ingest(shm_chan *c) {
         uint64_t len = META_LEN(meta);
         if (len < REC_HDR || (len & 7u) || len > h->scan_pos - pos) return SHM_E_CORRUPT;
         uint32_t st = META_STATE(meta);
-        if (!finished_state(st) && !(st == REC_COMMITTED && len >= REC_BODY && r->slot != NIL))
-            break; /* parked */
+        if (finished_state(st)) ring_head_unknown(c); /* head may pass it now (ring.c) */
+        else if (!(st == REC_COMMITTED && len >= REC_BODY && r->slot != NIL)) break; /* parked */
         pos += len;
     }
     h->ingest_pos = pos;
