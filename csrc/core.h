@@ -73,6 +73,7 @@
 #include <time.h>
 
 #include "shmchan.h"
+#include "rxlock.h"
 
 #define SHM_MAGIC 0x314e414843485353ull /* "SSHCHAN1" little-endian */
 #define SHM_PAGE 4096u
@@ -511,7 +512,7 @@ struct shm_chan {
     uint64_t verify_below; /* durable: records before this ring position were there when
                             * this receiver took its seat (recovered): their checksums are
                             * checked when taken in and when handed out (crc32c.c) */
-    pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
+    rx_lock_t rx_mu;    /* process-local: one thread at a time in consumer code (rxlock.h) */
     int tables_need;    /* receiver: the table commits under way make room for a message
                          * needed now, which the tables' budget lets pass (budget.c) */
     uint64_t punch_at;  /* receiver: table pages given back are punched from then on ... */

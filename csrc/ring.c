@@ -502,11 +502,11 @@ int shm_gate_read(shm_chan *c, uint64_t pos, uint64_t dead_owner, shm_gate *out)
  * rx_mu, so head cannot pass pos meanwhile: the record we checked is the one we settle. */
 int shm_gate_resolve(shm_chan *c, uint64_t pos, uint64_t dead_owner, int commit) {
     if (!c->is_rx) return SHM_E_INVALID;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     int rc = SHM_STALE, wake = 0;
     if (pos >= c->hdr->head && pos - c->hdr->head < c->cap)
         rc = ring_gate_settle(c, pos, dead_owner, commit ? REC_COMMITTED : REC_DISCARDED, &wake);
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return rc;
 }
 
@@ -931,7 +931,7 @@ int ring_advance_head(shm_chan *c) {
 /* Consumer: a record in WRITING whose producer is dead becomes DISCARDED. */
 int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
     if (!c->is_rx) return SHM_E_INVALID;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     int rc = SHM_STALE;
     shm_record *r = rec_at(c, pos);
     int placeholder = window_is_writing(c, pos);
@@ -949,7 +949,7 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
             rx_end(c);
         }
     }
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return rc;
 }
 

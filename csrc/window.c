@@ -776,7 +776,7 @@ void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_
 int shm_writing_list(shm_chan *c, uint64_t *pos, uint64_t *owner, uint32_t max, uint32_t *n) {
     *n = 0;
     if (!c->is_rx) return SHM_E_INVALID;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     shm_header *h = c->hdr;
     for (uint32_t i = 0; i < h->writing_n && i < SHM_WRITING_MAX && *n < max; i++) {
         shm_record *r = rec_at(c, h->writing[i]);
@@ -787,6 +787,6 @@ int shm_writing_list(shm_chan *c, uint64_t *pos, uint64_t *owner, uint32_t max, 
         owner[*n] = OWNER_TOKEN(o);
         (*n)++;
     }
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return SHM_OK;
 }
