@@ -656,7 +656,15 @@ int ring_advance_head(shm_chan *c);
  * walk_ingest passing a finished record set head_still to HEAD_UNKNOWN (ring.c). */
 static inline int ring_head_may_move(shm_chan *c) { return c->hdr->head != c->head_still; }
 static inline void ring_head_unknown(shm_chan *c) { c->head_still = HEAD_UNKNOWN; }
-int ring_rewind(shm_chan *c);
+int ring_rewind_look(shm_chan *c);
+/* An empty ring far into its lap starts again at offset 0 (ring.c). Not empty -- the
+ * common case after a release -- is decided here, without a call. */
+static inline int ring_rewind(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t pos = h->scan_pos; /* receiver-owned fields */
+    if (h->head != pos || h->ingest_pos != pos) return 0;
+    return ring_rewind_look(c);
+}
 int ring_give_back(shm_chan *c);
 int space_wake_due(shm_chan *c, int idle);
 uint32_t space_count_sub(uint32_t *w, uint32_t n);
@@ -715,7 +723,12 @@ static inline int compact(shm_chan *c) {
 }
 /* islands.c */
 uint64_t island_skip(shm_chan *c, uint64_t a, uint64_t b, uint64_t *first_out);
-int island_find(shm_chan *c, uint64_t pos);
+int island_lookup(shm_chan *c, uint64_t pos);
+/* The entry holding the island at pos, or -1. Without a call while there is none: head's
+ * walk and every finished record ask. relaxed: receiver-written, its own writes. */
+static inline int island_find(shm_chan *c, uint64_t pos) {
+    return LOAD_RELAXED(&c->hdr->island_count) == 0 ? -1 : island_lookup(c, pos);
+}
 int island_add(shm_chan *c, uint64_t pos, uint64_t len);
 void island_remove(shm_chan *c, int i);
 int island_make_at_head(shm_chan *c, uint64_t head, int viewed);

@@ -747,10 +747,10 @@ int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
 
 /* Receiver, when a poll found nothing to do or head caught up with the scan: rewind an
  * empty ring to the start of its next lap (see the top of this file). 1 if it did. */
-int ring_rewind(shm_chan *c) {
+int ring_rewind_look(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t pos = h->scan_pos; /* receiver-owned fields */
-    /* Not empty (the common case after a release): no division, no shared line read. */
+    /* Not empty: ring_rewind (core.h) says so first; no division, no shared line read. */
     if (h->head != pos || h->ingest_pos != pos) return 0;
     uint64_t off = pos % c->cap;
     /* Early, before REWIND_AT, where the ring's committed part (commit.c) ends soon: an
