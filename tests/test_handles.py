@@ -503,7 +503,6 @@ def test_adopt_running_out_of_memory_part_way_loses_nothing(make_channel):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-
 # --- threads of the receiving process --------------------------------------------------
 
 
