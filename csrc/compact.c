@@ -310,14 +310,14 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
     return 1;
 }
 
-int compact(shm_chan *c) {
+/* compact (core.h) found at least a sixteenth of the ring in [head, scan_pos): a look
+ * is worth it if head is pinned. (That test, first, also keeps a receiver that holds its
+ * latest message off the producers' cache line below.) */
+int compact_look(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t head = h->head, stop = h->scan_pos; /* everything looked at */
-    if (head >= stop || finished(c, head)) return 0; /* nothing pinned: the common case */
-    /* Space can only be won inside [head, stop): below a sixteenth of the ring there is
-     * too little to be worth it (and this keeps a receiver that holds its latest
-     * message off the producers' cache line below). */
-    if (stop - head < c->limit / 16) return 0;
+    if (head >= stop || stop - head < c->limit / 16) return 0;
+    if (finished(c, head)) return 0; /* nothing pinned */
     /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
     if (tail - head <= c->limit / 2) return 0;

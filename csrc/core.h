@@ -73,6 +73,7 @@
 #include <time.h>
 
 #include "shmchan.h"
+#include "rxlock.h"
 
 #define SHM_MAGIC 0x314e414843485353ull /* "SSHCHAN1" little-endian */
 #define SHM_PAGE 4096u
@@ -505,10 +506,13 @@ struct shm_chan {
     uint64_t compact_fail_ns;   /* ... or for RECHECK_NS after this failure            */
     int compact_watch_hit;
     uint32_t refusals_seen;     /* header.refusals at the receiver's last look (compact.c) */
+    uint64_t head_still;  /* head where ring_advance_head last stopped, while nothing that
+                           * could let it go further has happened since (ring.c); NO_POS:
+                           * unknown, look */
     uint64_t verify_below; /* durable: records before this ring position were there when
                             * this receiver took its seat (recovered): their checksums are
                             * checked when taken in and when handed out (crc32c.c) */
-    pthread_mutex_t rx_mu; /* process-local: one thread at a time in consumer code    */
+    rx_lock_t rx_mu;    /* process-local: one thread at a time in consumer code (rxlock.h) */
     int tables_need;    /* receiver: the table commits under way make room for a message
                          * needed now, which the tables' budget lets pass (budget.c) */
     uint64_t punch_at;  /* receiver: table pages given back are punched from then on ... */
@@ -646,7 +650,21 @@ int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
 int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t final_state,
                      int *wake);
 int ring_advance_head(shm_chan *c);
-int ring_rewind(shm_chan *c);
+#define HEAD_UNKNOWN UINT64_MAX /* head_still: look (see ring_head_may_move) */
+/* May ring_advance_head move head now? No if head is where the last advance left it and
+ * nothing has happened since that could let it go further: ring_mark_done, island_add and
+ * walk_ingest passing a finished record set head_still to HEAD_UNKNOWN (ring.c). */
+static inline int ring_head_may_move(shm_chan *c) { return c->hdr->head != c->head_still; }
+static inline void ring_head_unknown(shm_chan *c) { c->head_still = HEAD_UNKNOWN; }
+int ring_rewind_look(shm_chan *c);
+/* An empty ring far into its lap starts again at offset 0 (ring.c). Not empty -- the
+ * common case after a release -- is decided here, without a call. */
+static inline int ring_rewind(shm_chan *c) {
+    shm_header *h = c->hdr;
+    uint64_t pos = h->scan_pos; /* receiver-owned fields */
+    if (h->head != pos || h->ingest_pos != pos) return 0;
+    return ring_rewind_look(c);
+}
 int ring_give_back(shm_chan *c);
 int space_wake_due(shm_chan *c, int idle);
 uint32_t space_count_sub(uint32_t *w, uint32_t n);
@@ -696,10 +714,23 @@ int lookahead_ahead_of_scan(shm_chan *c);
 void lookahead_reset(shm_chan *c);
 void lookahead_free(shm_chan *c);
 /* compact.c */
-int compact(shm_chan *c);
+int compact_look(shm_chan *c);
+/* Compaction can only win space inside [head, scan_pos), and below a sixteenth of the
+ * ring that is too little to be worth it: the common case, decided here without a call
+ * (receiver-owned fields only). */
+static inline int compact(shm_chan *c) {
+    uint64_t head = c->hdr->head, stop = c->hdr->scan_pos;
+    if (head >= stop || stop - head < c->limit / 16) return 0;
+    return compact_look(c);
+}
 /* islands.c */
 uint64_t island_skip(shm_chan *c, uint64_t a, uint64_t b, uint64_t *first_out);
-int island_find(shm_chan *c, uint64_t pos);
+int island_lookup(shm_chan *c, uint64_t pos);
+/* The entry holding the island at pos, or -1. Without a call while there is none: head's
+ * walk and every finished record ask. relaxed: receiver-written, its own writes. */
+static inline int island_find(shm_chan *c, uint64_t pos) {
+    return LOAD_RELAXED(&c->hdr->island_count) == 0 ? -1 : island_lookup(c, pos);
+}
 int island_add(shm_chan *c, uint64_t pos, uint64_t len);
 void island_remove(shm_chan *c, int i);
 int island_make_at_head(shm_chan *c, uint64_t head, int viewed);

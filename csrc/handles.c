@@ -68,18 +68,19 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
     c->done_count = c->compact_retry_at = c->compact_watch_end = c->compact_fail_ns = 0;
     c->compact_watch_hit = 0;
     c->refusals_seen = 0;
+    ring_head_unknown(c);
     lookahead_reset(c); /* a new receiver starts with an empty look-ahead (lookahead.c) */
     /* The tables' committed marks and the key table's size (commit.c); a size no receiver
      * could have set calls for a rebuild, as a death mid-operation does. */
     if (commit_adopt(c)) STORE_RELAXED(&c->hdr->dirty, 1);
     if (LOAD_RELAXED(&c->hdr->dirty)) {
         /* The previous receiver died inside an operation: rebuild (rebuild.c). */
-        pthread_mutex_lock(&c->rx_mu);
+        rx_lock(&c->rx_mu);
         rx_begin(c);
         int rc = recovery_rebuild(c);
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
         rx_end(c);
-        pthread_mutex_unlock(&c->rx_mu);
+        rx_unlock(&c->rx_mu);
         if (rc != SHM_OK) {
             uint64_t me = c->token;
             c->is_rx = 0;
@@ -93,14 +94,14 @@ int shm_rx_acquire(shm_chan *c, uint64_t expect_owner) {
 
 int shm_rx_release_ownership(shm_chan *c) {
     if (!c->is_rx) return SHM_OK;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     uint64_t me = c->token;
     c->is_rx = 0;
     STORE_RELAXED(&c->hdr->rx_sleeping, 0);
     /* release: everything this receiver wrote is visible to the next; pairs with the CAS
      * in shm_rx_acquire. */
     __atomic_compare_exchange_n(&c->hdr->receiver, &me, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return SHM_OK;
 }
 
@@ -329,7 +330,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     *wake_sender = 0;
     if (!c->is_rx) return SHM_E_INVALID;
     shm_header *h = c->hdr;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     rx_begin(c);
     if (LOAD_RELAXED(&h->rx_sleeping)) STORE_RELAXED(&h->rx_sleeping, 0);
     int rc = SHM_OK, stalled = 0, moved = 0, shut_seen = 0;
@@ -374,7 +375,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
             (*got)++;
         }
         if (rc) break;
-        moved |= ring_advance_head(c);
+        if (ring_head_may_move(c)) moved |= ring_advance_head(c); /* see ring.c */
         moved |= compact(c);
         if (*got) break;
         if (stalled) {
@@ -440,7 +441,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
     }
     if (rc != SHM_E_CORRUPT) STORE_RELAXED(&h->dirty, 0);
     rx_end(c);
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return rc;
 }
 
@@ -506,10 +507,11 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
         return SHM_STALE;
     if (c->is_rx) {
         int out = SHM_OK;
-        pthread_mutex_lock(&c->rx_mu);
+        rx_lock(&c->rx_mu);
         rx_begin(c);
         int rc = handles_finish(c, s);
-        if (rc == SHM_OK && (ring_advance_head(c) | compact(c))) {
+        /* a nack, or a release finished meanwhile by upkeep, frees nothing: see ring.c */
+        if (rc == SHM_OK && ((ring_head_may_move(c) && ring_advance_head(c)) | compact(c))) {
             /* the last message out of an empty ring (ring.c); before the fence, so that a
              * sender that starts waiting meanwhile is seen by the check below */
             ring_rewind(c);
@@ -519,7 +521,7 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
         if (rc == SHM_OK && handles_rx_asleep(c)) out |= WAKE_RX;
         rx_end(c);
-        pthread_mutex_unlock(&c->rx_mu);
+        rx_unlock(&c->rx_mu);
         return rc ? rc : out;
     }
     handles_push(c, s);
@@ -536,7 +538,7 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
 static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
                            int *wake) {
     int rc = SHM_OK, broken = 0;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     rx_begin(c);
     uint32_t touched = slots_touched(c, c->hdr); /* fixed while we hold rx_mu */
     for (uint32_t i = 0; i < n && !broken; i++) {
@@ -563,7 +565,7 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
     if (!broken) STORE_RELAXED(&c->hdr->dirty, 0);
     if (!broken && handles_rx_asleep(c)) *wake |= 1;
     rx_end(c);
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return rc;
 }
 

@@ -134,8 +134,9 @@ uint64_t island_skip(shm_chan *c, uint64_t a, uint64_t b, uint64_t *first_out) {
     return skip;
 }
 
-/* Receiver: the entry holding the island at pos, or -1. */
-int island_find(shm_chan *c, uint64_t pos) {
+/* Receiver: the entry holding the island at pos, or -1 (island_find in core.h asks first
+ * whether there is any). */
+int island_lookup(shm_chan *c, uint64_t pos) {
     shm_header *h = c->hdr;
     if (LOAD_RELAXED(&h->island_count) == 0) return -1; /* receiver-written: its own writes */
     for (uint32_t i = 0; i < SHM_ISLANDS; i++) {
@@ -160,6 +161,7 @@ int island_add(shm_chan *c, uint64_t pos, uint64_t len) {
         /* release: pairs with the acquire load in island_skip; head is stored after it */
         STORE_RELEASE(&h->island_count, LOAD_RELAXED(&h->island_count) + 1);
         h->island_bytes += len;
+        ring_head_unknown(c); /* head may pass it now */
         return 1;
     }
     return 0; /* table full */

@@ -58,14 +58,14 @@ int shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64
     uint32_t count = 0, late = 0;
     int rc = SHM_OK;
     if (c->is_rx) {
-        pthread_mutex_lock(&c->rx_mu);
+        rx_lock(&c->rx_mu);
         uint32_t s = NIL;
         for (uint32_t guard = 0; guard <= c->cfg.max_messages; guard++) {
             rc = handed_out_next(c, s, &s);
             if (rc || s == NIL) break;
             holder_note(&c->slots[s], tokens, max, &count, &late, now_ns);
         }
-        pthread_mutex_unlock(&c->rx_mu);
+        rx_unlock(&c->rx_mu);
     } else {
         for (uint32_t s = 1, used = slots_touched(c, c->hdr); s < used; s++)
             holder_note(&c->slots[s], tokens, max, &count, &late, now_ns);
@@ -87,7 +87,7 @@ static int in_set(const uint64_t *set, uint32_t n, uint64_t t) {
 int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_ns,
                uint32_t *revoked) {
     if (!c->is_rx) return SHM_E_INVALID;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     rx_begin(c);
     int rc = SHM_OK;
     uint32_t count = 0;
@@ -135,7 +135,7 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
     if (ring_advance_head(c) | compact(c)) FENCE_SEQCST(); /* pairs with shm_space_wait */
     if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
     rx_end(c);
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     *revoked = count;
     return rc;
 }
@@ -177,14 +177,14 @@ int shm_dead_discard(shm_chan *c, uint32_t s, uint32_t gen, int *wake) {
      * handles_finish, and is ordered before the push. */
     if (!CAS_SEQCST(&c->slots[s].state, &expect, SLOT_WORD(gen, SLOT_DISCARD))) return SHM_STALE;
     if (c->is_rx) {
-        pthread_mutex_lock(&c->rx_mu);
+        rx_lock(&c->rx_mu);
         rx_begin(c);
         int rc = handles_finish(c, s);
         ring_advance_head(c);
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
         if (rc == SHM_OK && handles_rx_asleep(c)) *wake |= 1; /* as in shm_release */
         rx_end(c);
-        pthread_mutex_unlock(&c->rx_mu);
+        rx_unlock(&c->rx_mu);
         return rc;
     }
     handles_push(c, s);

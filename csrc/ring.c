@@ -502,11 +502,11 @@ int shm_gate_read(shm_chan *c, uint64_t pos, uint64_t dead_owner, shm_gate *out)
  * rx_mu, so head cannot pass pos meanwhile: the record we checked is the one we settle. */
 int shm_gate_resolve(shm_chan *c, uint64_t pos, uint64_t dead_owner, int commit) {
     if (!c->is_rx) return SHM_E_INVALID;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     int rc = SHM_STALE, wake = 0;
     if (pos >= c->hdr->head && pos - c->hdr->head < c->cap)
         rc = ring_gate_settle(c, pos, dead_owner, commit ? REC_COMMITTED : REC_DISCARDED, &wake);
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return rc;
 }
 
@@ -747,10 +747,10 @@ int shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
 
 /* Receiver, when a poll found nothing to do or head caught up with the scan: rewind an
  * empty ring to the start of its next lap (see the top of this file). 1 if it did. */
-int ring_rewind(shm_chan *c) {
+int ring_rewind_look(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t pos = h->scan_pos; /* receiver-owned fields */
-    /* Not empty (the common case after a release): no division, no shared line read. */
+    /* Not empty: ring_rewind (core.h) says so first; no division, no shared line read. */
     if (h->head != pos || h->ingest_pos != pos) return 0;
     uint64_t off = pos % c->cap;
     /* Early, before REWIND_AT, where the ring's committed part (commit.c) ends soon: an
@@ -878,6 +878,7 @@ int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
 /* The consumer is done with the record at pos: head may pass it. */
 void ring_mark_done(shm_chan *c, uint64_t pos) {
     c->done_count++;
+    ring_head_unknown(c); /* head may pass it now */
     if (pos == c->compact_watch_end) c->compact_watch_hit = 1; /* compact.c may try again */
     int island = island_find(c, pos);
     if (UNLIKELY(island >= 0)) {
@@ -892,7 +893,17 @@ void ring_mark_done(shm_chan *c, uint64_t pos) {
     STORE_RELEASE(&r->meta, META(META_LEN(meta), REC_DONE));
 }
 
-/* Move head over finished records. Returns 1 if it moved. */
+/* Move head over finished records. Returns 1 if it moved.
+ *
+ * Where it stops, it stays until something changes below ingest_pos: head stops either at
+ * ingest_pos or at a record taken in and not finished (everything before ingest_pos is
+ * one or the other). It can go further only once a record there finishes (ring_mark_done),
+ * becomes an island (island_add), or ingest_pos passes a finished record (walk_ingest);
+ * each of these forgets head_still, and so does a new receiver (shm_rx_acquire). Whatever
+ * else moves head (a rewind, a give-back, a compaction) moves it away from head_still. So
+ * the receiver's poll skips the walk while ring_head_may_move says no (core.h): a
+ * receiver keeping up with its releases called this twice per message, the second time
+ * for nothing. Process-local state: a receiver killed leaves nothing to repair. */
 int ring_advance_head(shm_chan *c) {
     shm_header *h = c->hdr;
     uint64_t head = h->head, start = head, stop = h->ingest_pos;
@@ -909,6 +920,7 @@ int ring_advance_head(shm_chan *c) {
         if (st == REC_SKIP) h->skip_bytes = h->skip_bytes >= len ? h->skip_bytes - len : 0;
         head += len;
     }
+    c->head_still = head;
     if (head == start) return 0;
     /* release: pairs with producers' acquire load of head in claim(); everything we read
      * from the freed records happened before they may be overwritten. */
@@ -919,7 +931,7 @@ int ring_advance_head(shm_chan *c) {
 /* Consumer: a record in WRITING whose producer is dead becomes DISCARDED. */
 int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
     if (!c->is_rx) return SHM_E_INVALID;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     int rc = SHM_STALE;
     shm_record *r = rec_at(c, pos);
     int placeholder = window_is_writing(c, pos);
@@ -937,7 +949,7 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
             rx_end(c);
         }
     }
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return rc;
 }
 

@@ -818,7 +818,7 @@ int sched_requeue(shm_chan *c, uint32_t s) {
  * Returns SHM_OK, or SHM_E_CORRUPT with *what set to a short reason code. */
 int shm_check_scheduler(shm_chan *c, uint32_t *what) {
     if (!c->is_rx) return SHM_E_INVALID;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     int rc = SHM_OK;
     *what = 0;
     uint32_t m = c->cfg.max_messages, used = slots_touched(c, c->hdr);
@@ -912,6 +912,6 @@ int shm_check_scheduler(shm_chan *c, uint32_t *what) {
         /* the line's length, kept for inspect.c */
         if (rc == SHM_OK && len != key->count) { rc = SHM_E_CORRUPT; *what = 14; }
     }
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return rc;
 }

@@ -245,7 +245,7 @@ int shm_attach(int fd, int create, const shm_config *cfg, uint64_t token, shm_ch
         return rc;
     }
     c->token = token;
-    pthread_mutex_init(&c->rx_mu, NULL);
+    rx_lock_init(&c->rx_mu);
     if (create) init_segment(c, &L);
     /* Map the start of the ring now (core.h RING_WARM): a channel's first messages, and
      * those of every lap after a rewind, land there without a page fault. A read populate
@@ -266,7 +266,6 @@ void shm_detach(shm_chan *c) {
     lookahead_free(c);
     munmap(c->base, c->map_len);
     if (c->fd >= 0) close(c->fd);
-    pthread_mutex_destroy(&c->rx_mu);
     free(c);
 }
 
@@ -352,7 +351,7 @@ int shm_set_identity(shm_chan *c, uint64_t token) {
     c->token = token;
     c->producer = 0;
     c->is_rx = 0;
-    pthread_mutex_init(&c->rx_mu, NULL);
+    rx_lock_init(&c->rx_mu);
     return SHM_OK;
 }
 

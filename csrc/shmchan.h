@@ -230,6 +230,10 @@ int  shm_test_keytab_first(uint32_t entries);
  * have nothing but parked records (0 = no such bound: a quarter of the key table), so
  * that small tests meet a scan stopped for room and the look-ahead past it. */
 int  shm_test_park_keys(uint32_t keys);
+/* Tests only: `threads` threads of this process each take the receiver's process-local
+ * lock `rounds` times and add one to a count under it (rxlock.c); *count is the total,
+ * threads * rounds if the lock kept them apart. */
+int  shm_test_rx_lock(shm_chan *c, uint32_t threads, uint32_t rounds, uint64_t *count);
 
 /* --- recovery (recovery.c) ------------------------------------------------ */
 int  shm_holders(shm_chan *c, uint64_t *tokens, uint32_t max, uint32_t *n, uint64_t now_ns,

@@ -444,6 +444,7 @@ static int writing_pass(shm_chan *c, int *promoted, int *unfinished) {
  * out. Each further pass promotes at least one record or is the last. */
 static int window_writing(shm_chan *c, int *moved) {
     shm_header *h = c->hdr;
+    if (LIKELY(h->writing_n == 0)) return SHM_OK; /* every poll asks: keep it a test */
     if (h->writing_n > SHM_WRITING_MAX) return SHM_E_CORRUPT;
     int promoted, unfinished;
     do {
@@ -480,8 +481,8 @@ static int walk_ingest(shm_chan *c) {
         uint64_t len = META_LEN(meta);
         if (len < REC_HDR || (len & 7u) || len > h->scan_pos - pos) return SHM_E_CORRUPT;
         uint32_t st = META_STATE(meta);
-        if (!finished_state(st) && !(st == REC_COMMITTED && len >= REC_BODY && r->slot != NIL))
-            break; /* parked */
+        if (finished_state(st)) ring_head_unknown(c); /* head may pass it now (ring.c) */
+        else if (!(st == REC_COMMITTED && len >= REC_BODY && r->slot != NIL)) break; /* parked */
         pos += len;
     }
     h->ingest_pos = pos;
@@ -776,7 +777,7 @@ void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_
 int shm_writing_list(shm_chan *c, uint64_t *pos, uint64_t *owner, uint32_t max, uint32_t *n) {
     *n = 0;
     if (!c->is_rx) return SHM_E_INVALID;
-    pthread_mutex_lock(&c->rx_mu);
+    rx_lock(&c->rx_mu);
     shm_header *h = c->hdr;
     for (uint32_t i = 0; i < h->writing_n && i < SHM_WRITING_MAX && *n < max; i++) {
         shm_record *r = rec_at(c, h->writing[i]);
@@ -787,6 +788,6 @@ int shm_writing_list(shm_chan *c, uint64_t *pos, uint64_t *owner, uint32_t max, 
         owner[*n] = OWNER_TOKEN(o);
         (*n)++;
     }
-    pthread_mutex_unlock(&c->rx_mu);
+    rx_unlock(&c->rx_mu);
     return SHM_OK;
 }

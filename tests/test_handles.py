@@ -501,3 +501,88 @@ def test_adopt_running_out_of_memory_part_way_loses_nothing(make_channel):
         timeout=100,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- threads of the receiving process --------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_threads_receiving_and_releasing_at_once_hand_out_each_message_once_in_key_order(
+    make_channel,
+):
+    """The receiver's lock (csrc/rxlock.h) keeps one thread at a time in its tables. Four
+    threads call the core's receive and release directly (cffi lets go of the GIL for
+    each call, so they run at the same time): every message comes out once, in order on
+    its key, and the tables check out afterwards."""
+    import threading
+    import time
+
+    from shmchan._lib import ffi, lib
+    from tests.procs import check_core
+
+    ch = make_channel(capacity=8 << 20)
+    rx = ch.receiver()
+    n, nkeys = 20_000, 16
+    with ch.sender() as tx:
+        seqs = tx.send_many([(b"m", i % nkeys) for i in range(n)], timeout=20)
+    index = {seq: i for i, seq in enumerate(seqs)}
+    seg = rx._seg.ptr
+    got: dict[int, list[int]] = {k: [] for k in range(nkeys)}
+    seen = 0
+    mu = threading.Lock()
+    errors: list[str] = []
+    deadline = time.monotonic() + 60
+
+    def consume() -> None:
+        nonlocal seen
+        msgs = ffi.new("shm_msg[32]")
+        count = ffi.new("uint32_t *")
+        stall = ffi.new("shm_stall *")
+        wake = ffi.new("uint32_t *")
+        wakes = ffi.new("int *")
+        slots = ffi.new("uint32_t[32]")
+        gens = ffi.new("uint32_t[32]")
+        while time.monotonic() < deadline:
+            with mu:
+                if seen >= n or errors:
+                    return
+            rc = lib.shm_recv(seg, msgs, 32, count, 0, stall, wake)
+            if rc < 0:
+                errors.append(f"recv {rc}")
+                return
+            k = count[0]
+            with mu:  # recorded before the release: the next on its key waits for it
+                for j in range(k):
+                    i = index[msgs[j].seq]
+                    got[i % nkeys].append(i)
+                seen += k
+            for j in range(k):
+                slots[j], gens[j] = msgs[j].slot, msgs[j].gen
+            if k and lib.shm_release_many(seg, slots, gens, k, wakes) < 0:
+                errors.append("release_many")
+                return
+
+    threads = [threading.Thread(target=consume, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    assert sum(len(v) for v in got.values()) == n
+    for key, seq in got.items():
+        assert seq == list(range(key, n, nkeys)), key  # each once, in key order
+    check_core(rx)
+    st = ch.stats()
+    assert (st.delivered, st.released, st.inflight, st.held_keys) == (n, n, 0, 0)
+
+
+@pytest.mark.timeout(60)
+def test_the_receivers_lock_keeps_threads_apart(ch):
+    """The lock itself (csrc/rxlock.h), under contention: threads that count under it,
+    with a pause inside, lose no round."""
+    from shmchan._lib import ffi, lib
+
+    count = ffi.new("uint64_t *")
+    assert lib.shm_test_rx_lock(ch._seg.ptr, 4, 20_000, count) == 0
+    assert count[0] == 4 * 20_000

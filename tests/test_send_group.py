@@ -130,6 +130,30 @@ def test_a_producer_killed_inside_a_group_leaves_whole_records_and_stops_nobody(
     assert rx.try_recv() is None
 
 
+@pytest.mark.timeout(120)
+def test_a_dead_producers_repaired_claim_at_the_end_of_the_ring_frees_its_space(
+    make_channel: Any,
+) -> None:
+    """Nothing follows the repaired claim: no release comes after it, so the receiver's
+    poll that steps over it must also move the ring's head past it."""
+    ch = make_channel(capacity=1 << 20)
+    rx = ch.receiver()
+    kill_at_pause(_GROUP_VICTIM, ch.name, "its send_many group")
+    got: list[bytes] = []
+    deadline = time.monotonic() + 30
+    while (len(got) < 2 or ch.stats().discarded == 0) and time.monotonic() < deadline:
+        try:
+            h = rx.recv(timeout=0.2)
+        except shmchan.Empty:
+            continue
+        got.append(h.payload)
+        h.release()
+    assert got == [b"before", bytes([0]) * 40]
+    assert ch.stats().discarded >= 1
+    assert rx.try_recv() is None
+    assert ch.stats().used_bytes == 0  # head passed the repaired claim too
+
+
 @pytest.mark.timeout(60)
 def test_recv_batch_that_waits_returns_the_messages_sent_meanwhile(make_channel: Any) -> None:
     ch = make_channel()
