@@ -266,3 +266,22 @@ def test_key_hashes_are_the_same_in_every_version():
     assert key_hash(-(2**30)) == 0xE6B34B2C82D5C63F
     assert key_hash(2**63 - 1) == 0x2B8A968A28800DD8
     assert key_hash("acct:1") == 0x514636DD97D39A59
+
+
+@pytest.mark.parametrize("path", ["send", "send_many", "send_batch"])
+def test_keys_of_every_short_length_round_trip_on_every_send_path(tx, rx, path):
+    # blobs of 3 to 42 bytes: the lengths a record's key blob is copied in without a call
+    keys = ["x" * n for n in range(40)] + [b"y" * n for n in range(20)]
+    if path == "send":
+        for i, k in enumerate(keys):
+            tx.send(bytes([i]), keys=k)
+    elif path == "send_many":
+        tx.send_many([(bytes([i]), (k,)) for i, k in enumerate(keys)])
+    else:
+        tx.send_batch(bytes(range(len(keys))), [1] * len(keys), keys)
+    got = []
+    for _ in keys:
+        h = rx.recv(timeout=5)
+        got.append((h.data.tobytes(), h.keys))
+        h.release()
+    assert got == [(bytes([i]), (k,)) for i, k in enumerate(keys)]

@@ -254,3 +254,33 @@ def test_the_core_refuses_a_one_key_blob_whose_length_is_wrong(
     )  # fmt: skip
     assert rc == lib.SHM_E_INVALID
     assert [p for _, p, _ in _drain(rx)] == [b"first"]
+
+
+def test_groups_that_cross_the_end_of_the_ring_arrive_whole(make_channel: Any) -> None:
+    # A group's records are written from its first record's address onwards, through the
+    # second mapping of the ring where they pass its end. The receiver keeps one batch
+    # unread, so the ring is never empty and never rewinds to its start: over many laps,
+    # groups start at every offset and many cross the end.
+    ch = make_channel(capacity=64 << 10)
+    tx, rx = ch.sender(), ch.receiver()
+    sent: list[tuple[bytes, tuple[Any, ...]]] = []
+    got: list[tuple[bytes, tuple[Any, ...]]] = []
+    for b in range(600):
+        n = 5 + b % 23
+        batch = [
+            (bytes([(b + i) & 0xFF]) * ((b * 7 + i * 3) % 61), (f"k{(b + i) % 5}" * (i % 4),))
+            for i in range(n)
+        ]
+        if b % 2:
+            lens = array.array("Q", [len(p) for p, _ in batch])
+            tx.send_batch(b"".join(p for p, _ in batch), lens, [k for _, k in batch], timeout=5)
+        else:
+            tx.send_many(batch, timeout=5)
+        sent.extend(batch)
+        while len(got) < len(sent) - n:  # all but the batch just sent
+            h = rx.recv(timeout=5)
+            got.append((h.payload, h.keys))
+            h.release()
+    got.extend((p, k) for _, p, k in _drain(rx))
+    assert ch.stats().sent * 80 > 10 * (64 << 10)  # records of 80 bytes or more: 10 laps
+    assert got == sent
