@@ -35,6 +35,14 @@ python:
 }
 
 
+/* A seq as an int. PyLong_FromLongLong makes one of up to 30 bits (every seq of the
+ * first billion messages) directly, where PyLong_FromUnsignedLongLong goes the general
+ * way; seqs beyond 2**63 (never, in practice) take it. */
+static inline PyObject *seq_object(uint64_t seq) {
+    return seq <= (uint64_t)LLONG_MAX ? PyLong_FromLongLong((long long)seq)
+                                      : PyLong_FromUnsignedLongLong(seq);
+}
+
 static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames) {
     static const char *const names[] = {"obj", "keys", "timeout", "delay", "ttl"};
@@ -71,7 +79,7 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
                                kb.len, kb.n, &seq, &stall, &wake);
         if (rc == SHM_OK) {
             if (wake) wake_post(&seg->wk, WAKE_RX, 1); /* the receiver sleeps */
-            return PyLong_FromUnsignedLongLong(seq);
+            return seq_object(seq);
         }
         /* full, stalled or an error: nothing was sent; the slow path waits or raises */
     }
@@ -362,7 +370,7 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
     if (rc == SHM_OK) {
         res = PyList_New(p.n);
         for (Py_ssize_t i = 0; res != NULL && i < p.n; i++) {
-            PyObject *v = PyLong_FromUnsignedLongLong(sq[i]);
+            PyObject *v = seq_object(sq[i]);
             if (v == NULL) Py_CLEAR(res);
             else PyList_SET_ITEM(res, i, v);
         }
