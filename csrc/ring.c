@@ -324,7 +324,8 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
     r->data_len = len;
     r->keys_len = keys_len;
     r->slot = 0;
-    for (uint32_t i = 0; i < nkeys; i++) r->hashes[i] = hashes[i];
+    if (nkeys == 1) r->hashes[0] = hashes[0]; /* the common case, without a memcpy call */
+    else memcpy(r->hashes, hashes, 8u * nkeys);
     successor_at((shm_record *)((uint8_t *)r + n), pos + n, seq + 1);
     /* release: pairs with walkers' acquire load of meta in claim() (whoever sees our length
      * also sees EMPTY(pos + n)) and with the receiver's acquire load in ring_peek (a
