@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import shmchan
+from shmchan._lib import ffi, lib
 from tests.procs import child_at_pause, kill_at_pause
 
 
@@ -284,3 +285,45 @@ def test_groups_that_cross_the_end_of_the_ring_arrive_whole(make_channel: Any) -
     got.extend((p, k) for _, p, k in _drain(rx))
     assert ch.stats().sent * 80 > 10 * (64 << 10)  # records of 80 bytes or more: 10 laps
     assert got == sent
+
+
+@pytest.mark.timeout(120)
+def test_a_producer_killed_inside_a_group_that_crosses_the_end_of_the_ring(
+    make_channel: Any,
+) -> None:
+    # As the kill test above, with the group's records running past the ring's last byte
+    # (written through its second mapping): the repaired claim and the records after it
+    # are found at the same positions by everyone, and nothing is held up.
+    cap = 64 << 10
+    ch = make_channel(capacity=cap)
+    tx, rx = ch.sender(), ch.receiver()
+    # fillers up to ~300 bytes before the end, read but for the last one, so that the ring
+    # is never empty (an empty ring would rewind to its start)
+    record = 56 + 16 + 8  # fixed part, one hash and link, the one-key blob "k"
+    fill = [1000] * 60 + [cap - 300 - 88 - 60 * (record + 1000) - record]
+    for size in fill:
+        tx.send(b"f" * size, "k", timeout=5)
+    for _ in fill[:-1]:
+        rx.recv(timeout=5).release()
+    out = ffi.new("uint64_t *")
+    assert lib.shm_layout_fact(b"header.tail_hint", out) == 0
+    tail_at = ffi.cast("uint64_t *", lib.shm_base(rx._seg.ptr) + int(out[0]))[0]
+    group_at = tail_at + 88  # after the victim's b"before"
+    assert group_at < cap < group_at + 8 * (record + 40)  # the group crosses the end
+    kill_at_pause(_GROUP_VICTIM, ch.name, "its send_many group")
+    after = tx.send(b"after", "k", timeout=5)
+    got: list[bytes] = []
+    deadline = time.monotonic() + 30
+    while b"after" not in got and time.monotonic() < deadline:
+        try:
+            h = rx.recv(timeout=0.5)
+        except shmchan.Empty:
+            continue
+        got.append(h.payload)
+        assert h.keys == ("k",)
+        h.release()
+        if h.seq == after:
+            break
+    assert got == [b"f" * fill[-1], b"before", bytes([0]) * 40, b"after"], got
+    assert ch.stats().discarded >= 1
+    assert rx.try_recv() is None
