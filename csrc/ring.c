@@ -406,8 +406,8 @@ static inline int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nk
     return key_hashes_any(keys, keys_len, nkeys, out);
 }
 
-static int check_message(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_len,
-                         uint32_t nkeys, uint64_t *n_out) {
+static inline int check_message(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_len,
+                                uint32_t nkeys, uint64_t *n_out) {
     if (kind > SHM_PAYLOAD_PICKLE) return SHM_E_INVALID;
     if (kind != SHM_PAYLOAD_RAW && (c->cfg.flags & SHM_CFG_RAW_ONLY)) return SHM_E_INVALID;
     if (nkeys > c->cfg.max_keys) return SHM_E_TOO_MANY_KEYS;
@@ -721,8 +721,10 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
         uint64_t cap = c->limit / 4 < GROUP_BYTES ? c->limit / 4 : GROUP_BYTES;
         uint64_t total = 0, d = doff, kk = koff, rec;
         uint32_t g = 0;
-        while (i + g < n && d <= data_total && data_lens[i + g] <= data_total - d &&
-               kk <= keys_total && keys_lens[i + g] <= keys_total - kk &&
+        /* checked: every message's bounds and record size were checked above */
+        while (i + g < n &&
+               (checked || (d <= data_total && data_lens[i + g] <= data_total - d &&
+                            kk <= keys_total && keys_lens[i + g] <= keys_total - kk)) &&
                (checked ? (rec = rec_size(nkeys[i + g], keys_lens[i + g], data_lens[i + g]), 1)
                         : check_message(c, kinds[i + g], data_lens[i + g], keys_lens[i + g],
                                         nkeys[i + g], &rec) == SHM_OK) &&
@@ -737,9 +739,15 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
             rc = send_group(c, g, total, kinds + i, (const uint8_t *)data + doff, data_lens + i,
                             (const uint8_t *)keys + koff, keys_lens + i, nkeys + i,
                             seqs_out + i, &sent, stall);
-            for (uint32_t j = 0; j < sent; j++, i++) {
-                doff += data_lens[i];
-                koff += keys_lens[i];
+            if (sent == g) { /* the whole group: its bytes were summed above */
+                i += g;
+                doff = d;
+                koff = kk;
+            } else {
+                for (uint32_t j = 0; j < sent; j++, i++) {
+                    doff += data_lens[i];
+                    koff += keys_lens[i];
+                }
             }
             if (rc == SHM_OK) continue;
             if (rc != SHM_FULL || sent) break;
