@@ -597,6 +597,7 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
                       uint32_t *sent, shm_stall *stall) {
     uint64_t pos = 0, seq = 0;
     *sent = 0;
+    if (UNLIKELY(k > GROUP_COUNT)) return SHM_E_INVALID; /* sizes[] below holds GROUP_COUNT */
     uint32_t down = LOAD_ACQUIRE(&c->hdr->shutdown); /* pairs with shm_shutdown */
     if (UNLIKELY(down) && !c->ovf_drainer)
         return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
@@ -618,7 +619,7 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
     /* The group's bytes from its first record's address: contiguous through the ring's
      * second mapping (see successor_at), so no record needs a division to be found. */
     uint8_t *const base = ring_at(c, pos);
-    uint64_t sizes[GROUP_COUNT]; /* k <= GROUP_COUNT (shm_send_many) */
+    uint64_t sizes[GROUP_COUNT]; /* each record's size, from pass 1 for pass 2 */
     /* Pass 1: each record's fixed part and key hashes, its successor's header, then its
      * length (WRITING). Every record is CLAIMED for a few stores only, as after a single
      * send's CAS: a producer frozen (SIGSTOP) inside a group holds up only the messages
