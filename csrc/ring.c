@@ -137,14 +137,21 @@ static inline int len_ok(shm_chan *c, uint64_t len) {
     return len >= REC_HDR && (len & 7u) == 0 && len <= c->cap - REC_HDR;
 }
 
-/* Write the next tail's header at pos and publish it (step 4). */
-static void prepare_successor(shm_chan *c, uint64_t pos, uint64_t seq) {
-    shm_record *s = rec_at(c, pos);
+/* Write the next tail's header at pos, whose record is s, and publish it (step 4). A
+ * claimant that holds its record's address finds s past it without a division: the
+ * ring is mapped twice in a row, so a record and the header after it are contiguous
+ * bytes whatever their position in the lap (segment.c). */
+static inline void successor_at(shm_record *s, uint64_t pos, uint64_t seq) {
     STORE_RELAXED(&s->meta, 0);
     STORE_RELAXED(&s->seq, seq);
     /* release: a walker or claimant that reads EMPTY(pos) with its acquire load (walk)
      * or CAS (claim) also sees meta = 0 and the seq above. */
     STORE_RELEASE(&s->owner, OWNER_EMPTY(pos));
+}
+
+/* Write the next tail's header at pos and publish it (step 4). */
+static void prepare_successor(shm_chan *c, uint64_t pos, uint64_t seq) {
+    successor_at(rec_at(c, pos), pos, seq);
 }
 
 /* Raise tail_hint to at least pos. A hint may lag, never run ahead of the tail. */
@@ -280,6 +287,31 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
     }
 }
 
+/* memcpy of a key blob, most of which are a few bytes: copied with two overlapping
+ * loads and stores (which read and write only [src, src + n)), a call only past 16. */
+static inline void copy_small(uint8_t *dst, const uint8_t *src, uint64_t n) {
+    if (n >= 8 && n <= 16) {
+        uint64_t a, z;
+        memcpy(&a, src, 8);
+        memcpy(&z, src + n - 8, 8);
+        memcpy(dst, &a, 8);
+        memcpy(dst + n - 8, &z, 8);
+    } else if (n >= 4 && n < 8) {
+        uint32_t a, z;
+        memcpy(&a, src, 4);
+        memcpy(&z, src + n - 4, 4);
+        memcpy(dst, &a, 4);
+        memcpy(dst + n - 4, &z, 4);
+    } else if (n > 0 && n < 4) {
+        uint8_t a = src[0], m = src[n / 2], z = src[n - 1];
+        dst[0] = a;
+        dst[n / 2] = m;
+        dst[n - 1] = z;
+    } else if (n > 16) {
+        memcpy(dst, src, n);
+    }
+}
+
 /* Write the body of a claimed record and commit it (steps 4-6). */
 static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t kind,
                  const uint8_t *data, uint64_t len, const uint8_t *keys, uint32_t keys_len,
@@ -292,8 +324,9 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
     r->data_len = len;
     r->keys_len = keys_len;
     r->slot = 0;
-    memcpy(r->hashes, hashes, 8u * nkeys);
-    prepare_successor(c, pos + n, seq + 1);
+    if (nkeys == 1) r->hashes[0] = hashes[0]; /* the common case, without a memcpy call */
+    else memcpy(r->hashes, hashes, 8u * nkeys);
+    successor_at((shm_record *)((uint8_t *)r + n), pos + n, seq + 1);
     /* release: pairs with walkers' acquire load of meta in claim() (whoever sees our length
      * also sees EMPTY(pos + n)) and with the receiver's acquire load in ring_peek (a
      * WRITING record's fixed fields and key hashes are complete when seen: window.c). */
@@ -301,7 +334,7 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
     hint_raise(c, pos + n);
 
     uint8_t *p = (uint8_t *)r + REC_BODY + 16u * nkeys; /* past hashes and links */
-    memcpy(p, keys, keys_len);
+    copy_small(p, keys, keys_len);
     p += align8(keys_len);
     if (len) memcpy(p, data, len);
     uint32_t final = REC_COMMITTED;
@@ -348,13 +381,7 @@ int rec_checksum_ok(shm_chan *c, const shm_record *r, uint64_t len) {
 /* Compute the hashes of an encoded key blob: a sequence of (u16 little-endian length,
  * that many bytes). The blob comes from Python; it is still checked. out NULL: only
  * check it. */
-static int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *out) {
-    if (nkeys == 1) { /* the common case: the loop below, unrolled */
-        if (keys_len < 2 || ((uint32_t)keys[0] | ((uint32_t)keys[1] << 8)) != keys_len - 2)
-            return SHM_E_INVALID;
-        if (out) out[0] = hash_bytes(keys + 2, keys_len - 2);
-        return SHM_OK;
-    }
+static int key_hashes_any(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, uint64_t *out) {
     uint32_t off = 0;
     for (uint32_t i = 0; i < nkeys; i++) {
         if (keys_len - off < 2) return SHM_E_INVALID;
@@ -367,8 +394,20 @@ static int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys, ui
     return off == keys_len ? SHM_OK : SHM_E_INVALID;
 }
 
-static int check_message(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_len,
-                         uint32_t nkeys, uint64_t *n_out) {
+/* key_hashes_any, with the common case of one key inline at each call. */
+static inline int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys,
+                             uint64_t *out) {
+    if (nkeys == 1) {
+        if (keys_len < 2 || ((uint32_t)keys[0] | ((uint32_t)keys[1] << 8)) != keys_len - 2)
+            return SHM_E_INVALID;
+        if (out) out[0] = hash_bytes(keys + 2, keys_len - 2);
+        return SHM_OK;
+    }
+    return key_hashes_any(keys, keys_len, nkeys, out);
+}
+
+static inline int check_message(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_len,
+                                uint32_t nkeys, uint64_t *n_out) {
     if (kind > SHM_PAYLOAD_PICKLE) return SHM_E_INVALID;
     if (kind != SHM_PAYLOAD_RAW && (c->cfg.flags & SHM_CFG_RAW_ONLY)) return SHM_E_INVALID;
     if (nkeys > c->cfg.max_keys) return SHM_E_TOO_MANY_KEYS;
@@ -558,6 +597,7 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
                       uint32_t *sent, shm_stall *stall) {
     uint64_t pos = 0, seq = 0;
     *sent = 0;
+    if (UNLIKELY(k > GROUP_COUNT)) return SHM_E_INVALID; /* sizes[] below holds GROUP_COUNT */
     uint32_t down = LOAD_ACQUIRE(&c->hdr->shutdown); /* pairs with shm_shutdown */
     if (UNLIKELY(down) && !c->ovf_drainer)
         return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
@@ -576,20 +616,24 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
     const int durable = (c->cfg.flags & SHM_CFG_DURABLE) != 0;
     shm_producer *p = &c->producers[c->producer - 1];
     const uint64_t end = pos + total;
+    /* The group's bytes from its first record's address: contiguous through the ring's
+     * second mapping (see successor_at), so no record needs a division to be found. */
+    uint8_t *const base = ring_at(c, pos);
+    uint64_t sizes[GROUP_COUNT]; /* each record's size, from pass 1 for pass 2 */
     /* Pass 1: each record's fixed part and key hashes, its successor's header, then its
      * length (WRITING). Every record is CLAIMED for a few stores only, as after a single
      * send's CAS: a producer frozen (SIGSTOP) inside a group holds up only the messages
      * on its keys, never the whole channel. */
-    uint64_t at = pos, s = seq;
+    uint64_t off = 0, s = seq;
     const uint8_t *kp = keys;
     uint32_t m = 0; /* records published WRITING */
     for (; m < k; m++) {
-        shm_record *r = rec_at(c, at);
-        uint64_t n = rec_size(nkeys[m], klens[m], lens[m]);
+        shm_record *r = (shm_record *)(base + off);
+        uint64_t n = sizes[m] = rec_size(nkeys[m], klens[m], lens[m]);
         if (UNLIKELY(key_hashes(kp, klens[m], nkeys[m], r->hashes) != SHM_OK)) {
             /* a blob that changed since it was checked: the rest of the group goes out
              * as one cancelled record; the records before it are finished below */
-            cancel_range(c, at, end - at, s);
+            cancel_range(c, pos + off, total - off, s);
             break;
         }
         r->kind = kinds[m];
@@ -597,30 +641,31 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
         r->data_len = lens[m];
         r->keys_len = klens[m];
         r->slot = 0;
+        shm_record *nx = (shm_record *)(base + off + n);
         if (m + 1 < k) { /* the next record: a claim of ours, as if won by CAS */
-            shm_record *nx = rec_at(c, at + n);
             /* relaxed: published by the release store of our meta just below, which
-             * whoever reaches at + n has acquired (walkers in claim, ring_peek). */
+             * whoever reaches it has acquired (walkers in claim, ring_peek). */
             STORE_RELAXED(&nx->owner, mine);
             STORE_RELAXED(&nx->meta, 0);
             STORE_RELAXED(&nx->seq, s + 1);
         } else {
-            prepare_successor(c, at + n, s + 1); /* the next tail */
+            successor_at(nx, pos + off + n, s + 1); /* the next tail */
         }
         /* release: pairs with walkers' acquire load of meta in claim() and ring_peek's:
          * the successor's header, the fixed fields and the hashes are complete when seen. */
         STORE_RELEASE(&r->meta, META(n, REC_WRITING));
-        at += n;
+        off += n;
         s++;
         kp += klens[m];
     }
     if (m == k) hint_raise(c, end); /* other producers may claim behind the group now */
     /* Pass 2: the bodies, each record COMMITTED in order. */
+    off = 0;
     for (uint32_t i = 0; i < m; i++) {
-        shm_record *r = rec_at(c, pos);
-        uint64_t n = rec_size(nkeys[i], klens[i], lens[i]);
+        shm_record *r = (shm_record *)(base + off);
+        uint64_t n = sizes[i];
         uint8_t *b = (uint8_t *)r + REC_BODY + 16u * nkeys[i]; /* past hashes and links */
-        memcpy(b, keys, klens[i]);
+        copy_small(b, keys, klens[i]);
         if (lens[i]) memcpy(b + align8(klens[i]), data, lens[i]);
         r->flags = 0; /* groups carry no time footer (timers.c) */
         r->crc = durable ? rec_checksum(r, n) : 0;
@@ -628,10 +673,9 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
         STORE_RELEASE(&r->meta, META(n, REC_COMMITTED));
         STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
         if (i == 0) test_pause(SHM_PAUSE_SEND_GROUP); /* the rest are WRITING */
-        seqs_out[i] = seq;
+        seqs_out[i] = seq + i;
         *sent = i + 1;
-        pos += n;
-        seq++;
+        off += n;
         data += lens[i];
         keys += klens[i];
     }
@@ -678,8 +722,10 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
         uint64_t cap = c->limit / 4 < GROUP_BYTES ? c->limit / 4 : GROUP_BYTES;
         uint64_t total = 0, d = doff, kk = koff, rec;
         uint32_t g = 0;
-        while (i + g < n && d <= data_total && data_lens[i + g] <= data_total - d &&
-               kk <= keys_total && keys_lens[i + g] <= keys_total - kk &&
+        /* checked: every message's bounds and record size were checked above */
+        while (i + g < n &&
+               (checked || (d <= data_total && data_lens[i + g] <= data_total - d &&
+                            kk <= keys_total && keys_lens[i + g] <= keys_total - kk)) &&
                (checked ? (rec = rec_size(nkeys[i + g], keys_lens[i + g], data_lens[i + g]), 1)
                         : check_message(c, kinds[i + g], data_lens[i + g], keys_lens[i + g],
                                         nkeys[i + g], &rec) == SHM_OK) &&
@@ -694,9 +740,15 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
             rc = send_group(c, g, total, kinds + i, (const uint8_t *)data + doff, data_lens + i,
                             (const uint8_t *)keys + koff, keys_lens + i, nkeys + i,
                             seqs_out + i, &sent, stall);
-            for (uint32_t j = 0; j < sent; j++, i++) {
-                doff += data_lens[i];
-                koff += keys_lens[i];
+            if (sent == g) { /* the whole group: its bytes were summed above */
+                i += g;
+                doff = d;
+                koff = kk;
+            } else {
+                for (uint32_t j = 0; j < sent; j++, i++) {
+                    doff += data_lens[i];
+                    koff += keys_lens[i];
+                }
             }
             if (rc == SHM_OK) continue;
             if (rc != SHM_FULL || sent) break;

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 import shmchan
+from shmchan.hold import key_hash
 
 # --- accepted forms --------------------------------------------------------------
 
@@ -209,3 +212,76 @@ def test_exactly_max_keys_is_accepted(make_channel):
     with ch.sender() as tx, ch.receiver() as rx:
         tx.send(b"x", keys=("a", b"a", 1))
         assert rx.recv(timeout=5).keys == ("a", b"a", 1)
+
+
+# --- encodings and hashes that must not change ------------------------------------
+
+# ints at the edges of one CPython digit (2**30), of a byte, and of 64 bits: the send paths
+# encode them without calls, the general encoder (a key among several) with them
+EDGE_INTS = [
+    0,
+    1,
+    -1,
+    127,
+    128,
+    -128,
+    -129,
+    255,
+    2**30 - 1,
+    2**30,
+    -(2**30 - 1),
+    -(2**30),
+    2**31,
+    -(2**31) - 1,
+    2**62,
+    2**63 - 1,
+    -(2**63),
+]
+
+
+@pytest.mark.parametrize("key", EDGE_INTS)
+def test_int_keys_encode_alike_on_every_send_path(tx, rx, key):
+    tx.send(b"one", keys=key)
+    tx.send_batch(b"batch", [5], [key])
+    tx.send_many([(b"many", (key, "other"))])
+    first = rx.recv(timeout=5)
+    assert first.keys == (key,)
+    assert rx.try_recv() is None  # the same key, so the same hash: both wait behind it
+    first.release()
+    second = rx.recv(timeout=5)
+    assert (second.data.tobytes(), second.keys) == (b"batch", (key,))
+    assert rx.try_recv() is None
+    second.release()
+    assert rx.recv(timeout=5).keys == (key, "other")
+
+
+def test_key_hashes_are_the_same_in_every_version():
+    # Records carry their keys' hashes and a paused key is found by its hash: a change here
+    # is a change of the segment's format.
+    keys = [bytes((i * 37 + 11) & 255 for i in range(n)) for n in range(41)]
+    digest = hashlib.sha256(repr([key_hash(k) for k in keys]).encode()).hexdigest()
+    assert digest == "f4e4b4b99058cdc2077d7f831b2be1105d9905e4af658a1dc0d2024fd0325f99"
+    assert key_hash(0) == 0xB5C4A8090CB66FC8
+    assert key_hash(-129) == 0xBD065B9AD8677A0D
+    assert key_hash(-(2**30)) == 0xE6B34B2C82D5C63F
+    assert key_hash(2**63 - 1) == 0x2B8A968A28800DD8
+    assert key_hash("acct:1") == 0x514636DD97D39A59
+
+
+@pytest.mark.parametrize("path", ["send", "send_many", "send_batch"])
+def test_keys_of_every_short_length_round_trip_on_every_send_path(tx, rx, path):
+    # blobs of 3 to 42 bytes: the lengths a record's key blob is copied in without a call
+    keys = ["x" * n for n in range(40)] + [b"y" * n for n in range(20)]
+    if path == "send":
+        for i, k in enumerate(keys):
+            tx.send(bytes([i]), keys=k)
+    elif path == "send_many":
+        tx.send_many([(bytes([i]), (k,)) for i, k in enumerate(keys)])
+    else:
+        tx.send_batch(bytes(range(len(keys))), [1] * len(keys), keys)
+    got = []
+    for _ in keys:
+        h = rx.recv(timeout=5)
+        got.append((h.data.tobytes(), h.keys))
+        h.release()
+    assert got == [(bytes([i]), (k,)) for i, k in enumerate(keys)]

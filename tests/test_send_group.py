@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import shmchan
+from shmchan._lib import ffi, lib
 from tests.procs import child_at_pause, kill_at_pause
 
 
@@ -278,3 +279,75 @@ def test_the_core_refuses_a_one_key_blob_whose_length_is_wrong(
     )  # fmt: skip
     assert rc == lib.SHM_E_INVALID
     assert [p for _, p, _ in _drain(rx)] == [b"first"]
+
+
+def test_groups_that_cross_the_end_of_the_ring_arrive_whole(make_channel: Any) -> None:
+    # A group's records are written from its first record's address onwards, through the
+    # second mapping of the ring where they pass its end. The receiver keeps one batch
+    # unread, so the ring is never empty and never rewinds to its start: over many laps,
+    # groups start at every offset and many cross the end.
+    ch = make_channel(capacity=64 << 10)
+    tx, rx = ch.sender(), ch.receiver()
+    sent: list[tuple[bytes, tuple[Any, ...]]] = []
+    got: list[tuple[bytes, tuple[Any, ...]]] = []
+    for b in range(600):
+        n = 5 + b % 23
+        batch = [
+            (bytes([(b + i) & 0xFF]) * ((b * 7 + i * 3) % 61), (f"k{(b + i) % 5}" * (i % 4),))
+            for i in range(n)
+        ]
+        if b % 2:
+            lens = array.array("Q", [len(p) for p, _ in batch])
+            tx.send_batch(b"".join(p for p, _ in batch), lens, [k for _, k in batch], timeout=5)
+        else:
+            tx.send_many(batch, timeout=5)
+        sent.extend(batch)
+        while len(got) < len(sent) - n:  # all but the batch just sent
+            h = rx.recv(timeout=5)
+            got.append((h.payload, h.keys))
+            h.release()
+    got.extend((p, k) for _, p, k in _drain(rx))
+    assert ch.stats().sent * 80 > 10 * (64 << 10)  # records of 80 bytes or more: 10 laps
+    assert got == sent
+
+
+@pytest.mark.timeout(120)
+def test_a_producer_killed_inside_a_group_that_crosses_the_end_of_the_ring(
+    make_channel: Any,
+) -> None:
+    # As the kill test above, with the group's records running past the ring's last byte
+    # (written through its second mapping): the repaired claim and the records after it
+    # are found at the same positions by everyone, and nothing is held up.
+    cap = 64 << 10
+    ch = make_channel(capacity=cap)
+    tx, rx = ch.sender(), ch.receiver()
+    # fillers up to ~300 bytes before the end, read but for the last one, so that the ring
+    # is never empty (an empty ring would rewind to its start)
+    record = 56 + 16 + 8  # fixed part, one hash and link, the one-key blob "k"
+    fill = [1000] * 60 + [cap - 300 - 88 - 60 * (record + 1000) - record]
+    for size in fill:
+        tx.send(b"f" * size, "k", timeout=5)
+    for _ in fill[:-1]:
+        rx.recv(timeout=5).release()
+    out = ffi.new("uint64_t *")
+    assert lib.shm_layout_fact(b"header.tail_hint", out) == 0
+    tail_at = ffi.cast("uint64_t *", lib.shm_base(rx._seg.ptr) + int(out[0]))[0]
+    group_at = tail_at + 88  # after the victim's b"before"
+    assert group_at < cap < group_at + 8 * (record + 40)  # the group crosses the end
+    kill_at_pause(_GROUP_VICTIM, ch.name, "its send_many group")
+    after = tx.send(b"after", "k", timeout=5)
+    got: list[bytes] = []
+    deadline = time.monotonic() + 30
+    while b"after" not in got and time.monotonic() < deadline:
+        try:
+            h = rx.recv(timeout=0.5)
+        except shmchan.Empty:
+            continue
+        got.append(h.payload)
+        assert h.keys == ("k",)
+        h.release()
+        if h.seq == after:
+            break
+    assert got == [b"f" * fill[-1], b"before", bytes([0]) * 40, b"after"], got
+    assert ch.stats().discarded >= 1
+    assert rx.try_recv() is None

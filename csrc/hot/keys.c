@@ -114,6 +114,22 @@ int hot_key_append(keyblob *kb, PyObject *k) {
     return 1;
 }
 
+/* *v = k, an exact int, read from the object without a call if it is a one-digit int
+ * (|k| < 2**30: every key a counter or an id below a billion), the common key. 0 if k is
+ * larger: PyLong_AsLongLongAndOverflow sees to it. */
+static inline int small_int(PyObject *k, long long *v) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)k)) return 0;
+    *v = (long long)PyUnstable_Long_CompactValue((PyLongObject *)k);
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(k); /* the digit count, negative for k < 0 */
+    if (size < -1 || size > 1) return 0;
+    *v = (long long)size * (long long)((PyLongObject *)k)->ob_digit[0];
+    return 1;
+#endif
+}
+
 /* The framed encoding of one key (u16 length, tag, body) written at f, which has room
  * bytes, for the common cases made without the general path's calls: an exact int within
  * 64 bits, an exact bytes, an exact ASCII str (its UTF-8 is its data). Returns the bytes
@@ -124,15 +140,30 @@ size_t hot_key_write(uint8_t *f, size_t room, PyObject *k) {
     const uint8_t *body;
     size_t blen;
     if (PyLong_CheckExact(k)) {
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(k, &overflow);
-        if (overflow || (v == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            return 0;
+        long long v;
+        if (!small_int(k, &v)) {
+            int overflow;
+            v = PyLong_AsLongLongAndOverflow(k, &overflow);
+            if (overflow || (v == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                return 0;
+            }
         }
         unsigned long long mag = v < 0 ? ~(unsigned long long)v : (unsigned long long)v;
         int bits = mag ? 64 - __builtin_clzll(mag) : 0;
         blen = (size_t)(bits / 8 + 1);
+        if (room >= 11) { /* tag and body as two stores: the body is v's low blen bytes,
+                           * big-endian, and the bytes past it are scratch */
+            uint64_t be = (unsigned long long)v << (8 * (8 - blen));
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            be = __builtin_bswap64(be);
+#endif
+            f[0] = (uint8_t)(blen + 1);
+            f[1] = 0;
+            f[2] = 'i';
+            memcpy(f + 3, &be, sizeof be);
+            return blen + 3;
+        }
         for (size_t i = 0; i < blen; i++) num[blen - 1 - i] = (uint8_t)((unsigned long long)v >> (8 * i));
         tag = 'i';
         body = num;

@@ -20,6 +20,7 @@ static int keys_encode(keyblob *kb, PyObject *keys, uint32_t max_keys) {
     if (PyTuple_CheckExact(keys) || PyList_CheckExact(keys)) {
         Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
         PyObject **items = PySequence_Fast_ITEMS(keys);
+        if (n == 1 && hot_key_single(kb, items[0])) return 1 <= max_keys; /* ("acct:1",) */
         for (Py_ssize_t i = 0; i < n; i++)
             if (hot_key_append(kb, items[i]) != 1) goto python;
     } else if (hot_key_single(kb, keys)) {
@@ -33,6 +34,14 @@ python:
     return 0;
 }
 
+
+/* A seq as an int. PyLong_FromLongLong makes one of up to 30 bits (every seq of the
+ * first billion messages) directly, where PyLong_FromUnsignedLongLong goes the general
+ * way; seqs beyond 2**63 (never, in practice) take it. */
+static inline PyObject *seq_object(uint64_t seq) {
+    return seq <= (uint64_t)LLONG_MAX ? PyLong_FromLongLong((long long)seq)
+                                      : PyLong_FromUnsignedLongLong(seq);
+}
 
 static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames) {
@@ -70,7 +79,7 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
                                kb.len, kb.n, &seq, &stall, &wake);
         if (rc == SHM_OK) {
             if (wake) wake_post(&seg->wk, WAKE_RX, 1); /* the receiver sleeps */
-            return PyLong_FromUnsignedLongLong(seq);
+            return seq_object(seq);
         }
         /* full, stalled or an error: nothing was sent; the slow path waits or raises */
     }
@@ -81,6 +90,10 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
     Py_DECREF(keys_arg);
     return res;
 }
+
+/* Blob bytes reserved a message before packing a batch: a small int key, with the scratch
+ * hot_key_write may use, or a short str or bytes key, goes in without a growth check. */
+#define KEY_ROOM 16u
 
 /* A growable byte buffer for packing. */
 typedef struct {
@@ -134,6 +147,13 @@ static PyObject *gbuf_bytes(gbuf *b) { return PyBytes_FromStringAndSize(b->p ? b
 /* Append one payload (raw or through codec.encode_payload) to the batch. */
 static int pack_payload(SegmentObject *seg, PyObject *obj, gbuf *kinds, gbuf *data, gbuf *lens) {
     uint32_t kind = SHM_PAYLOAD_RAW;
+    if (PyBytes_CheckExact(obj)) { /* the common payload: its bytes, without a buffer view */
+        uint64_t n = (uint64_t)PyBytes_GET_SIZE(obj);
+        int rc = gbuf_put(data, PyBytes_AS_STRING(obj), (size_t)n);
+        if (rc == 0) rc = gbuf_put(kinds, &kind, sizeof kind);
+        if (rc == 0) rc = gbuf_put(lens, &n, sizeof n);
+        return rc;
+    }
     PyObject *enc = NULL, *buf = obj;
     /* memoryviews too go through encode_payload, which refuses non-contiguous ones */
     if (!(PyBytes_Check(obj) || PyByteArray_Check(obj))) {
@@ -194,6 +214,25 @@ static int pack_keys(SegmentObject *seg, PyObject *keys, keyblob *kb, gbuf *blob
     return gbuf_put(nkeys, &n, sizeof n);
 }
 
+/* pack_keys for the common case, inline: one key of a common type (hot_key_write)
+ * written straight into the blob, its length and count into reserved room. 1 if done,
+ * 0 if pack_keys must see to it (nothing appended). */
+static inline int pack_key_fast(SegmentObject *seg, PyObject *keys, gbuf *blob, gbuf *klens,
+                                gbuf *nkeys) {
+    if (seg->max_keys < 1 || blob->p == NULL || klens->cap - klens->len < 4 ||
+        nkeys->cap - nkeys->len < 4)
+        return 0;
+    size_t w = hot_key_write((uint8_t *)blob->p + blob->len, blob->cap - blob->len, keys);
+    if (w == 0) return 0;
+    uint32_t len = (uint32_t)w, one = 1;
+    blob->len += w;
+    memcpy(klens->p + klens->len, &len, 4);
+    klens->len += 4;
+    memcpy(nkeys->p + nkeys->len, &one, 4);
+    nkeys->len += 4;
+    return 1;
+}
+
 /* A send_many batch packed as shm_send_many takes it: per message a kind (uint32), a
  * payload length (uint64), a key blob length and a key count (uint32 each), and the
  * payloads and key blobs back to back. */
@@ -232,7 +271,7 @@ static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
     size_t un = (size_t)p->n;
     if (gbuf_reserve(&p->kinds, 4 * un) < 0 || gbuf_reserve(&p->lens, 8 * un) < 0 ||
         gbuf_reserve(&p->klens, 4 * un) < 0 || gbuf_reserve(&p->nkeys, 4 * un) < 0 ||
-        gbuf_reserve(&p->blob, 8 * un) < 0)
+        gbuf_reserve(&p->blob, KEY_ROOM * un) < 0)
         rc = -1;
     for (Py_ssize_t i = 0; i < p->n && rc == 0; i++) {
         PyObject *item = PyTuple_GET_ITEM(tup, i);
@@ -249,7 +288,8 @@ static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
             break;
         }
         rc = pack_payload(seg, PyTuple_GET_ITEM(pair, 0), &p->kinds, &p->data, &p->lens);
-        if (rc == 0)
+        if (rc == 0 && !pack_key_fast(seg, PyTuple_GET_ITEM(pair, 1), &p->blob, &p->klens,
+                                      &p->nkeys))
             rc = pack_keys(seg, PyTuple_GET_ITEM(pair, 1), &kb, &p->blob, &p->klens, &p->nkeys);
         Py_DECREF(pair);
     }
@@ -330,7 +370,7 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
     if (rc == SHM_OK) {
         res = PyList_New(p.n);
         for (Py_ssize_t i = 0; res != NULL && i < p.n; i++) {
-            PyObject *v = PyLong_FromUnsignedLongLong(sq[i]);
+            PyObject *v = seq_object(sq[i]);
             if (v == NULL) Py_CLEAR(res);
             else PyList_SET_ITEM(res, i, v);
         }
@@ -419,7 +459,7 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
     uint32_t raw = SHM_PAYLOAD_RAW, none = 0;
     size_t un = (size_t)p.n;
     if (gbuf_reserve(&p.kinds, 4 * un) < 0 || gbuf_reserve(&p.klens, 4 * un) < 0 ||
-        gbuf_reserve(&p.nkeys, 4 * un) < 0 || gbuf_reserve(&p.blob, 8 * un) < 0)
+        gbuf_reserve(&p.nkeys, 4 * un) < 0 || gbuf_reserve(&p.blob, KEY_ROOM * un) < 0)
         goto out;
     if (a[2] != Py_None) {
         keyseq = PySequence_Fast(a[2], "send_batch: keys must be None or a sequence");
@@ -431,25 +471,15 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         }
     }
     keyblob kb;
-    /* one key of a common type (hot_key_write) goes straight into the blob */
-    int single_ok = seg->max_keys >= 1;
-    uint32_t one = 1;
     for (Py_ssize_t i = 0; i < p.n; i++) {
         if (gbuf_put(&p.kinds, &raw, sizeof raw) < 0) goto out;
         if (keyseq == NULL) {
             if (gbuf_put(&p.klens, &none, 4) < 0 || gbuf_put(&p.nkeys, &none, 4) < 0) goto out;
-            continue;
-        }
-        PyObject *k = PySequence_Fast_GET_ITEM(keyseq, i);
-        size_t w = single_ok ? hot_key_write((uint8_t *)p.blob.p + p.blob.len,
-                                             p.blob.cap - p.blob.len, k)
-                             : 0;
-        if (w) {
-            uint32_t w32 = (uint32_t)w;
-            p.blob.len += w;
-            if (gbuf_put(&p.klens, &w32, 4) < 0 || gbuf_put(&p.nkeys, &one, 4) < 0) goto out;
-        } else if (pack_keys(seg, k, &kb, &p.blob, &p.klens, &p.nkeys) < 0) {
-            goto out;
+        } else {
+            PyObject *k = PySequence_Fast_GET_ITEM(keyseq, i);
+            if (!pack_key_fast(seg, k, &p.blob, &p.klens, &p.nkeys) &&
+                pack_keys(seg, k, &kb, &p.blob, &p.klens, &p.nkeys) < 0)
+                goto out;
         }
     }
     PyObject *seqs = PyByteArray_FromStringAndSize(NULL, p.n * (Py_ssize_t)sizeof(uint64_t));
