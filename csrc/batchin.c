@@ -37,12 +37,10 @@
  */
 #include "core.h"
 
-#define RUN_MIN 2u /* a receive for one message keeps the general path's batched scan */
-
 int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
                 int *moved) {
     shm_header *h = c->hdr;
-    if (max - *got < RUN_MIN || h->ready_count != 0 || h->wake_n || h->wake_overflow ||
+    if (max - *got < BATCHIN_RUN_MIN || h->ready_count != 0 || h->wake_n || h->wake_overflow ||
         h->writing_n || h->timed || h->delayed_count || UNLIKELY(hold_any(c)))
         return SHM_OK;
     uint32_t room = SCHED_ROOM_UNKNOWN; /* the tables' room for the run (sched.c) */

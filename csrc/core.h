@@ -603,6 +603,17 @@ static inline uint64_t rec_size(uint32_t nkeys, uint32_t keys_len, uint64_t data
     return REC_BODY + 16u * (uint64_t)nkeys + align8(keys_len) + align8(data_len);
 }
 
+/* A committed record's body fields, each read once by the caller, for a record of length
+ * len: a payload kind this channel accepts (serializer="raw" promises nothing is ever
+ * unpickled, so a pickled record there is forged), no more keys than configured, and
+ * lengths no longer than the record (so rec_size cannot overflow). */
+static inline int rec_fields_ok(const shm_chan *c, uint32_t kind, uint32_t nkeys,
+                                uint32_t keys_len, uint64_t data_len, uint64_t len) {
+    if (kind > SHM_PAYLOAD_PICKLE || nkeys > c->cfg.max_keys) return 0;
+    if (kind != SHM_PAYLOAD_RAW && (c->cfg.flags & SHM_CFG_RAW_ONLY)) return 0;
+    return keys_len <= len && data_len <= len;
+}
+
 /* Is r's i-th hash the first of its value? A message counts each distinct hash once, so
  * it never waits behind itself (keys are few: a quadratic check is the cheapest). */
 static inline int rec_first_of_hash(const shm_record *r, uint32_t i) {
@@ -756,6 +767,9 @@ void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
 int handles_hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now);
 /* batchin.c */
+/* A receive for fewer messages than this keeps the general path's batched scan; the
+ * caller tests it, so a single receive does not pay the call. */
+#define BATCHIN_RUN_MIN 2u
 int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
                 int *moved);
 /* rebuild.c */

@@ -348,8 +348,10 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         int progress = 0;
         rc = handles_drain(c);
         if (rc) break;
-        rc = batchin_run(c, out, max, got, &now, &progress); /* many asked for: batchin.c */
-        if (rc) break;
+        if (max - *got >= BATCHIN_RUN_MIN) { /* many asked for: batchin.c */
+            rc = batchin_run(c, out, max, got, &now, &progress);
+            if (rc) break;
+        }
         rc = window_ingest(c, stall, &stalled, &progress);
         if (rc) break;
         if (UNLIKELY(h->delayed_count)) { /* delayed messages whose time came (timers.c) */
@@ -587,28 +589,40 @@ int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, u
     return rc;
 }
 
-/* Describe slot s's message from its record (validated), for the state word it has now. */
+/* Describe slot s's message from its record (validated), for the state word it has now.
+ * Each field of the record is read once: the offsets handed out are computed from the
+ * very values checked here, so a process scribbling on the record between two reads
+ * cannot send a reader outside it. A record that is exactly its body (the common one)
+ * needs no more than these checks; one with a trailer after its payload (a send's times,
+ * a gate) also gets ring_validate_body's check of the trailer. */
 int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
     shm_slot *sl = &c->slots[s];
     /* acquire: pairs with the consumer's release store of pos when it moves the record. */
     uint64_t pos = LOAD_ACQUIRE(&sl->pos);
     shm_record *r = rec_at(c, pos);
     uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
-    uint64_t len = META_LEN(meta);
+    uint64_t len = META_LEN(meta), seq = LOAD_RELAXED(&sl->seq);
+    /* relaxed: ordered after the acquire of meta above; only read once each (see above) */
+    uint32_t kind = LOAD_RELAXED(&r->kind), nkeys = LOAD_RELAXED(&r->nkeys);
+    uint32_t keys_len = LOAD_RELAXED(&r->keys_len);
+    uint64_t data_len = LOAD_RELAXED(&r->data_len);
     if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
-        r->seq != sl->seq || ring_validate_body(c, r, len) != SHM_OK)
+        LOAD_RELAXED(&r->seq) != seq || !rec_fields_ok(c, kind, nkeys, keys_len, data_len, len))
         return SHM_E_CORRUPT;
-    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * r->nkeys; /* past hashes and links */
+    uint64_t size = rec_size(nkeys, keys_len, data_len);
+    if (size != len && (size > len || ring_validate_body(c, r, len) != SHM_OK))
+        return SHM_E_CORRUPT;
+    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * nkeys; /* past hashes and links */
     m->slot = s;
     m->gen = gen;
-    m->seq = sl->seq;
+    m->seq = seq;
     m->attempt = sl->attempt;
-    m->kind = r->kind;
-    m->nkeys = r->nkeys;
+    m->kind = kind;
+    m->nkeys = nkeys;
     m->keys_off = body;
-    m->keys_len = r->keys_len;
-    m->data_off = body + align8(r->keys_len);
-    m->data_len = r->data_len;
+    m->keys_len = keys_len;
+    m->data_off = body + align8(keys_len);
+    m->data_len = data_len;
     m->pos = pos;
     m->word = LOAD_ACQUIRE(&sl->state);
     return SHM_OK;

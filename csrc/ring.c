@@ -910,10 +910,7 @@ int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
     if (len < REC_BODY) return SHM_E_CORRUPT;
     uint32_t nkeys = r->nkeys, keys_len = r->keys_len;
     uint64_t data_len = r->data_len;
-    if (r->kind > SHM_PAYLOAD_PICKLE || nkeys > c->cfg.max_keys) return SHM_E_CORRUPT;
-    /* serializer="raw" promises nothing is ever unpickled: a pickled record is forged */
-    if (r->kind != SHM_PAYLOAD_RAW && (c->cfg.flags & SHM_CFG_RAW_ONLY)) return SHM_E_CORRUPT;
-    if (keys_len > len || data_len > len) return SHM_E_CORRUPT;
+    if (!rec_fields_ok(c, r->kind, nkeys, keys_len, data_len, len)) return SHM_E_CORRUPT;
     uint64_t body = rec_size(nkeys, keys_len, data_len);
     if (body == len) return SHM_OK;
     if (timers_trailer_ok(r, body, len)) return SHM_OK; /* a send's times (timers.c) */

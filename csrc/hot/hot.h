@@ -204,7 +204,13 @@ static inline double monotonic(void) {
 static inline int timeout_plain(PyObject *t) {
     if (t == Py_None) return 1;
     if (PyFloat_CheckExact(t)) return PyFloat_AS_DOUBLE(t) >= 0.0;
-    if (PyLong_CheckExact(t)) return _PyLong_Sign(t) >= 0; /* any size; no conversion */
+    if (PyLong_CheckExact(t)) { /* any size; no conversion */
+#if PY_VERSION_HEX < 0x030C0000
+        return Py_SIZE(t) >= 0; /* before 3.12 an int's size carries its sign: no call */
+#else
+        return _PyLong_Sign(t) >= 0;
+#endif
+    }
     return 0;
 }
 
