@@ -345,3 +345,44 @@ def test_random_corruption_never_crashes_or_hangs(new_chan_name):
         timeout=100,
     )
     assert sum(out.values()) == len(names)
+
+
+def _scribble_record_field(name: str, payload: bytes, field: int, value: int) -> None:
+    """Overwrite one u64 field (byte offset from the record's start) of the record whose
+    payload is `payload`, through the segment's file. The record is found from its
+    payload: data_len (offset 32) is the 8-byte word holding len(payload) right before
+    the key blob and hashes, found by walking back from the payload in words."""
+    import struct
+
+    with open(segment_path(name), "r+b") as f:
+        seg = f.read()
+        at = seg.index(payload)
+        want = struct.pack("<Q", len(payload))
+        start = next(
+            at - back - 32
+            for back in range(8, 512, 8)
+            if seg[at - back : at - back + 8] == want and seg[at - back - 8 : at - back - 4] == b"\0\0\0\0"
+        )
+        f.seek(start + field)
+        f.write(struct.pack("<Q", value))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_len", [1 << 40, 8])
+def test_a_record_scribbled_on_after_take_in_is_not_handed_out(make_channel, chan_name, data_len):
+    """A record checked when the receiver took it in, then changed in shared memory before
+    it is handed out (here: its payload length, beyond the record or short of it), is
+    refused at hand-out: the receive raises ChannelCorrupted rather than hand out offsets
+    outside the record."""
+    ch = make_channel(chan_name)
+    first, second = b"F" * 64, b"S" * 64
+    with ch.sender() as tx, ch.receiver() as rx:
+        tx.send(first, keys="a")
+        tx.send(second, keys="b")  # taken in with the first, ready, not handed out
+        h = rx.recv(timeout=5)
+        assert h.payload == first
+        assert ch.stats().window == 2  # both taken in: the second is ready, not handed out
+        _scribble_record_field(chan_name, second, 32, data_len)
+        h.release()
+        with pytest.raises(shmchan.ChannelCorrupted):
+            rx.recv(timeout=1)
