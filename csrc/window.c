@@ -442,10 +442,8 @@ static int writing_pass(shm_chan *c, int *promoted, int *unfinished) {
  * while something stayed WRITING, look again: the acquire of the later commit made the
  * earlier one visible, and both are in the ready heap (by seq) before anything is handed
  * out. Each further pass promotes at least one record or is the last. */
-static int window_writing(shm_chan *c, int *moved) {
-    shm_header *h = c->hdr;
-    if (LIKELY(h->writing_n == 0)) return SHM_OK; /* every poll asks: keep it a test */
-    if (h->writing_n > SHM_WRITING_MAX) return SHM_E_CORRUPT;
+static int writing_promote(shm_chan *c, int *moved) {
+    if (c->hdr->writing_n > SHM_WRITING_MAX) return SHM_E_CORRUPT;
     int promoted, unfinished;
     do {
         promoted = unfinished = 0;
@@ -454,6 +452,13 @@ static int window_writing(shm_chan *c, int *moved) {
         if (promoted) *moved = 1;
     } while (promoted && unfinished);
     return SHM_OK;
+}
+
+/* Every poll asks: with no placeholder (the common case) it is one test, inline (left to
+ * the compiler, the call was made, and cost the single receive more than the test). */
+__attribute__((always_inline)) static inline int window_writing(shm_chan *c, int *moved) {
+    if (LIKELY(c->hdr->writing_n == 0)) return SHM_OK;
+    return writing_promote(c, moved);
 }
 
 /* The record at scan_pos is being written: can the scan move past it (placeholder)?
