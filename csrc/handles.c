@@ -246,6 +246,46 @@ void handles_push(shm_chan *c, uint32_t s) {
 }
 
 /* ---- the receiver's poll ------------------------------------------------------------------ */
+/* Describe slot s's message from its record (validated), for the state word it has now.
+ * Each field of the record is read once: the offsets handed out are computed from the
+ * very values checked here, so a process scribbling on the record between two reads
+ * cannot send a reader outside it. A record that is exactly its body (the common one)
+ * needs no more than these checks; one with a trailer after its payload (a send's times,
+ * a gate) also gets ring_validate_body's check of the trailer. */
+__attribute__((always_inline)) static inline int fill(shm_chan *c, uint32_t s, uint32_t gen,
+                                                      shm_msg *m) {
+    shm_slot *sl = &c->slots[s];
+    /* acquire: pairs with the consumer's release store of pos when it moves the record. */
+    uint64_t pos = LOAD_ACQUIRE(&sl->pos);
+    shm_record *r = rec_at(c, pos);
+    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
+    uint64_t len = META_LEN(meta), seq = LOAD_RELAXED(&sl->seq);
+    /* relaxed: ordered after the acquire of meta above; only read once each (see above) */
+    uint32_t kind = LOAD_RELAXED(&r->kind), nkeys = LOAD_RELAXED(&r->nkeys);
+    uint32_t keys_len = LOAD_RELAXED(&r->keys_len);
+    uint64_t data_len = LOAD_RELAXED(&r->data_len);
+    if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
+        LOAD_RELAXED(&r->seq) != seq || !rec_fields_ok(c, kind, nkeys, keys_len, data_len, len))
+        return SHM_E_CORRUPT;
+    uint64_t size = rec_size(nkeys, keys_len, data_len);
+    if (size != len && (size > len || ring_validate_body(c, r, len) != SHM_OK))
+        return SHM_E_CORRUPT;
+    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * nkeys; /* past hashes and links */
+    m->slot = s;
+    m->gen = gen;
+    m->seq = seq;
+    m->attempt = sl->attempt;
+    m->kind = kind;
+    m->nkeys = nkeys;
+    m->keys_off = body;
+    m->keys_len = keys_len;
+    m->data_off = body + align8(keys_len);
+    m->data_len = data_len;
+    m->pos = pos;
+    m->word = LOAD_ACQUIRE(&sl->state);
+    return SHM_OK;
+}
+
 /* Hand out slot s (just popped from the ready heap), described in *m. A record that no
  * longer validates -- or, recovered from a durable channel's file, fails its checksum --
  * is not handed out: it goes back on the heap and every poll reports SHM_E_CORRUPT. */
@@ -253,7 +293,7 @@ static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
     uint32_t gen = SLOT_GEN(sl->state);
-    int rc = msg_fill(c, s, gen, m);
+    int rc = fill(c, s, gen, m); /* msg_fill, inline: the hand-out's call cost 20 instructions */
     if (rc == SHM_OK && sl->pos < c->verify_below &&
         !rec_checksum_ok(c, rec_at(c, sl->pos), META_LEN(rec_at(c, sl->pos)->meta)))
         rc = SHM_E_CORRUPT;
@@ -589,44 +629,8 @@ int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, u
     return rc;
 }
 
-/* Describe slot s's message from its record (validated), for the state word it has now.
- * Each field of the record is read once: the offsets handed out are computed from the
- * very values checked here, so a process scribbling on the record between two reads
- * cannot send a reader outside it. A record that is exactly its body (the common one)
- * needs no more than these checks; one with a trailer after its payload (a send's times,
- * a gate) also gets ring_validate_body's check of the trailer. */
-int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) {
-    shm_slot *sl = &c->slots[s];
-    /* acquire: pairs with the consumer's release store of pos when it moves the record. */
-    uint64_t pos = LOAD_ACQUIRE(&sl->pos);
-    shm_record *r = rec_at(c, pos);
-    uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
-    uint64_t len = META_LEN(meta), seq = LOAD_RELAXED(&sl->seq);
-    /* relaxed: ordered after the acquire of meta above; only read once each (see above) */
-    uint32_t kind = LOAD_RELAXED(&r->kind), nkeys = LOAD_RELAXED(&r->nkeys);
-    uint32_t keys_len = LOAD_RELAXED(&r->keys_len);
-    uint64_t data_len = LOAD_RELAXED(&r->data_len);
-    if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
-        LOAD_RELAXED(&r->seq) != seq || !rec_fields_ok(c, kind, nkeys, keys_len, data_len, len))
-        return SHM_E_CORRUPT;
-    uint64_t size = rec_size(nkeys, keys_len, data_len);
-    if (size != len && (size > len || ring_validate_body(c, r, len) != SHM_OK))
-        return SHM_E_CORRUPT;
-    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * nkeys; /* past hashes and links */
-    m->slot = s;
-    m->gen = gen;
-    m->seq = seq;
-    m->attempt = sl->attempt;
-    m->kind = kind;
-    m->nkeys = nkeys;
-    m->keys_off = body;
-    m->keys_len = keys_len;
-    m->data_off = body + align8(keys_len);
-    m->data_len = data_len;
-    m->pos = pos;
-    m->word = LOAD_ACQUIRE(&sl->state);
-    return SHM_OK;
-}
+/* fill, for the readers outside the poll (core.h) */
+int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m) { return fill(c, s, gen, m); }
 
 /* Describe a live handle. Bytes read at the offsets it gives are good only if
  * shm_unmoved() agrees afterwards (the record may be moved: compact.c). */
