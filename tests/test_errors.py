@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import struct
 import subprocess
 import sys
 import textwrap
@@ -350,10 +351,8 @@ def test_random_corruption_never_crashes_or_hangs(new_chan_name):
 def _scribble_record_field(name: str, payload: bytes, field: int, value: int) -> None:
     """Overwrite one u64 field (byte offset from the record's start) of the record whose
     payload is `payload`, through the segment's file. The record is found from its
-    payload: data_len (offset 32) is the 8-byte word holding len(payload) right before
-    the key blob and hashes, found by walking back from the payload in words."""
-    import struct
-
+    payload: walking back from it in words, data_len (offset 32) is the first word that
+    holds len(payload) with a raw kind (0, offset 24) before it."""
     with open(segment_path(name), "r+b") as f:
         seg = f.read()
         at = seg.index(payload)
@@ -361,7 +360,8 @@ def _scribble_record_field(name: str, payload: bytes, field: int, value: int) ->
         start = next(
             at - back - 32
             for back in range(8, 512, 8)
-            if seg[at - back : at - back + 8] == want and seg[at - back - 8 : at - back - 4] == b"\0\0\0\0"
+            if seg[at - back : at - back + 8] == want
+            and seg[at - back - 8 : at - back - 4] == b"\0\0\0\0"
         )
         f.seek(start + field)
         f.write(struct.pack("<Q", value))
