@@ -570,6 +570,24 @@ def test_recv_with_negative_timeout_raises_even_with_a_message_ready(tx, rx):
         assert h.payload == b"ready"
 
 
+@pytest.mark.parametrize("timeout", [-(2**40), -(10**30)], ids=repr)
+def test_recv_and_send_with_a_large_negative_int_timeout_raise(tx, rx, timeout):
+    """The sign of an int timeout of any size decides, not its low digits."""
+    tx.send(b"ready")
+    with pytest.raises(ValueError):
+        rx.recv(timeout)
+    with pytest.raises(ValueError):
+        tx.send(b"x", timeout=timeout)
+    with rx.recv(timeout=5) as h:  # still there, and alone
+        assert h.payload == b"ready"
+
+
+def test_recv_and_send_accept_a_huge_int_timeout(tx, rx):
+    tx.send(b"x", timeout=10**30)
+    with rx.recv(10**30) as h:
+        assert h.payload == b"x"
+
+
 @pytest.mark.parametrize("max_items", [0, -1, "3", 3.0, None, True], ids=repr)
 def test_recv_many_with_a_bad_count_raises_value_error(tx, rx, max_items):
     tx.send(b"ready")
