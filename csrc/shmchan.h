@@ -196,6 +196,8 @@ int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
 int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_handle_view(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_unmoved(shm_chan *c, uint32_t slot, uint64_t word, uint64_t pos);
+/* shm_unmoved for msgs[0..n): the index of the first that moved, or n (handles.c) */
+uint32_t shm_unmoved_many(shm_chan *c, const shm_msg *msgs, uint32_t n);
 int  shm_handle_send(shm_chan *c, uint32_t slot, uint32_t gen);
 int  shm_handle_adopt(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t token);
 /* the two above for a batch, in one call: status[i] per handle (handles.c) */
