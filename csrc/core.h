@@ -698,7 +698,18 @@ int window_parked_movable(shm_chan *c, uint64_t pos);
 void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n);
 void window_wake_push(shm_chan *c, uint64_t hash);
 void window_link(shm_chan *c, uint32_t s);
-void window_unlink(shm_chan *c, uint32_t s);
+/* s leaves the window's age list (links checked: one out of range is left alone).
+ * Inline: every finished message goes through it, a run's release once per message. */
+static inline void window_unlink(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
+    uint32_t newer = c->slots[s].newer, older = c->slots[s].older;
+    if (newer >= 1 && newer <= m) c->slots[newer].older = older;
+    else if (h->newest == s) h->newest = older >= 1 && older <= m ? older : NIL;
+    if (older >= 1 && older <= m) c->slots[older].newer = newer;
+    else if (h->oldest == s) h->oldest = newer >= 1 && newer <= m ? newer : NIL;
+    c->slots[s].newer = c->slots[s].older = NIL;
+}
 /* sched.c (for window.c) */
 shm_key *sched_key_find(shm_chan *c, uint64_t hash);
 shm_key *sched_key_get(shm_chan *c, uint64_t hash);

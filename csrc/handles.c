@@ -116,7 +116,7 @@ static void out_link(shm_chan *c, uint32_t s) {
     h->handed_out = s;
 }
 
-static void out_unlink(shm_chan *c, uint32_t s) {
+__attribute__((always_inline)) static inline void out_unlink(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
     uint32_t next = sl->out_next, prev = sl->out_prev, m = c->cfg.max_messages;
@@ -139,7 +139,9 @@ int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next) {
 }
 
 /* ---- finishing handles (receiver only, under rx_mu) ------------------------------------ */
-void slot_free(shm_chan *c, uint32_t s) {
+/* slot_free but for the window count, which the caller keeps (a run's release counts its
+ * messages once: see release_many_rx). */
+__attribute__((always_inline)) static inline void slot_free_uncounted(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
     uint32_t gen = SLOT_GEN(sl->state) + 1;
     /* release: a holder's CAS against the old generation now fails; pairs with their
@@ -148,6 +150,10 @@ void slot_free(shm_chan *c, uint32_t s) {
     window_unlink(c, s);
     sl->next = c->hdr->free_slots;
     c->hdr->free_slots = s;
+}
+
+void slot_free(shm_chan *c, uint32_t s) {
+    slot_free_uncounted(c, s);
     c->hdr->window--;
 }
 
@@ -534,29 +540,52 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     return SHM_OK;
 }
 
-/* The receiver's own releases, many at once: one lock, one head advance. */
+/* The receiver's own releases, many at once: one lock, one head advance, and the header's
+ * counts of what is in flight, the keys held and the window changed once for the run.
+ *
+ * Those three counts are derived state: a receiver killed in the middle of the run
+ * (between rx_begin and rx_end, so dirty is set) leaves them behind the slots' states,
+ * and the next receiver rebuilds them from the message table (rebuild.c), like the key
+ * lines and free lists the run was changing. The released count is not rebuilt, so it
+ * moves with each message, as in a single release. Every other step is finish_released's,
+ * in its order, per message. */
 static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
                            int *wake) {
     int rc = SHM_OK, broken = 0;
     rx_lock(&c->rx_mu);
     rx_begin(c);
-    uint32_t touched = slots_touched(c, c->hdr); /* fixed while we hold rx_mu */
+    shm_header *h = c->hdr;
+    uint32_t touched = slots_touched(c, h); /* fixed while we hold rx_mu */
+    uint64_t finished = 0, keys = 0;
     for (uint32_t i = 0; i < n && !broken; i++) {
         uint32_t s = slots[i];
         if (s == NIL || s >= touched) { /* never handed out */
             rc = SHM_E_INVALID;
             continue;
         }
+        shm_slot *sl = &c->slots[s];
         uint64_t expect = SLOT_WORD(gens[i], SLOT_INFLIGHT);
         /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
-        if (!CAS_SEQCST(&c->slots[s].state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
+        if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
             continue; /* stale: a no-op */
-        int r = finish_released(c, s); /* our CAS, under rx_mu: nobody finished it since */
+        if (i == n / 2) test_pause(SHM_PAUSE_RELEASE_RUN);
+        /* our CAS, under rx_mu: nobody finished it since (see finish_released) */
+        finished++;
+        keys += sl->nkeys; /* before sched_release empties it */
+        int r = sched_release(c, s);
         if (r) { /* half done: leave the header dirty for the next receiver's rebuild */
             rc = r;
             broken = 1;
+            break;
         }
+        out_unlink(c, s);
+        ring_mark_done(c, sl->pos);
+        slot_free_uncounted(c, s);
+        h->released++;
     }
+    h->inflight -= finished;
+    h->held_keys -= keys;
+    h->window -= (uint32_t)(finished - (uint64_t)broken); /* the broken one kept its slot */
     if (!broken && (ring_advance_head(c) | compact(c))) {
         ring_rewind(c); /* as in shm_release: before the fence */
         FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
