@@ -765,7 +765,7 @@ int handles_rx_asleep(shm_chan *c); /* a release in the receiver's process: wake
 void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
-int handles_hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now);
+void handles_out_link(shm_chan *c, uint32_t s); /* s joins the handed-out list */
 /* batchin.c */
 int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
                 int *moved);

@@ -291,9 +291,7 @@ static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     return SHM_OK;
 }
 
-int handles_hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
-    return hand_out(c, s, m, now); /* for the run path of a batch receive (batchin.c) */
-}
+void handles_out_link(shm_chan *c, uint32_t s) { out_link(c, s); } /* batchin.c's hand-out */
 
 /* Is there anything a poll could act on right now? (the re-check before sleeping)
  * `shut_seen`: this poll already saw the shutdown, which wakes no one again. */
