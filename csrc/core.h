@@ -765,7 +765,17 @@ int handles_rx_asleep(shm_chan *c); /* a release in the receiver's process: wake
 void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
-void handles_out_link(shm_chan *c, uint32_t s); /* s joins the handed-out list */
+/* s joins the front of the handed-out list (receiver only, under rx_mu). Inline: every
+ * hand-out links one, a batch receive's run once per message. */
+static inline void handles_out_link(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    sl->out_prev = NIL;
+    sl->out_next = h->handed_out;
+    if (h->handed_out != NIL && h->handed_out <= c->cfg.max_messages)
+        c->slots[h->handed_out].out_prev = s;
+    h->handed_out = s;
+}
 /* batchin.c */
 int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
                 int *moved);

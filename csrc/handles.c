@@ -106,15 +106,7 @@ int shm_rx_release_ownership(shm_chan *c) {
 }
 
 /* ---- the handed-out list (receiver only, under rx_mu) ----------------------------------- */
-static void out_link(shm_chan *c, uint32_t s) {
-    shm_header *h = c->hdr;
-    shm_slot *sl = &c->slots[s];
-    sl->out_prev = NIL;
-    sl->out_next = h->handed_out;
-    if (h->handed_out != NIL && h->handed_out <= c->cfg.max_messages)
-        c->slots[h->handed_out].out_prev = s;
-    h->handed_out = s;
-}
+static void out_link(shm_chan *c, uint32_t s) { handles_out_link(c, s); }
 
 __attribute__((always_inline)) static inline void out_unlink(shm_chan *c, uint32_t s) {
     shm_header *h = c->hdr;
@@ -290,8 +282,6 @@ static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     m->word = SLOT_WORD(gen, SLOT_INFLIGHT); /* nobody holds it yet: nobody changed it */
     return SHM_OK;
 }
-
-void handles_out_link(shm_chan *c, uint32_t s) { out_link(c, s); } /* batchin.c's hand-out */
 
 /* Is there anything a poll could act on right now? (the re-check before sleeping)
  * `shut_seen`: this poll already saw the shutdown, which wakes no one again. */
