@@ -709,7 +709,18 @@ int window_parked_movable(shm_chan *c, uint64_t pos);
 void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n);
 void window_wake_push(shm_chan *c, uint64_t hash);
 void window_link(shm_chan *c, uint32_t s);
-void window_unlink(shm_chan *c, uint32_t s);
+/* s leaves the window's age list (links checked: one out of range is left alone).
+ * Inline: every finished message goes through it, a run's release once per message. */
+static inline void window_unlink(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
+    uint32_t newer = c->slots[s].newer, older = c->slots[s].older;
+    if (newer >= 1 && newer <= m) c->slots[newer].older = older;
+    else if (h->newest == s) h->newest = older >= 1 && older <= m ? older : NIL;
+    if (older >= 1 && older <= m) c->slots[older].newer = newer;
+    else if (h->oldest == s) h->oldest = newer >= 1 && newer <= m ? newer : NIL;
+    c->slots[s].newer = c->slots[s].older = NIL;
+}
 /* sched.c (for window.c) */
 shm_key *sched_key_find(shm_chan *c, uint64_t hash);
 shm_key *sched_key_get(shm_chan *c, uint64_t hash);
@@ -765,7 +776,17 @@ int handles_rx_asleep(shm_chan *c); /* a release in the receiver's process: wake
 void slot_free(shm_chan *c, uint32_t s);
 void handles_push(shm_chan *c, uint32_t s);
 int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next);
-int handles_hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now);
+/* s joins the front of the handed-out list (receiver only, under rx_mu). Inline: every
+ * hand-out links one, a batch receive's run once per message. */
+static inline void handles_out_link(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    sl->out_prev = NIL;
+    sl->out_next = h->handed_out;
+    if (h->handed_out != NIL && h->handed_out <= c->cfg.max_messages)
+        c->slots[h->handed_out].out_prev = s;
+    h->handed_out = s;
+}
 /* batchin.c */
 /* A receive for fewer messages than this keeps the general path's batched scan; the
  * caller tests it, so a single receive does not pay the call. */

@@ -107,13 +107,7 @@ int shm_rx_release_ownership(shm_chan *c) {
 
 /* ---- the handed-out list (receiver only, under rx_mu) ----------------------------------- */
 __attribute__((always_inline)) static inline void out_link(shm_chan *c, uint32_t s) {
-    shm_header *h = c->hdr;
-    shm_slot *sl = &c->slots[s];
-    sl->out_prev = NIL;
-    sl->out_next = h->handed_out;
-    if (h->handed_out != NIL && h->handed_out <= c->cfg.max_messages)
-        c->slots[h->handed_out].out_prev = s;
-    h->handed_out = s;
+    handles_out_link(c, s);
 }
 
 __attribute__((always_inline)) static inline void out_unlink(shm_chan *c, uint32_t s) {
@@ -139,8 +133,9 @@ int handed_out_next(shm_chan *c, uint32_t s, uint32_t *next) {
 }
 
 /* ---- finishing handles (receiver only, under rx_mu) ------------------------------------ */
-/* Inline in the single release (finish_released): the call cost it about 15 instructions. */
-__attribute__((always_inline)) static inline void free_slot(shm_chan *c, uint32_t s) {
+/* slot_free but for the window count, which the caller keeps (a run's release counts its
+ * messages once: see release_many_rx). */
+__attribute__((always_inline)) static inline void slot_free_uncounted(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
     uint32_t gen = SLOT_GEN(sl->state) + 1;
     /* release: a holder's CAS against the old generation now fails; pairs with their
@@ -149,6 +144,11 @@ __attribute__((always_inline)) static inline void free_slot(shm_chan *c, uint32_
     window_unlink(c, s);
     sl->next = c->hdr->free_slots;
     c->hdr->free_slots = s;
+}
+
+/* Inline in the single release (finish_released): the call cost it about 15 instructions. */
+__attribute__((always_inline)) static inline void free_slot(shm_chan *c, uint32_t s) {
+    slot_free_uncounted(c, s);
     c->hdr->window--;
 }
 
@@ -326,10 +326,6 @@ static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
     m->attempt = sl->attempt;
     m->word = SLOT_WORD(gen, SLOT_INFLIGHT); /* nobody holds it yet: nobody changed it */
     return SHM_OK;
-}
-
-int handles_hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
-    return hand_out(c, s, m, now); /* for the run path of a batch receive (batchin.c) */
 }
 
 /* Is there anything a poll could act on right now? (the re-check before sleeping)
@@ -579,29 +575,52 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     return SHM_OK;
 }
 
-/* The receiver's own releases, many at once: one lock, one head advance. */
+/* The receiver's own releases, many at once: one lock, one head advance, and the header's
+ * counts of what is in flight, the keys held and the window changed once for the run.
+ *
+ * Those three counts are derived state: a receiver killed in the middle of the run
+ * (between rx_begin and rx_end, so dirty is set) leaves them behind the slots' states,
+ * and the next receiver rebuilds them from the message table (rebuild.c), like the key
+ * lines and free lists the run was changing. The released count is not rebuilt, so it
+ * moves with each message, as in a single release. Every other step is finish_released's,
+ * in its order, per message. */
 static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
                            int *wake) {
     int rc = SHM_OK, broken = 0;
     rx_lock(&c->rx_mu);
     rx_begin(c);
-    uint32_t touched = slots_touched(c, c->hdr); /* fixed while we hold rx_mu */
+    shm_header *h = c->hdr;
+    uint32_t touched = slots_touched(c, h); /* fixed while we hold rx_mu */
+    uint64_t finished = 0, keys = 0;
     for (uint32_t i = 0; i < n && !broken; i++) {
         uint32_t s = slots[i];
         if (s == NIL || s >= touched) { /* never handed out */
             rc = SHM_E_INVALID;
             continue;
         }
+        shm_slot *sl = &c->slots[s];
         uint64_t expect = SLOT_WORD(gens[i], SLOT_INFLIGHT);
         /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
-        if (!CAS_SEQCST(&c->slots[s].state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
+        if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
             continue; /* stale: a no-op */
-        int r = finish_released(c, s); /* our CAS, under rx_mu: nobody finished it since */
+        if (i == n / 2) test_pause(SHM_PAUSE_RELEASE_RUN);
+        /* our CAS, under rx_mu: nobody finished it since (see finish_released) */
+        finished++;
+        keys += sl->nkeys; /* before sched_release empties it */
+        int r = sched_release(c, s);
         if (r) { /* half done: leave the header dirty for the next receiver's rebuild */
             rc = r;
             broken = 1;
+            break;
         }
+        out_unlink(c, s);
+        ring_mark_done(c, sl->pos);
+        slot_free_uncounted(c, s);
+        h->released++;
     }
+    h->inflight -= finished;
+    h->held_keys -= keys;
+    h->window -= (uint32_t)(finished - (uint64_t)broken); /* the broken one kept its slot */
     if (!broken && (ring_advance_head(c) | compact(c))) {
         ring_rewind(c); /* as in shm_release: before the fence */
         FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
@@ -681,6 +700,24 @@ int shm_unmoved(shm_chan *c, uint32_t s, uint64_t word, uint64_t pos) {
     shm_slot *sl = &c->slots[s];
     if (LOAD_RELAXED(&sl->pos) != pos || LOAD_RELAXED(&sl->state) != word) return SHM_STALE;
     return SHM_OK;
+}
+
+/* shm_unmoved for a batch's messages at once (Batch.joined): bytes copied from every
+ * msgs[i]'s record before this call are good for each i below the count returned (the
+ * index of the first message whose record moved or was finished, or n). One fence for
+ * the run, then the same two loads per message as shm_unmoved. */
+uint32_t shm_unmoved_many(shm_chan *c, const shm_msg *msgs, uint32_t n) {
+    uint32_t touched = slots_touched(c, c->hdr);
+    /* acquire fence: as in shm_unmoved, once for every copy made before the call. */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t s = (uint32_t)msgs[i].slot;
+        if (s == NIL || s >= touched) return i; /* never handed out */
+        shm_slot *sl = &c->slots[s];
+        if (LOAD_RELAXED(&sl->pos) != msgs[i].pos || LOAD_RELAXED(&sl->state) != msgs[i].word)
+            return i;
+    }
+    return n;
 }
 
 /* ---- hand-over: a handle pickled to another process ----------------------------------

@@ -628,7 +628,7 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
  *     the rest go through key_insert, which probes afresh.
  *   - the room test answered from what is committed (room(.., 0)); the first message of a
  *     receive asks sched_has_room instead, which may commit more, as decide() would.
- *   - no ready queue: the caller hands the message out at once (handles_hand_out), so its
+ *   - no ready queue: the caller hands the message out at once (batchin.c), so its
  *     state goes FREE -> INFLIGHT with no READY between, and the queue it would have
  *     been the only entry of is not touched. A receiver killed between leaves dirty set
  *     and a FREE slot that the record names: the rebuild frees the slot and takes the

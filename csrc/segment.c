@@ -542,6 +542,7 @@ int shm_layout_fact(const char *name, uint64_t *out) {
         {"key.tail", offsetof(shm_key, tail)},
         {"record.kind", offsetof(shm_record, kind)},
         {"record.meta", offsetof(shm_record, meta)},
+        {"record.data_len", offsetof(shm_record, data_len)},
     };
     for (size_t i = 0; i < sizeof facts / sizeof facts[0]; i++) {
         if (strcmp(facts[i].name, name) == 0) {

@@ -196,6 +196,8 @@ int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
 int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_handle_view(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_unmoved(shm_chan *c, uint32_t slot, uint64_t word, uint64_t pos);
+/* shm_unmoved for msgs[0..n): the index of the first that moved, or n (handles.c) */
+uint32_t shm_unmoved_many(shm_chan *c, const shm_msg *msgs, uint32_t n);
 int  shm_handle_send(shm_chan *c, uint32_t slot, uint32_t gen);
 int  shm_handle_adopt(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t token);
 /* the two above for a batch, in one call: status[i] per handle (handles.c) */
@@ -221,6 +223,7 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_GIVE_BACK      10   /* a give-back of ring memory, holding the tail      */
 #define SHM_PAUSE_SEND_GROUP     11   /* a send_many group, its record 1 claimed, unpublished */
 #define SHM_PAUSE_RUN_TAKEN      12   /* a batch receive's run: 2nd message taken, not out */
+#define SHM_PAUSE_RELEASE_RUN    13   /* the receiver's release of many, half its messages finished */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 /* Tests only: key tables of channels this process creates from now on start at this many
  * entries (a power of two from 16 to the default 512; 0 = the default), so that their

@@ -69,17 +69,6 @@ void window_link(shm_chan *c, uint32_t s) {
     h->newest = s;
 }
 
-void window_unlink(shm_chan *c, uint32_t s) {
-    shm_header *h = c->hdr;
-    uint32_t m = c->cfg.max_messages;
-    uint32_t newer = c->slots[s].newer, older = c->slots[s].older;
-    if (newer >= 1 && newer <= m) c->slots[newer].older = older;
-    else if (h->newest == s) h->newest = older >= 1 && older <= m ? older : NIL;
-    if (older >= 1 && older <= m) c->slots[older].newer = newer;
-    else if (h->oldest == s) h->oldest = newer >= 1 && newer <= m ? newer : NIL;
-    c->slots[s].newer = c->slots[s].older = NIL;
-}
-
 static int finished_state(uint32_t st) {
     return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED || st == REC_SKIP;
 }

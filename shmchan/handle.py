@@ -379,6 +379,7 @@ _hot.bind(
             "shm_handle_send_many",
             "shm_handle_adopt_many",
             "shm_timers_wait",
+            "shm_unmoved_many",
         )
     },
     Handle,

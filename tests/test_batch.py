@@ -307,3 +307,27 @@ def test_recv_batch_failing_after_the_receive_gives_the_messages_back(
     assert sorted(h.payload for h in got) == [b"1", b"2", b"3"]
     assert all(h.attempt == 2 for h in got)  # given back, delivered again
     rx.release_many(got)
+
+
+def test_joined_gives_the_right_bytes_for_messages_moved_while_held(
+    make_channel: Callable[..., Any],
+) -> None:
+    # A batch held while traffic flows past it: its records are slid forward (the ring's
+    # compaction), so joined() finds some moved and copies those the careful way.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    payloads = [bytes([i]) * (20_000 + i) for i in range(6)]
+    _send(tx, payloads, [f"held{i}" for i in range(6)])
+    b = rx.recv_batch(6, timeout=WAIT)
+    assert len(b) == 6
+    first = b.joined()
+    for i in range(120):  # 12 MB through a 1 MiB ring
+        tx.send(bytes(100_000), keys=(f"k{i % 3}",), timeout=WAIT)
+        with rx.recv(timeout=WAIT) as h:
+            assert h.seq == 7 + i
+    assert first == b"".join(payloads)
+    assert b.joined() == b"".join(payloads)
+    assert [b.payload(i) for i in range(6)] == payloads
+    b.release()
+    rx.try_recv()
+    assert ch.stats().used_bytes < 64 << 10

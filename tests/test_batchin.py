@@ -4,6 +4,7 @@ locks as the one-at-a-time path, whichever calls the producers and the consumer 
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -323,6 +324,54 @@ def test_a_receiver_killed_between_a_runs_take_in_and_hand_out_loses_nothing(
         assert dict(got)[seqs[0]] == 2 and all(a == 1 for s, a in got if s != seqs[0])
         assert ch.stats().inflight == 0
         rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name)
+
+
+_SCRIBBLED_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rx = shmchan.Channel.open(name).receiver()
+    lib.shm_test_pause_at(lib.SHM_PAUSE_RUN_TAKEN, notify, wait)
+    b = rx.recv_batch(3, timeout=10)
+    assert b.payloads() == [b"aaaa"], b.payloads()  # the scribbled one is not handed out
+    try:
+        rx.recv_batch(3, timeout=1)
+    except shmchan.ChannelCorrupted:
+        sys.exit(3)
+    print(rx.recv_batch(3, timeout=1).lengths.tolist())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_record_scribbled_on_during_a_run_is_refused_not_described_out_of_bounds(
+    chan_name: str,
+) -> None:
+    # The run hands a message out from the check its take-in made: a producer that writes
+    # a huge payload length into the record between the two must get the receive refused
+    # as corrupt, never a description reaching past the record.
+    from procs import child_at_pause, layout_fact
+
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 20)
+    try:
+        tx = ch.sender()
+        tx.send_batch(b"aaaabbbbcccc", [4, 4, 4], ["a", "b", "c"])
+        with child_at_pause(_SCRIBBLED_VICTIM, chan_name, "a run's second take-in") as (child, go):
+            fd = os.open(f"/dev/shm/shmchan.{chan_name}", os.O_RDWR)
+            try:
+                ring = int.from_bytes(os.pread(fd, 8, layout_fact("header.ring_off")), "little")
+                meta = int.from_bytes(os.pread(fd, 8, ring + layout_fact("record.meta")), "little")
+                second = ring + (meta >> 8)  # the record after the first (META_LEN)
+                at = second + layout_fact("record.data_len")
+                assert int.from_bytes(os.pread(fd, 8, at), "little") == 4
+                os.pwrite(fd, (1 << 40).to_bytes(8, "little"), at)
+            finally:
+                os.close(fd)
+            os.write(go, b"\0")
+            assert child.wait(30) == 3
     finally:
         ch.close()
         shmchan.unlink(chan_name)

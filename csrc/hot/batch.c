@@ -207,13 +207,25 @@ static PyObject *Batch_joined(BatchObject *b, PyObject *unused) {
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
     if (out == NULL) return NULL;
     char *p = PyBytes_AS_STRING(out);
+    /* Copy every payload in bounds, then one seqlock check for the batch (the core's
+     * unmoved_many): the messages before the first moved one are good as copied. */
+    Py_ssize_t good = b->n;
     for (Py_ssize_t i = 0; i < b->n; i++) {
         shm_msg *m = &b->msgs[i];
-        int ok = m->data_off <= seg->size && m->data_len <= seg->size - m->data_off;
-        if (ok) {
+        if (m->data_off <= seg->size && m->data_len <= seg->size - m->data_off)
             memcpy(p, seg->base + m->data_off, (size_t)m->data_len);
-            ok = hot_core.unmoved(seg->c, (uint32_t)m->slot, m->word, m->pos) == SHM_OK;
-        }
+        else if (good == b->n)
+            good = i; /* out of bounds: the careful way, below */
+        p += m->data_len;
+    }
+    Py_ssize_t first = (Py_ssize_t)hot_core.unmoved_many(seg->c, b->msgs, (uint32_t)b->n);
+    if (good > first) good = first;
+    p = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < good; i++) p += b->msgs[i].data_len;
+    for (Py_ssize_t i = good; i < b->n; i++) { /* from the first that moved: one at a time */
+        shm_msg *m = &b->msgs[i];
+        int ok = m->data_off <= seg->size && m->data_len <= seg->size - m->data_off &&
+                 hot_core.unmoved(seg->c, (uint32_t)m->slot, m->word, m->pos) == SHM_OK;
         if (!ok) { /* moved while we copied: the careful way for this one */
             PyObject *idx = PyLong_FromSsize_t(i);
             PyObject *v = idx ? batch_peek_attr(b, idx, "payload") : NULL;

@@ -1,0 +1,72 @@
+"""The receiver's release of many messages at once (Batch.release, Receiver.release_many)
+finishes them as one run (csrc/handles.c release_many_rx): a receiver killed in the middle
+of the run loses nothing, redelivers only what it had not released, and leaves tables the
+next receiver can rebuild."""
+
+from __future__ import annotations
+
+import pytest
+from procs import check_core, kill_at_pause, take_receiver_seat
+
+import shmchan
+
+N = 20  # messages the victim holds; the pause is after the CAS of the 11th (N // 2)
+
+_RELEASE_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "{how}"
+    rx = shmchan.Channel.open(name).receiver()
+    if how == "batch":
+        b = rx.recv_batch({n}, timeout=10)
+        assert len(b) == {n}
+        lib.shm_test_pause_at(lib.SHM_PAUSE_RELEASE_RUN, notify, wait)
+        b.release()
+    else:
+        hs = rx.recv_many({n}, timeout=10)
+        assert len(hs) == {n}
+        lib.shm_test_pause_at(lib.SHM_PAUSE_RELEASE_RUN, notify, wait)
+        rx.release_many(hs)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["batch", "many"])
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_receiver_killed_in_the_middle_of_a_release_run_loses_nothing(
+    chan_name: str, order: str, how: str
+) -> None:
+    # Killed with the first half finished and the 11th marked released: those are gone
+    # for good; the rest were still the dead receiver's and come back, before every later
+    # message on their keys, with their second attempt.
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 20, order=order)
+    try:
+        tx = ch.sender()
+        keys = [f"k{i}" for i in range(N)]
+        first = list(tx.send_batch(bytes(N), [1] * N, keys))
+        kill_at_pause(_RELEASE_VICTIM.format(how=how, n=N), chan_name, "a release run's middle")
+        rx = take_receiver_seat(ch)
+        check_core(rx)
+        later = list(tx.send_batch(bytes(N), [1] * N, keys))
+        got: list[tuple[int, int]] = []
+        while len(got) < N + N - (N // 2 + 1):
+            b = rx.recv_batch(100, timeout=10)
+            got.extend(zip((int(s) for s in b.seqs), (int(a) for a in b.attempts), strict=True))
+            check_core(rx)
+            b.release()
+            check_core(rx)
+        assert rx.try_recv() is None
+        back = first[N // 2 + 1 :]
+        assert sorted(s for s, _ in got) == sorted(back + later)  # each once, none lost
+        assert all(a == 2 for s, a in got if s in back)
+        assert all(a == 1 for s, a in got if s in later)
+        if order == "fifo":  # per key: the redelivered one before the later one
+            place = {s: i for i, (s, _) in enumerate(got)}
+            assert all(place[first[i]] < place[later[i]] for i in range(N // 2 + 1, N))
+        stats = ch.stats()
+        assert (stats.inflight, stats.queued) == (0, 0)
+        rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name)
