@@ -151,7 +151,7 @@ def tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, in
     """This process claims the ring's tail and stops there, as a live producer between
     its claim and its length would (nobody repairs the claim). Yields the segment
     mapped, the claimed owner word's offset and the EMPTY value to give the tail back
-    with. No send may be under way."""
+    with. Nothing may be in the ring past the tail hint (no send under way)."""
     from shmchan import liveness
 
     with open(shmchan._segment.name_file(ch.name, None), "r+b") as f:
@@ -159,14 +159,8 @@ def tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, in
     try:
         (ring_off,) = struct.unpack_from("<Q", seg, layout_fact("header.ring_off"))
         (tail,) = struct.unpack_from("<Q", seg, layout_fact("header.tail_hint"))
-        # The hint may lag the tail by a few records: follow their lengths (meta >> 8).
-        for _ in range(ch.capacity // 32):
-            owner_at = ring_off + tail % ch.capacity
-            (owner, meta) = struct.unpack_from("<QQ", seg, owner_at)
-            if owner & 1:
-                break
-            assert meta >> 8, "a record being written: no send may be under way"
-            tail += meta >> 8
+        owner_at = ring_off + tail % ch.capacity
+        (owner,) = struct.unpack_from("<Q", seg, owner_at)
         assert owner == tail | 1  # EMPTY(tail): the next record goes here
         struct.pack_into("<Q", seg, owner_at, liveness.current_token() << 1)
         yield seg, owner_at, owner
