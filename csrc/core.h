@@ -499,8 +499,6 @@ struct shm_chan {
     uint32_t producer;  /* registry index + 1 while registered, 0 otherwise          */
     int is_rx;          /* this attachment holds the receiver                         */
     uint64_t cached_head; /* producers: last head seen, refreshed only when short    */
-    uint64_t last_end;  /* producers: where this process's latest record ended, a walk
-                         * start as good as tail_hint (ring.c: the lazy hint); any thread */
     /* Receiver-only work avoidance, process-local and reset by shm_rx_acquire, so a
      * receiver's first polls do the full work. Each skip is also bounded in time
      * (RECHECK_NS): whatever event it failed to foresee, the work is done again soon. */
@@ -659,7 +657,6 @@ int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
 int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t final_state,
                      int *wake);
 int ring_advance_head(shm_chan *c);
-uint64_t ring_tail_probe(shm_chan *c, uint64_t head); /* ring.c: the tail, about */
 #define HEAD_UNKNOWN UINT64_MAX /* head_still: look (see ring_head_may_move) */
 /* May ring_advance_head move head now? No if head is where the last advance left it and
  * nothing has happened since that could let it go further: ring_mark_done, island_add and

@@ -77,36 +77,6 @@
  * bytes no walker can reach. Order is that of the batch; one CAS, one hint raise and one
  * shutdown check per group instead of per record.
  *
- * The tail hint (tail_hint in the header, and each attachment's last_end) says where
- * a walk in step 1 may start; the owner words are the truth (invariant T). Invariant H:
- * the hint never runs ahead of the tail and never falls (hint_raise: CAS to the maximum,
- * of the end of a record whose length is published, a position that was the tail).
- * Raising it after every record cost each send a second locked instruction on a line
- * every producer writes and the receiver reads, so it is raised lazily (hint_lazy): a
- * producer records its record's end in its own last_end, and raises the shared hint
- * only when it lags that end by hint_stride (2 KiB, or a 32nd of the ring), on a full
- * ring (to the tail it found), and, as before, after a group, a skip, a cancel, a
- * repair and a rewind. Its walk starts at the furthest of the hint and last_end:
- * usually the tail when it is the only producer, otherwise a few records behind. So the
- * hint lags the end of the newest record whose producer got as far as hint_lazy by less
- * than a stride, plus the records claimed since. Nobody waits on the hint, so lag costs
- * no message and no sleep:
- *   - the receiver reads records in order from scan_pos up to the EMPTY owner word and
- *     decides to sleep on the ring itself (work_pending, under the eventcount); the hint
- *     only bounds the rounds one receive makes past what had arrived (a lagging one ends
- *     the call sooner with SHM_AGAIN, which the caller repeats);
- *   - readers that want a level (statistics, the space rationing) walk from the hint to
- *     the first unpublished record (ring_tail_probe); the compaction and lookahead
- *     heuristics compare it against half the ring, and lag is at most a 32nd;
- *   - a producer SIGKILLed between its claim and hint_lazy leaves the hint where it was:
- *     its record is CLAIMED (repaired, which raises the hint past it) or has its length
- *     published (walkers step over it), as a producer killed before its hint raise
- *     always did. A dead process's last_end dies with it.
- * last_end is process-local and, like the hint, only a start: a stale one (the ring
- * lapped, another thread of the process stored an older end) fails the walk's checks
- * (behind head, a foreign EMPTY, a bad length) and the walk restarts from head and the
- * hint, as from a stale hint.
- *
  * Gated records (an exchange's publish, exchange.c): step 6 ends in GATED instead of
  * COMMITTED, with a gate trailer naming a transaction word in the exchange's segment.
  * The consumer treats GATED like WRITING (a stall naming the claimant). The publisher
@@ -149,7 +119,6 @@
 #include "core.h"
 
 #define WALK_SPINS 2000u /* spins waiting for a claimant to publish its length */
-#define HINT_STRIDE 2048u /* the most the lazy tail hint lags, in bytes (hint_stride) */
 
 void ring_init(shm_chan *c) {
     shm_record *r = rec_at(c, 0);
@@ -197,61 +166,12 @@ static void hint_raise(shm_chan *c, uint64_t pos) {
     }
 }
 
-/* The lazy hint, after a record ending at end was published (see "The tail hint" at the
- * top of this file): remember end for this process's next walk, and raise the shared
- * hint only once it lags by a stride. Most sends thus write no shared word but their
- * record's, and issue one locked instruction (the claim) instead of two. */
-static inline uint64_t hint_stride(shm_chan *c) {
-    uint64_t s = c->limit / 32;
-    return s < HINT_STRIDE ? s : HINT_STRIDE;
-}
-
-static inline void hint_lazy(shm_chan *c, uint64_t end) {
-    /* relaxed: a walk start, checked by the walk (its acquire loads of owner words);
-     * threads of this process may race here, and an older end only lengthens a walk. */
-    STORE_RELAXED(&c->last_end, end);
-    /* relaxed: only decides whether to raise; hint_raise's CAS is the ordered part */
-    uint64_t cur = LOAD_RELAXED(&c->hdr->tail_hint);
-    if (UNLIKELY(end > cur && end - cur >= hint_stride(c))) hint_raise(c, end);
-}
-
-/* Where the tail is, about, for readers that want it close (statistics, the space
- * rationing): from the furthest of tail_hint, this process's last_end and head, follow
- * published lengths to the first record not yet published (hint_stride(c) bytes of
- * records at most past a live hint). Never ahead of the tail: it moves only over lengths
- * published at their position, as a walk in claim() does. Records are read through
- * rec_at (masked) and every length is checked, so a walk over bytes reused meanwhile
- * stops early (at a foreign EMPTY word, a bad length, or a capacity from head). */
-uint64_t ring_tail_probe(shm_chan *c, uint64_t head) {
-    uint64_t pos = LOAD_ACQUIRE(&c->hdr->tail_hint); /* pairs with hint_raise */
-    uint64_t mine = LOAD_RELAXED(&c->last_end);      /* see hint_lazy */
-    if (mine > pos) pos = mine;
-    if (pos < head || pos - head > c->limit) pos = head;
-    for (uint64_t hops = 0; hops < c->limit / REC_HDR; hops++) {
-        shm_record *r = rec_at(c, pos);
-        /* acquire: pairs with prepare_successor and with claimants' CAS (owner), then
-         * with the claimant's release store of its length (meta). */
-        uint64_t owner = LOAD_ACQUIRE(&r->owner);
-        if (OWNER_IS_EMPTY(owner)) break; /* the tail, or a stale walk */
-        uint64_t meta = LOAD_ACQUIRE(&r->meta);
-        uint64_t len = META_LEN(meta);
-        if (META_STATE(meta) == REC_CLAIMED || !len_ok(c, len) || pos + len - head > c->limit)
-            break;
-        pos += len;
-    }
-    return pos;
-}
-
 /* Steps 1-3. On SHM_OK *pos_out is ours and *seq_out is the message's sequence number. */
 static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, shm_stall *stall) {
     shm_header *h = c->hdr;
     const uint64_t mine = OWNER_CLAIM(c->token);
     /* acquire: pairs with the release CAS in hint_raise. */
     uint64_t pos = LOAD_ACQUIRE(&h->tail_hint);
-    /* relaxed: where this process's latest record ended (hint_lazy), usually the tail
-     * itself when we are the only producer; the walk checks it as it checks the hint. */
-    uint64_t mine_end = LOAD_RELAXED(&c->last_end);
-    if (mine_end > pos) pos = mine_end;
     /* acquire: pairs with the release stores of cached_head below (another thread of
      * this process may have stored it), so the islands published before the head that
      * thread acquired are visible to us too (see the island comment further down). */
@@ -314,9 +234,6 @@ static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, 
                     /* relaxed: a hint to the receiver (compact.c reads it relaxed and
                      * pairs with nothing); its next poll looks for space to compact */
                     FETCH_ADD_RELAXED(&h->refusals, 1);
-                    /* the hint exact while the ring is full, for the space rationing
-                     * (space_free) and whoever reads the fill level */
-                    hint_raise(c, pos);
                     return SHM_FULL;
                 }
                 head = fresh; /* we may be stale, or fit now: look again */
@@ -414,7 +331,7 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
      * also sees EMPTY(pos + n)) and with the receiver's acquire load in ring_peek (a
      * WRITING record's fixed fields and key hashes are complete when seen: window.c). */
     STORE_RELEASE(&r->meta, META(n, REC_WRITING));
-    hint_lazy(c, pos + n);
+    hint_raise(c, pos + n);
 
     uint8_t *p = (uint8_t *)r + REC_BODY + 16u * nkeys; /* past hashes and links */
     copy_small(p, keys, keys_len);
@@ -741,10 +658,7 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
         s++;
         kp += klens[m];
     }
-    if (m == k) { /* other producers may claim behind the group now */
-        STORE_RELAXED(&c->last_end, end); /* see hint_lazy */
-        hint_raise(c, end);
-    }
+    if (m == k) hint_raise(c, end); /* other producers may claim behind the group now */
     /* Pass 2: the bodies, each record COMMITTED in order. */
     off = 0;
     for (uint32_t i = 0; i < m; i++) {
@@ -1132,12 +1046,12 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
 #define SPACE_LOW_WATER(c) ((c)->limit / 4)
 #define SPACE_MIN_RECORD (REC_BODY + REC_HDR) /* the smallest record a sender may wait for */
 
-/* Bytes a sender could claim now (a lower bound of head, an upper bound of the tail
- * found from the lazy hint: a record still being claimed overstates the room, which only
- * makes a wake-up early). */
+/* Bytes a sender could claim now (a lower bound of head, an upper bound of the tail; a
+ * lagging tail hint overstates the room, which only makes a wake-up early). */
 static uint64_t space_free(shm_chan *c) {
     uint64_t head = LOAD_ACQUIRE(&c->hdr->head);      /* pairs with ring_advance_head */
-    uint64_t tail = ring_tail_probe(c, head);
+    uint64_t tail = LOAD_ACQUIRE(&c->hdr->tail_hint); /* pairs with hint_raise */
+    if (tail < head) tail = head;
     uint64_t used = tail - head;
     return used >= c->limit ? 0 : c->limit - used;
 }

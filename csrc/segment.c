@@ -425,7 +425,7 @@ int shm_stats_read(shm_chan *c, shm_stats *o) {
     uint64_t sent = 0;
     for (uint32_t i = 0; i < c->cfg.max_producers; i++) sent += LOAD_RELAXED(&c->producers[i].sent);
     uint64_t head = LOAD_ACQUIRE(&h->head);      /* pairs with ring_advance_head */
-    uint64_t tail = ring_tail_probe(c, head); /* the hint may lag: ring.c */
+    uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
     o->capacity = c->limit;
     /* Live bytes: head to tail, less the SKIP records over islands the receiver has seen
      * there, plus the islands head passed (islands.c). Receiver-written: a snapshot. */
