@@ -115,6 +115,7 @@ static void bind(shm_chan *c, const layout *L) {
     c->heap = (shm_ready *)(c->base + L->heap_off);
     c->ring = c->base + L->ring_off;
     c->cap = page_up(c->cfg.capacity);
+    c->cap_mask = (c->cap & (c->cap - 1)) == 0 ? c->cap - 1 : 0; /* see ring_at */
     c->limit = c->cfg.capacity;
     c->max_nodes = L->max_nodes;
     c->keytab_max = L->keytab_size;
