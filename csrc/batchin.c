@@ -42,45 +42,28 @@
  * moves it meanwhile. So the message is described without handles.c msg_fill's second
  * validation: its fields are read once, here, and each value used is bounded by len, so
  * a producer scribbling on the record since can make the description wrong (as it could
- * the payload) but never point it outside the record. Then the slot's hand-out, step for
- * step as handles.c hand_out, but for the lease: its deadline counts from the run's
- * start, read once (*deadline, 0 until then), as its handed-out time does (now). */
+ * the payload) but never point it outside the record. Then the slot's hand-out
+ * (handles_mark_inflight, as handles.c hand_out), but for the lease: its deadline counts
+ * from the run's start, read once (*deadline, 0 until then), as its handed-out time does
+ * (now). */
 static int run_hand_out(shm_chan *c, uint32_t s, shm_record *r, uint64_t pos, uint64_t len,
                         shm_msg *m, uint64_t now, uint64_t *deadline) {
-    shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
     uint32_t nkeys = r->nkeys, keys_len = r->keys_len, kind = r->kind;
     uint64_t data_len = r->data_len;
-    if (nkeys > c->cfg.max_keys || keys_len > len || data_len > len ||
-        rec_size(nkeys, keys_len, data_len) > len || kind > SHM_PAYLOAD_PICKLE ||
-        (kind != SHM_PAYLOAD_RAW && (c->cfg.flags & SHM_CFG_RAW_ONLY))) {
+    if (!rec_fields_ok(c, kind, nkeys, keys_len, data_len, len) ||
+        rec_size(nkeys, keys_len, data_len) > len) {
         sched_unpop(c, s); /* as hand_out: it stays ready, and every poll reports it */
         return SHM_E_CORRUPT;
     }
     uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * nkeys;
     uint32_t gen = SLOT_GEN(sl->state);
-    sl->attempt++;
-    sl->holder = c->token;
-    sl->handed_ns = now;
-    sl->handover = 0;
     if (c->cfg.lease_ns && !*deadline) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock hand_out's deadlines use */
         *deadline = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + c->cfg.lease_ns;
     }
-    /* lease_gen before deadline, and pin: as in hand_out (the same partners). */
-    STORE_RELAXED(&sl->lease_gen, (uint64_t)gen);
-    STORE_RELEASE(&sl->deadline, c->cfg.lease_ns ? *deadline : 0);
-    STORE_RELAXED(&sl->pin, PIN_FREE);
-    /* release: a holder that sees INFLIGHT (its CAS, or shm_handle_info's acquire) sees
-     * holder, pos, seq and attempt above. */
-    STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_INFLIGHT));
-    h->queued_in_window--;
-    h->inflight++;
-    h->held_keys += sl->nkeys;
-    h->delivered++;
-    if (sl->attempt > 1) h->redelivered++;
-    handles_out_link(c, s);
+    handles_mark_inflight(c, s, gen, now, c->cfg.lease_ns ? *deadline : 0);
     m->slot = s;
     m->gen = gen;
     m->seq = sl->seq;

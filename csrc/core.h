@@ -794,6 +794,34 @@ static inline void handles_out_link(shm_chan *c, uint32_t s) {
         c->slots[h->handed_out].out_prev = s;
     h->handed_out = s;
 }
+/* Slot s (generation gen), its message just described, goes INFLIGHT for this receiver:
+ * stamped, given its lease deadline (0: none), counted and linked as handed out. The one
+ * hand-out step of the poll (handles.c hand_out) and of a batch receive's run (batchin.c
+ * run_hand_out). Receiver only, under rx_mu. */
+static inline void handles_mark_inflight(shm_chan *c, uint32_t s, uint32_t gen, uint64_t now,
+                                         uint64_t deadline) {
+    shm_header *h = c->hdr;
+    shm_slot *sl = &c->slots[s];
+    sl->attempt++;
+    sl->holder = c->token;
+    sl->handed_ns = now;
+    sl->handover = 0;
+    /* lease_gen before deadline: a late extend for an older generation (its cas_pair
+     * expects that generation in lease_gen) either lands before these two stores, and
+     * the deadline store overwrites it, or fails. The release store orders the two. */
+    STORE_RELAXED(&sl->lease_gen, (uint64_t)gen);
+    STORE_RELEASE(&sl->deadline, deadline);
+    STORE_RELAXED(&sl->pin, PIN_FREE); /* a former holder's views ended with its handle */
+    /* release: a holder that sees INFLIGHT (its CAS, or shm_handle_info's acquire) sees
+     * holder, pos, seq and attempt above. */
+    STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_INFLIGHT));
+    h->queued_in_window--;
+    h->inflight++;
+    h->held_keys += sl->nkeys;
+    h->delivered++;
+    if (sl->attempt > 1) h->redelivered++;
+    handles_out_link(c, s);
+}
 /* batchin.c */
 /* A receive for fewer messages than this keeps the general path's batched scan; the
  * caller tests it, so a single receive does not pay the call. */

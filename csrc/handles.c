@@ -293,7 +293,6 @@ __attribute__((always_inline)) static inline int fill(shm_chan *c, uint32_t s, u
  * longer validates -- or, recovered from a durable channel's file, fails its checksum --
  * is not handed out: it goes back on the heap and every poll reports SHM_E_CORRUPT. */
 static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
-    shm_header *h = c->hdr;
     shm_slot *sl = &c->slots[s];
     uint32_t gen = SLOT_GEN(sl->state);
     int rc = fill(c, s, gen, m); /* msg_fill, inline: the hand-out's call cost 20 instructions */
@@ -304,25 +303,7 @@ static int hand_out(shm_chan *c, uint32_t s, shm_msg *m, uint64_t now) {
         sched_unpop(c, s);
         return rc;
     }
-    sl->attempt++;
-    sl->holder = c->token;
-    sl->handed_ns = now;
-    sl->handover = 0;
-    /* lease_gen before deadline: a late extend for an older generation (its cas_pair
-     * expects that generation in lease_gen) either lands before these two stores, and
-     * the deadline store overwrites it, or fails. The release store orders the two. */
-    STORE_RELAXED(&sl->lease_gen, (uint64_t)gen);
-    STORE_RELEASE(&sl->deadline, c->cfg.lease_ns ? now_ns() + c->cfg.lease_ns : 0);
-    STORE_RELAXED(&sl->pin, PIN_FREE); /* a former holder's views ended with its handle */
-    /* release: a holder that sees INFLIGHT (its CAS, or shm_handle_info's acquire) sees
-     * holder, pos, seq and attempt above. */
-    STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_INFLIGHT));
-    h->queued_in_window--;
-    h->inflight++;
-    h->held_keys += sl->nkeys;
-    h->delivered++;
-    if (sl->attempt > 1) h->redelivered++;
-    out_link(c, s);
+    handles_mark_inflight(c, s, gen, now, c->cfg.lease_ns ? now_ns() + c->cfg.lease_ns : 0);
     m->attempt = sl->attempt;
     m->word = SLOT_WORD(gen, SLOT_INFLIGHT); /* nobody holds it yet: nobody changed it */
     return SHM_OK;
