@@ -660,6 +660,9 @@ int budget_allows(shm_chan *c, uint64_t bytes);
 /* ring.c */
 void ring_init(shm_chan *c);
 int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall);
+/* Raise tail_hint to at least pos, a record boundary at most the tail (a finished dead
+ * writer's record end: recovery.c). */
+void ring_hint_raise(shm_chan *c, uint64_t pos);
 int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len);
 void ring_mark_done(shm_chan *c, uint64_t pos);
 int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t len,

@@ -229,6 +229,8 @@ int shm_boot_check(shm_chan *c, uint64_t boot_id) {
         } else if (META_STATE(meta) == REC_WRITING) {
             meta = META(META_LEN(meta), REC_DISCARDED);
             STORE_RELEASE(&r->meta, meta); /* pairs with ring_peek */
+            /* its writer died before raising the tail hint past it (shm_discard_dead) */
+            ring_hint_raise(c, pos + META_LEN(meta));
             /* it may be a placeholder in the receiver's lines (window.c): the next
              * receiver rebuilds them from the ring */
             STORE_RELAXED(&h->dirty, 1);

@@ -167,6 +167,8 @@ static void hint_raise(shm_chan *c, uint64_t pos) {
     }
 }
 
+void ring_hint_raise(shm_chan *c, uint64_t pos) { hint_raise(c, pos); }
+
 /* Steps 1-3. On SHM_OK *pos_out is ours and *seq_out is the message's sequence number. */
 static int claim(shm_chan *c, uint64_t n, uint64_t *pos_out, uint64_t *seq_out, shm_stall *stall) {
     shm_header *h = c->hdr;
@@ -332,6 +334,7 @@ static void fill(shm_chan *c, uint64_t pos, uint64_t n, uint64_t seq, uint32_t k
      * also sees EMPTY(pos + n)) and with the receiver's acquire load in ring_peek (a
      * WRITING record's fixed fields and key hashes are complete when seen: window.c). */
     STORE_RELEASE(&r->meta, META(n, REC_WRITING));
+    test_pause(SHM_PAUSE_SEND_WRITTEN);
     hint_raise(c, pos + n);
 
     uint8_t *p = (uint8_t *)r + REC_BODY + 16u * nkeys; /* past hashes and links */
@@ -995,6 +998,14 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
             rc = placeholder ? window_discard(c, r, pos) : SHM_OK;
             /* release: pairs with ring_peek's acquire load (we read it again next poll). */
             if (rc == SHM_OK) STORE_RELEASE(&r->meta, META(META_LEN(meta), REC_DISCARDED));
+            /* Its producer died between publishing the length and raising the tail hint
+             * (fill), so the hint may still name this record. Once it is finished, head
+             * and compaction may pass it and rewrite its bytes; a walk started there would
+             * read garbage, and restart there again while nobody raises the hint. Raise
+             * it past the record, as a claim's repairer does: its end is a record boundary
+             * (the producer wrote the successor's header before the length), and at most
+             * the tail. */
+            if (rc == SHM_OK) hint_raise(c, pos + META_LEN(meta));
             if (rc != SHM_E_CORRUPT) STORE_RELAXED(&c->hdr->dirty, 0);
             rx_end(c);
         }

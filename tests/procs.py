@@ -146,6 +146,13 @@ def header_u32(ch: shmchan.Channel, name: str) -> int:
         return int(struct.unpack("<I", f.read(4))[0])
 
 
+def header_u64(ch: shmchan.Channel, name: str) -> int:
+    """A 64-bit field of the channel's header, read from the segment as it is now."""
+    with open(shmchan._segment.name_file(ch.name, None), "rb") as f:
+        f.seek(layout_fact(name))
+        return int(struct.unpack("<Q", f.read(8))[0])
+
+
 @contextlib.contextmanager
 def tail_claimed_by_us(ch: shmchan.Channel) -> Iterator[tuple[mmap.mmap, int, int]]:
     """This process claims the ring's tail and stops there, as a live producer between

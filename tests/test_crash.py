@@ -636,3 +636,48 @@ def check_consumer_history(
     assert orphans <= MAX_BATCH * len(generations), f"{orphans} redeliveries of unseen deliveries"
     missing = sorted(seq for seq in sends if seq not in deliveries)
     assert not missing, f"{len(missing)} accepted messages never delivered, e.g. {missing[:10]}"
+
+
+_WRITER_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tx = shmchan.Channel.open(name).sender()
+    lib.shm_test_pause_at(lib.SHM_PAUSE_SEND_WRITTEN, notify, wait)
+    tx.send(b"y" * 200, keys="k", timeout=10)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_killed_before_raising_the_tail_hint_leaves_no_hint_inside_finished_bytes(
+    chan_name: str,
+) -> None:
+    # A producer killed between publishing its record's length and raising the tail hint
+    # leaves the hint at its record. Once the receiver finishes that record, head and
+    # compaction may pass it and rewrite its bytes, so the hint must not stay there: a
+    # producer's walk starting from it would read garbage, and start there again for as
+    # long as nobody raised the hint, until its send failed as corrupt. The receiver that
+    # discards the dead writer's record raises the hint past it, as a claim's repairer does.
+    from procs import header_u64, kill_at_pause
+
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 20)
+    try:
+        tx, rx = ch.sender(), ch.receiver()
+        for i in range(10):
+            tx.send(b"x" * 100, keys=f"a{i}")
+        for _ in range(10):
+            rx.recv(timeout=5).release()
+        kill_at_pause(_WRITER_VICTIM, chan_name, "a send's published length")
+        stuck = header_u64(ch, "header.tail_hint")  # the dead writer's record
+        with pytest.raises(shmchan.Empty):
+            rx.recv(timeout=2)  # discards the dead writer's record: nothing to hand out
+        assert ch.stats().discarded == 1
+        assert header_u64(ch, "header.tail_hint") > stuck
+        seq = tx.send(b"z", keys="k")
+        h = rx.recv(timeout=5)
+        assert (h.seq, h.payload) == (seq, b"z")
+        h.release()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name)
