@@ -604,6 +604,11 @@ static int ring_find(shm_chan *c, uint64_t seq, rec_copy *r, uint64_t *state, co
     for (int tries = 0; tries < VIEW_TRIES; tries++) {
         if (p)
             for (uint32_t k = 0; k < SHM_MAX_KEYS_LIMIT; k++) p->pos[k] = UINT64_MAX;
+        /* "Delivered" is concluded from what one walk read; a receiver that moved records
+         * meanwhile (compaction slides them and moves ingest_pos past its filler) can make
+         * that reading wrong, so it is trusted only if no update overlapped the walk:
+         * otherwise the walk is tried again, and in the end the answer is partial. */
+        uint64_t ver = view_begin(c);
         uint64_t pos = LOAD_ACQUIRE(&c->hdr->ingest_pos); /* a starting point; checked below */
         int rc = SHM_BUSY;
         for (uint32_t i = 0; i < VIEW_WALK; i++) {
@@ -611,6 +616,10 @@ static int ring_find(shm_chan *c, uint64_t seq, rec_copy *r, uint64_t *state, co
             if (rc == SHM_STALE || rc == SHM_E_CORRUPT) break; /* head moved on: again */
             if (rc == SHM_STALLED) return SHM_BUSY;
             if (i == 0 && seq < r->seq) {
+                if (!view_ok(c, ver)) {
+                    rc = SHM_STALE;
+                    break;
+                }
                 *state = SHM_VIEW_DELIVERED; /* everything before ingest_pos was taken in */
                 return SHM_EMPTY;
             }
@@ -621,6 +630,10 @@ static int ring_find(shm_chan *c, uint64_t seq, rec_copy *r, uint64_t *state, co
             if (r->seq == seq) {
                 if (rc == SHM_OK) return SHM_OK;
                 if (r->state == REC_DONE) {
+                    if (!view_ok(c, ver)) {
+                        rc = SHM_STALE;
+                        break;
+                    }
                     *state = SHM_VIEW_DELIVERED;
                     return SHM_CLOSED;
                 }
