@@ -37,26 +37,25 @@
  */
 #include "core.h"
 
-/* Hand out slot s, just taken in from the record r at pos, of length len, which ring_peek
- * validated (body and, below verify_below, checksum) a moment ago under rx_mu: nothing
- * moves it meanwhile. So the message is described without handles.c msg_fill's second
- * validation: its fields are read once, here, and each value used is bounded by len, so
- * a producer scribbling on the record since can make the description wrong (as it could
- * the payload) but never point it outside the record. Then the slot's hand-out
- * (handles_mark_inflight, as handles.c hand_out), but for the lease: its deadline counts
- * from the run's start, read once (*deadline, 0 until then), as its handed-out time does
- * (now). */
-static int run_hand_out(shm_chan *c, uint32_t s, shm_record *r, uint64_t pos, uint64_t len,
-                        shm_msg *m, uint64_t now, uint64_t *deadline) {
-    shm_slot *sl = &c->slots[s];
-    uint32_t nkeys = r->nkeys, keys_len = r->keys_len, kind = r->kind;
-    uint64_t data_len = r->data_len;
-    if (!rec_fields_ok(c, kind, nkeys, keys_len, data_len, len) ||
-        rec_size(nkeys, keys_len, data_len) > len) {
-        sched_unpop(c, s); /* as hand_out: it stays ready, and every poll reports it */
+/* Hand out slot s, just taken in from the record r at pos whose body fields ring_peek_body
+ * validated against its length a moment ago (*b, read from the record once). The message
+ * is described from those values (handles.c msg_fill reads and validates the record a
+ * second time instead): each is bounded by the record's length. A committed record's
+ * body never changes, so one that reads differently now was scribbled on since: it is
+ * refused as corrupt, as msg_fill would refuse it, and it stays ready (sched_unpop, as
+ * hand_out), so every poll reports it. Then the slot's hand-out (handles_mark_inflight,
+ * as handles.c hand_out), but for the lease: its deadline counts from the run's start,
+ * read once (*deadline, 0 until then), as its handed-out time does (now). */
+static inline int run_hand_out(shm_chan *c, uint32_t s, shm_record *r, uint64_t pos,
+                               const shm_body *b, shm_msg *m, uint64_t now,
+                               uint64_t *deadline) {
+    if (((r->kind ^ b->kind) | (r->nkeys ^ b->nkeys) | (r->keys_len ^ b->keys_len) |
+         (r->data_len ^ b->data_len)) != 0) {
+        sched_unpop(c, s);
         return SHM_E_CORRUPT;
     }
-    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * nkeys;
+    shm_slot *sl = &c->slots[s];
+    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * b->nkeys;
     uint32_t gen = SLOT_GEN(sl->state);
     if (c->cfg.lease_ns && !*deadline) {
         struct timespec ts;
@@ -68,17 +67,21 @@ static int run_hand_out(shm_chan *c, uint32_t s, shm_record *r, uint64_t pos, ui
     m->gen = gen;
     m->seq = sl->seq;
     m->attempt = sl->attempt;
-    m->kind = kind;
-    m->nkeys = nkeys;
+    m->kind = b->kind;
+    m->nkeys = b->nkeys;
     m->keys_off = body;
-    m->keys_len = keys_len;
-    m->data_off = body + align8(keys_len);
-    m->data_len = data_len;
+    m->keys_len = b->keys_len;
+    m->data_off = body + align8(b->keys_len);
+    m->data_len = b->data_len;
     m->pos = pos;
     m->word = SLOT_WORD(gen, SLOT_INFLIGHT); /* nobody holds it yet: nobody changed it */
     return SHM_OK;
 }
 
+/* The run's position, count and clock are kept in locals and stored back once: the
+ * loop's stores into the segment could alias them, and the compiler would reload each
+ * after every one. scan_pos is the receiver's alone (under rx_mu): it moves only here
+ * during the run. */
 int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
                 int *moved) {
     shm_header *h = c->hdr;
@@ -87,26 +90,34 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
         return SHM_OK;
     uint32_t room = SCHED_ROOM_UNKNOWN; /* the tables' room for the run (sched.c) */
     uint64_t deadline = 0;              /* the run's lease deadline (run_hand_out) */
-    while (*got < max) {
-        uint64_t pos = h->scan_pos, len;
+    uint32_t n = *got;
+    uint64_t t = *now, pos = h->scan_pos;
+    int rc = SHM_OK;
+    while (n < max) {
+        uint64_t len;
         shm_record *r;
         shm_stall stall;
-        if (ring_peek(c, pos, &r, &len, &stall) != SHM_OK) break; /* the general path's */
-        if ((r->flags & REC_F_TIMES) || window_taken(c, r, pos)) break;
+        shm_body b;
+        if (ring_peek_body(c, pos, &r, &len, &stall, &b) != SHM_OK) break; /* the general path's */
+        /* a record no slot names (NIL) is not in the window: the call is for the rest */
+        if ((r->flags & REC_F_TIMES) || (r->slot != NIL && window_taken(c, r, pos))) break;
         uint32_t s;
-        int rc = sched_take_in_free(c, r, pos, &room, &s);
-        if (rc < 0) return rc;
-        if (rc == 0) break; /* a key in the table, or no room: the general path decides */
+        rc = sched_take_in_free(c, r, pos, b.nkeys, &room, &s);
+        if (rc <= 0) break; /* 0: a key in the table, or no room: the general path decides */
+        rc = SHM_OK;
         h->scan_pos = pos + len;
         /* Nothing parked before it: ingest_pos passes it now, as walk_ingest (window.c)
          * would pass a record taken in, so the poll does not walk the run again. */
         if (h->ingest_pos == pos) h->ingest_pos = pos + len;
         *moved = 1;
-        if (*got == 1) test_pause(SHM_PAUSE_RUN_TAKEN); /* its slot FREE, the record its */
-        if (!*now) *now = coarse_ns();
-        rc = run_hand_out(c, s, r, pos, len, &out[*got], *now, &deadline);
-        if (rc) return rc;
-        (*got)++;
+        if (n == 1) test_pause(SHM_PAUSE_RUN_TAKEN); /* its slot FREE, the record its */
+        if (!t) t = coarse_ns();
+        rc = run_hand_out(c, s, r, pos, &b, &out[n], t, &deadline);
+        if (rc) break;
+        n++;
+        pos += len;
     }
-    return SHM_OK;
+    *got = n;
+    *now = t;
+    return rc;
 }

@@ -660,6 +660,16 @@ int budget_allows(shm_chan *c, uint64_t bytes);
 /* ring.c */
 void ring_init(shm_chan *c);
 int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall);
+/* A committed record's body fields as ring_peek_body validated them, each read once from
+ * the record: whoever uses these rather than reading the record again uses values that
+ * are bounded by its length, whatever a producer writes there since. */
+typedef struct {
+    uint32_t kind, nkeys, keys_len;
+    uint64_t data_len;
+} shm_body;
+/* ring_peek, and for SHM_OK the body fields it validated (*body). */
+int ring_peek_body(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall,
+                   shm_body *body);
 /* Raise tail_hint to at least pos, a record boundary at most the tail (a finished dead
  * writer's record end: recovery.c). */
 void ring_hint_raise(shm_chan *c, uint64_t pos);
@@ -700,8 +710,8 @@ int sched_park_room(shm_chan *c, uint32_t n);
 int sched_unpop(shm_chan *c, uint32_t s);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
 #define SCHED_ROOM_UNKNOWN UINT32_MAX /* sched_take_in_free's *room_left before the first */
-int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *room_left,
-                       uint32_t *slot_out); /* batchin.c */
+int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t nkeys,
+                       uint32_t *room_left, uint32_t *slot_out); /* batchin.c */
 int sched_tables_needed(shm_chan *c);
 int sched_has_room_ahead(shm_chan *c, uint32_t nkeys);
 int sched_relink(shm_chan *c, uint32_t s, shm_record *r);
@@ -718,7 +728,16 @@ int window_check(shm_chan *c, uint32_t *what);
 int window_parked_movable(shm_chan *c, uint64_t pos);
 void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n);
 void window_wake_push(shm_chan *c, uint64_t hash);
-void window_link(shm_chan *c, uint32_t s);
+/* s joins the newest end of the window's age list (receiver only, under rx_mu). Inline:
+ * every take-in links one, a batch receive's run once per message. */
+static inline void window_link(shm_chan *c, uint32_t s) {
+    shm_header *h = c->hdr;
+    c->slots[s].newer = NIL;
+    c->slots[s].older = h->newest;
+    if (h->newest >= 1 && h->newest <= c->cfg.max_messages) c->slots[h->newest].newer = s;
+    else h->oldest = s;
+    h->newest = s;
+}
 /* s leaves the window's age list (links checked: one out of range is left alone).
  * Inline: every finished message goes through it, a run's release once per message. */
 static inline void window_unlink(shm_chan *c, uint32_t s) {

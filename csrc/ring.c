@@ -877,13 +877,46 @@ int ring_give_back(shm_chan *c) {
     return 1;
 }
 
+/* The part of a committed record's body past rec_size: a send's time footer (timers.c)
+ * or a gate trailer (see core.h); body is at most len (rec_fields_ok). */
+static int body_trailer_ok(shm_record *r, uint64_t body, uint64_t len) {
+    if (timers_trailer_ok(r, body, len)) return SHM_OK; /* a send's times (timers.c) */
+    /* else it must end in a gate trailer (see core.h) */
+    if (body > len || len - body < GATE_FOOTER) return SHM_E_CORRUPT;
+    shm_gate_footer f;
+    memcpy(&f, (uint8_t *)r + len - GATE_FOOTER, sizeof f);
+    if (f.magic != GATE_MAGIC || f.name_len > SHM_GATE_NAME_MAX ||
+        body + align8(f.name_len) + GATE_FOOTER != len)
+        return SHM_E_CORRUPT;
+    return SHM_OK;
+}
+
+/* A committed record's body must describe exactly the bytes its length covers. Its
+ * fields are read once, into *b. */
+static inline __attribute__((always_inline)) int body_read(shm_chan *c, shm_record *r,
+                                                           uint64_t len, shm_body *b) {
+    if (len < REC_BODY) return SHM_E_CORRUPT;
+    b->kind = r->kind;
+    b->nkeys = r->nkeys;
+    b->keys_len = r->keys_len;
+    b->data_len = r->data_len;
+    if (!rec_fields_ok(c, b->kind, b->nkeys, b->keys_len, b->data_len, len)) return SHM_E_CORRUPT;
+    uint64_t body = rec_size(b->nkeys, b->keys_len, b->data_len);
+    if (LIKELY(body == len)) return SHM_OK;
+    return body_trailer_ok(r, body, len);
+}
+
 /* Consumer side: look at the record at pos.
- *   SHM_OK       committed: *rec and *len are set, the body is validated
+ *   SHM_OK       committed: *rec and *len are set, the body is validated (*b)
  *   SHM_EMPTY    pos is the tail
  *   SHM_STALLED  claimed or being written: *stall names the claimant
  *   SHM_CLOSED   a record to skip (*len set): discarded or cancelled
- *   SHM_E_CORRUPT */
-int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall) {
+ *   SHM_E_CORRUPT
+ * Inlined into ring_peek and ring_peek_body: every record a receiver takes goes
+ * through one of them. */
+static inline __attribute__((always_inline)) int peek(shm_chan *c, uint64_t pos,
+                                                      shm_record **rec, uint64_t *len,
+                                                      shm_stall *stall, shm_body *b) {
     shm_record *r = rec_at(c, pos);
     /* acquire: pairs with prepare_successor (EMPTY) and the claimant's CAS. */
     uint64_t owner = LOAD_ACQUIRE(&r->owner);
@@ -903,29 +936,25 @@ int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_st
     *rec = r;
     if (st == REC_DISCARDED || st == REC_CANCELLED || st == REC_SKIP) return SHM_CLOSED;
     if (st != REC_COMMITTED) return SHM_E_CORRUPT;
-    int rc = ring_validate_body(c, r, l);
+    int rc = body_read(c, r, l, b);
     /* A record recovered from a durable channel's file may be torn (crc32c.c). */
     if (rc == SHM_OK && pos < c->verify_below && !rec_checksum_ok(c, r, l)) rc = SHM_E_CORRUPT;
     return rc;
 }
 
-/* A committed record's body must describe exactly the bytes its length covers. */
+int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall) {
+    shm_body b;
+    return peek(c, pos, rec, len, stall, &b);
+}
+
+int ring_peek_body(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall,
+                   shm_body *body) {
+    return peek(c, pos, rec, len, stall, body);
+}
+
 int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
-    if (len < REC_BODY) return SHM_E_CORRUPT;
-    uint32_t nkeys = r->nkeys, keys_len = r->keys_len;
-    uint64_t data_len = r->data_len;
-    if (!rec_fields_ok(c, r->kind, nkeys, keys_len, data_len, len)) return SHM_E_CORRUPT;
-    uint64_t body = rec_size(nkeys, keys_len, data_len);
-    if (body == len) return SHM_OK;
-    if (timers_trailer_ok(r, body, len)) return SHM_OK; /* a send's times (timers.c) */
-    /* else it must end in a gate trailer (see core.h) */
-    if (body > len || len - body < GATE_FOOTER) return SHM_E_CORRUPT;
-    shm_gate_footer f;
-    memcpy(&f, (uint8_t *)r + len - GATE_FOOTER, sizeof f);
-    if (f.magic != GATE_MAGIC || f.name_len > SHM_GATE_NAME_MAX ||
-        body + align8(f.name_len) + GATE_FOOTER != len)
-        return SHM_E_CORRUPT;
-    return SHM_OK;
+    shm_body b;
+    return body_read(c, r, len, &b);
 }
 
 /* The consumer is done with the record at pos: head may pass it. */

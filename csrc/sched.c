@@ -638,14 +638,15 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
  * The caller has checked that nothing is ready or waking and the record carries no
  * times (batchin.c), so the message is the lowest seq that may go. */
 
-/* attach_keys for keys found absent: at[i] is where key i's probe stopped. */
-static int attach_free_keys(shm_chan *c, uint32_t s, shm_record *r, const uint32_t *at) {
+/* attach_keys for the nkeys keys of r found absent: at[i] is where key i's probe stopped. */
+static int attach_free_keys(shm_chan *c, uint32_t s, shm_record *r, uint32_t nkeys,
+                            const uint32_t *at) {
     shm_slot *sl = &c->slots[s];
     int fifo = c->cfg.order == SHM_ORDER_FIFO, probed = 1;
     sl->first_node = NIL;
     sl->nkeys = 0;
     sl->pending = 0;
-    for (uint32_t i = 0; i < r->nkeys; i++) {
+    for (uint32_t i = 0; i < nkeys; i++) {
         if (!rec_first_of_hash(r, i)) continue;
         uint64_t hash = r->hashes[i];
         uint32_t n = node_alloc(c);
@@ -706,13 +707,16 @@ static uint32_t run_room(shm_chan *c) {
     return left > UINT32_MAX ? UINT32_MAX : (uint32_t)left;
 }
 
-/* Take r in if none of its keys is in the table and there is room. *room_left: the run's
- * room (SCHED_ROOM_UNKNOWN before its first message). Returns 1 (taken in: *slot_out), 0
+/* Take r in if none of its keys is in the table and there is room. nkeys: r's key count
+ * as the caller validated it against r's length (ring_peek_body), read from r once: every
+ * step below uses it, so the probes and the insertions cover the same keys whatever a
+ * producer writes into the record meanwhile. *room_left: the run's room
+ * (SCHED_ROOM_UNKNOWN before its first message). Returns 1 (taken in: *slot_out), 0
  * (a key is in the table, or no room: the general path decides) or an error. */
-int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *room_left,
-                       uint32_t *slot_out) {
+int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t nkeys,
+                       uint32_t *room_left, uint32_t *slot_out) {
     shm_header *h = c->hdr;
-    uint32_t nkeys = r->nkeys, at[SHM_MAX_KEYS_LIMIT];
+    uint32_t at[SHM_MAX_KEYS_LIMIT];
     if (nkeys > c->cfg.max_keys || nkeys > SHM_MAX_KEYS_LIMIT) return 0; /* the general path's */
     for (uint32_t i = 0; i < nkeys; i++)
         if (key_probe(c, r->hashes[i], &at[i]) >= 0) return 0;
@@ -726,7 +730,7 @@ int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *room_
     }
     uint32_t s;
     int rc = take_slot(c, r, pos, &s);
-    if (rc == SHM_OK) rc = attach_free_keys(c, s, r, at);
+    if (rc == SHM_OK) rc = attach_free_keys(c, s, r, nkeys, at);
     if (rc) return rc;
     take_done(c, r, s);
     if (first) *room_left = run_room(c);

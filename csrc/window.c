@@ -60,15 +60,6 @@
 
 enum { ADMIT_TAKE, ADMIT_PARK, ADMIT_STOP };
 
-void window_link(shm_chan *c, uint32_t s) {
-    shm_header *h = c->hdr;
-    c->slots[s].newer = NIL;
-    c->slots[s].older = h->newest;
-    if (h->newest >= 1 && h->newest <= c->cfg.max_messages) c->slots[h->newest].newer = s;
-    else h->oldest = s;
-    h->newest = s;
-}
-
 static int finished_state(uint32_t st) {
     return st == REC_DONE || st == REC_DISCARDED || st == REC_CANCELLED || st == REC_SKIP;
 }
