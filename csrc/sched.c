@@ -639,8 +639,10 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
  * times (batchin.c), so the message is the lowest seq that may go. */
 
 /* attach_keys for the nkeys keys of r found absent: at[i] is where key i's probe stopped. */
-static int attach_free_keys(shm_chan *c, uint32_t s, shm_record *r, uint32_t nkeys,
-                            const uint32_t *at) {
+static inline __attribute__((always_inline)) int attach_free_keys(shm_chan *c, uint32_t s,
+                                                                   shm_record *r,
+                                                                   uint32_t nkeys,
+                                                                   const uint32_t *at) {
     shm_slot *sl = &c->slots[s];
     int fifo = c->cfg.order == SHM_ORDER_FIFO, probed = 1;
     sl->first_node = NIL;
@@ -713,8 +715,10 @@ static uint32_t run_room(shm_chan *c) {
  * producer writes into the record meanwhile. *room_left: the run's room
  * (SCHED_ROOM_UNKNOWN before its first message). Returns 1 (taken in: *slot_out), 0
  * (a key is in the table, or no room: the general path decides) or an error. */
-int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t nkeys,
-                       uint32_t *room_left, uint32_t *slot_out) {
+static inline __attribute__((always_inline)) int take_in_free(shm_chan *c, shm_record *r,
+                                                              uint64_t pos, uint32_t nkeys,
+                                                              uint32_t *room_left,
+                                                              uint32_t *slot_out) {
     shm_header *h = c->hdr;
     uint32_t at[SHM_MAX_KEYS_LIMIT];
     if (nkeys > c->cfg.max_keys || nkeys > SHM_MAX_KEYS_LIMIT) return 0; /* the general path's */
@@ -737,6 +741,13 @@ int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t nkeys,
     else *room_left -= c->slots[s].nkeys; /* at most nkeys */
     *slot_out = s;
     return 1;
+}
+
+/* A message with one key is the common case: take_in_free compiled for it has no loops. */
+int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t nkeys,
+                       uint32_t *room_left, uint32_t *slot_out) {
+    if (LIKELY(nkeys == 1)) return take_in_free(c, r, pos, 1, room_left, slot_out);
+    return take_in_free(c, r, pos, nkeys, room_left, slot_out);
 }
 
 /* Recovery: a handed-out message rejoins its lines (it heads them) or retakes its keys. */
