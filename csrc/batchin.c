@@ -36,9 +36,10 @@
  * hand_out), so a receiver killed in the middle leaves what rebuild.c already handles.
  */
 #include "core.h"
+#include "peek.h"
 
-/* Hand out slot s, just taken in from the record r at pos whose body fields ring_peek_body
- * validated against its length a moment ago (*b, read from the record once). The message
+/* Hand out slot s, just taken in from the record r at pos whose body fields peek_record
+ * validated against its length a moment ago (*b, read from the record once: peek.h). The message
  * is described from those values (handles.c msg_fill reads and validates the record a
  * second time instead): each is bounded by the record's length. A committed record's
  * body never changes, so one that reads differently now was scribbled on since: it is
@@ -98,7 +99,8 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
         shm_record *r;
         shm_stall stall;
         shm_body b;
-        if (ring_peek_body(c, pos, &r, &len, &stall, &b) != SHM_OK) break; /* the general path's */
+        /* as ring_peek; anything but a committed record is the general path's */
+        if (peek_record(c, pos, &r, &len, &stall, &b) != SHM_OK) break;
         /* a record no slot names (NIL) is not in the window: the call is for the rest */
         if ((r->flags & REC_F_TIMES) || (r->slot != NIL && window_taken(c, r, pos))) break;
         uint32_t s;

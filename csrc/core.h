@@ -660,16 +660,6 @@ int budget_allows(shm_chan *c, uint64_t bytes);
 /* ring.c */
 void ring_init(shm_chan *c);
 int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall);
-/* A committed record's body fields as ring_peek_body validated them, each read once from
- * the record: whoever uses these rather than reading the record again uses values that
- * are bounded by its length, whatever a producer writes there since. */
-typedef struct {
-    uint32_t kind, nkeys, keys_len;
-    uint64_t data_len;
-} shm_body;
-/* ring_peek, and for SHM_OK the body fields it validated (*body). */
-int ring_peek_body(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall,
-                   shm_body *body);
 /* Raise tail_hint to at least pos, a record boundary at most the tail (a finished dead
  * writer's record end: recovery.c). */
 void ring_hint_raise(shm_chan *c, uint64_t pos);

@@ -117,6 +117,7 @@
 #include <sched.h>
 
 #include "core.h"
+#include "peek.h"
 
 #define WALK_SPINS 2000u /* spins waiting for a claimant to publish its length */
 
@@ -129,12 +130,6 @@ void ring_init(shm_chan *c) {
     c->hdr->head = 0;
     c->hdr->ingest_pos = 0;
     c->hdr->scan_pos = 0;
-}
-
-/* A length read from the segment is usable only if it is a whole number of words and
- * the record plus the next header fit in the ring. */
-static inline int len_ok(shm_chan *c, uint64_t len) {
-    return len >= REC_HDR && (len & 7u) == 0 && len <= c->cap - REC_HDR;
 }
 
 /* Write the next tail's header at pos, whose record is s, and publish it (step 4). A
@@ -877,9 +872,8 @@ int ring_give_back(shm_chan *c) {
     return 1;
 }
 
-/* The part of a committed record's body past rec_size: a send's time footer (timers.c)
- * or a gate trailer (see core.h); body is at most len (rec_fields_ok). */
-static int body_trailer_ok(shm_record *r, uint64_t body, uint64_t len) {
+/* The part of a committed record's body past rec_size (peek.h body_read). */
+int ring_body_trailer_ok(shm_record *r, uint64_t body, uint64_t len) {
     if (timers_trailer_ok(r, body, len)) return SHM_OK; /* a send's times (timers.c) */
     /* else it must end in a gate trailer (see core.h) */
     if (body > len || len - body < GATE_FOOTER) return SHM_E_CORRUPT;
@@ -891,67 +885,13 @@ static int body_trailer_ok(shm_record *r, uint64_t body, uint64_t len) {
     return SHM_OK;
 }
 
-/* A committed record's body must describe exactly the bytes its length covers. Its
- * fields are read once, into *b. */
-static inline __attribute__((always_inline)) int body_read(shm_chan *c, shm_record *r,
-                                                           uint64_t len, shm_body *b) {
-    if (len < REC_BODY) return SHM_E_CORRUPT;
-    b->kind = r->kind;
-    b->nkeys = r->nkeys;
-    b->keys_len = r->keys_len;
-    b->data_len = r->data_len;
-    if (!rec_fields_ok(c, b->kind, b->nkeys, b->keys_len, b->data_len, len)) return SHM_E_CORRUPT;
-    uint64_t body = rec_size(b->nkeys, b->keys_len, b->data_len);
-    if (LIKELY(body == len)) return SHM_OK;
-    return body_trailer_ok(r, body, len);
-}
-
-/* Consumer side: look at the record at pos.
- *   SHM_OK       committed: *rec and *len are set, the body is validated (*b)
- *   SHM_EMPTY    pos is the tail
- *   SHM_STALLED  claimed or being written: *stall names the claimant
- *   SHM_CLOSED   a record to skip (*len set): discarded or cancelled
- *   SHM_E_CORRUPT
- * Inlined into ring_peek and ring_peek_body: every record a receiver takes goes
- * through one of them. */
-static inline __attribute__((always_inline)) int peek(shm_chan *c, uint64_t pos,
-                                                      shm_record **rec, uint64_t *len,
-                                                      shm_stall *stall, shm_body *b) {
-    shm_record *r = rec_at(c, pos);
-    /* acquire: pairs with prepare_successor (EMPTY) and the claimant's CAS. */
-    uint64_t owner = LOAD_ACQUIRE(&r->owner);
-    if (owner == OWNER_EMPTY(pos)) return SHM_EMPTY;
-    if (OWNER_IS_EMPTY(owner) || owner == 0) return SHM_E_CORRUPT;
-    /* acquire: pairs with the release stores of meta in fill() / repair / discard. */
-    uint64_t meta = LOAD_ACQUIRE(&r->meta);
-    uint32_t st = META_STATE(meta);
-    if (st == REC_CLAIMED || st == REC_WRITING || st == REC_GATED) {
-        stall->pos = pos;
-        stall->owner = OWNER_TOKEN(owner);
-        return SHM_STALLED;
-    }
-    uint64_t l = META_LEN(meta);
-    if (!len_ok(c, l)) return SHM_E_CORRUPT;
-    *len = l;
-    *rec = r;
-    if (st == REC_DISCARDED || st == REC_CANCELLED || st == REC_SKIP) return SHM_CLOSED;
-    if (st != REC_COMMITTED) return SHM_E_CORRUPT;
-    int rc = body_read(c, r, l, b);
-    /* A record recovered from a durable channel's file may be torn (crc32c.c). */
-    if (rc == SHM_OK && pos < c->verify_below && !rec_checksum_ok(c, r, l)) rc = SHM_E_CORRUPT;
-    return rc;
-}
-
+/* Consumer side: look at the record at pos (peek.h). */
 int ring_peek(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall) {
     shm_body b;
-    return peek(c, pos, rec, len, stall, &b);
+    return peek_record(c, pos, rec, len, stall, &b);
 }
 
-int ring_peek_body(shm_chan *c, uint64_t pos, shm_record **rec, uint64_t *len, shm_stall *stall,
-                   shm_body *body) {
-    return peek(c, pos, rec, len, stall, body);
-}
-
+/* A committed record's body must describe exactly the bytes its length covers. */
 int ring_validate_body(shm_chan *c, shm_record *r, uint64_t len) {
     shm_body b;
     return body_read(c, r, len, &b);

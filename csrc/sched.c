@@ -710,7 +710,7 @@ static uint32_t run_room(shm_chan *c) {
 }
 
 /* Take r in if none of its keys is in the table and there is room. nkeys: r's key count
- * as the caller validated it against r's length (ring_peek_body), read from r once: every
+ * as the caller validated it against r's length (peek.h), read from r once: every
  * step below uses it, so the probes and the insertions cover the same keys whatever a
  * producer writes into the record meanwhile. *room_left: the run's room
  * (SCHED_ROOM_UNKNOWN before its first message). Returns 1 (taken in: *slot_out), 0
