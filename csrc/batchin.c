@@ -92,7 +92,7 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
     uint32_t room = SCHED_ROOM_UNKNOWN; /* the tables' room for the run (sched.c) */
     uint64_t deadline = 0;              /* the run's lease deadline (run_hand_out) */
     uint32_t n = *got;
-    uint64_t t = *now, pos = h->scan_pos;
+    uint64_t t = *now, start = h->scan_pos, pos = start;
     int rc = SHM_OK;
     while (n < max) {
         uint64_t len;
@@ -111,7 +111,6 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
         /* Nothing parked before it: ingest_pos passes it now, as walk_ingest (window.c)
          * would pass a record taken in, so the poll does not walk the run again. */
         if (h->ingest_pos == pos) h->ingest_pos = pos + len;
-        *moved = 1;
         if (n == 1) test_pause(SHM_PAUSE_RUN_TAKEN); /* its slot FREE, the record its */
         if (!t) t = coarse_ns();
         rc = run_hand_out(c, s, r, pos, &b, &out[n], t, &deadline);
@@ -119,6 +118,7 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
         n++;
         pos += len;
     }
+    if (h->scan_pos != start) *moved = 1; /* something was taken in */
     *got = n;
     *now = t;
     return rc;

@@ -738,7 +738,7 @@ static inline __attribute__((always_inline)) int take_in_free(shm_chan *c, shm_r
     if (rc) return rc;
     take_done(c, r, s);
     if (first) *room_left = run_room(c);
-    else *room_left -= c->slots[s].nkeys; /* at most nkeys */
+    else *room_left -= nkeys == 1 ? 1u : c->slots[s].nkeys; /* its nodes: at most nkeys */
     *slot_out = s;
     return 1;
 }
