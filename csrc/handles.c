@@ -558,13 +558,22 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
 
 /* The receiver's own releases, many at once: one lock, one head advance, and the header's
  * counts of what is in flight, the keys held and the window changed once for the run.
+ * The messages go in chunks of RUN_CHUNK, each in three passes: every message's CAS to
+ * RELEASED; then every one's keys to the next in line (sched_release_many, one call);
+ * then, per message, finish_released's remaining steps in its order (off the handed-out
+ * list, its record done, its slot free).
  *
- * Those three counts are derived state: a receiver killed in the middle of the run
- * (between rx_begin and rx_end, so dirty is set) leaves them behind the slots' states,
- * and the next receiver rebuilds them from the message table (rebuild.c), like the key
- * lines and free lists the run was changing. The released count is not rebuilt, so it
- * moves with each message, as in a single release. Every other step is finish_released's,
- * in its order, per message. */
+ * Those three counts, the key lines, the lists and the free lists are derived state: a
+ * receiver killed in the middle of the run (between rx_begin and rx_end, so dirty is set)
+ * leaves them behind the slots' states, and the next receiver rebuilds them from the
+ * message table (rebuild.c). The facts it rebuilds from keep finish_released's order for
+ * each message: its slot goes RELEASED (the CAS), then its record DONE, then its slot FREE,
+ * so a slot killed anywhere is RELEASED with its record COMMITTED (kept, finished by
+ * recovery as a forgotten release), RELEASED with its record DONE, or FREE with its record
+ * DONE (both freed): never FREE with its record still COMMITTED, which the rebuild would
+ * take in again. Head moves only at the end, over records already DONE. The released
+ * count is not rebuilt, so it moves with each message, as in a single release. */
+#define RUN_CHUNK 256u
 static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
                            int *wake) {
     int rc = SHM_OK, broken = 0;
@@ -572,37 +581,68 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
     rx_begin(c);
     shm_header *h = c->hdr;
     uint32_t touched = slots_touched(c, h); /* fixed while we hold rx_mu */
-    uint64_t finished = 0, keys = 0;
-    for (uint32_t i = 0; i < n && !broken; i++) {
-        uint32_t s = slots[i];
-        if (s == NIL || s >= touched) { /* never handed out */
-            rc = SHM_E_INVALID;
-            continue;
+    uint32_t mine[RUN_CHUNK];
+    uint64_t cased = 0, freed = 0, keys = 0, plain = 0;
+    /* [head, run_end): records this run marked done, one after another from head (none
+     * kept as an island meanwhile); UINT64_MAX once that chain cannot grow. */
+    uint64_t run_end = h->head;
+    for (uint32_t at = 0; at < n && !broken; at += RUN_CHUNK) {
+        uint32_t end = n - at < RUN_CHUNK ? n : at + RUN_CHUNK, m = 0;
+        for (uint32_t i = at; i < end; i++) {
+            uint32_t s = slots[i];
+            if (s == NIL || s >= touched) { /* never handed out */
+                rc = SHM_E_INVALID;
+                continue;
+            }
+            shm_slot *sl = &c->slots[s];
+            uint64_t expect = SLOT_WORD(gens[i], SLOT_INFLIGHT);
+            /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
+            if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
+                continue; /* stale: a no-op */
+            if (i == n / 2) test_pause(SHM_PAUSE_RELEASE_RUN);
+            /* our CAS, under rx_mu: nobody finishes it but us (see finish_released) */
+            keys += sl->nkeys; /* before sched_release_many empties it */
+            mine[m++] = s;
         }
-        shm_slot *sl = &c->slots[s];
-        uint64_t expect = SLOT_WORD(gens[i], SLOT_INFLIGHT);
-        /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
-        if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
-            continue; /* stale: a no-op */
-        if (i == n / 2) test_pause(SHM_PAUSE_RELEASE_RUN);
-        /* our CAS, under rx_mu: nobody finished it since (see finish_released) */
-        finished++;
-        keys += sl->nkeys; /* before sched_release empties it */
-        int r = sched_release(c, s);
+        cased += m;
+        uint32_t ok;
+        int r = sched_release_many(c, mine, m, &ok);
         if (r) { /* half done: leave the header dirty for the next receiver's rebuild */
             rc = r;
             broken = 1;
-            break;
         }
-        out_unlink(c, s);
-        ring_mark_done(c, sl->pos);
-        slot_free_uncounted(c, s);
-        h->released++;
+        uint32_t free_head = h->free_slots;
+        for (uint32_t k = 0; k < ok; k++) {
+            uint32_t s = mine[k];
+            shm_slot *sl = &c->slots[s];
+            out_unlink(c, s);
+            uint64_t pos = sl->pos, len;
+            if (LIKELY(ring_mark_done_plain(c, pos, &len))) {
+                plain++;
+                /* a length head's walk would pass (ring.c len_ok), or the chain ends */
+                int whole = len >= REC_HDR && (len & 7u) == 0 && len <= c->cap - REC_HDR;
+                if (pos == run_end) run_end = whole ? pos + len : UINT64_MAX;
+            } else { /* an island may be kept: the whole step, and head walks */
+                ring_mark_done(c, pos);
+                run_end = UINT64_MAX;
+            }
+            /* slot_free_uncounted's steps, the free list's head kept here for the chunk */
+            uint32_t gen = SLOT_GEN(sl->state) + 1;
+            STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_FREE)); /* see slot_free_uncounted */
+            window_unlink(c, s);
+            sl->next = free_head;
+            free_head = s;
+            h->released++;
+        }
+        h->free_slots = free_head;
+        freed += ok;
     }
-    h->inflight -= finished;
+    c->done_count += plain; /* ring_mark_done_plain's share of the bookkeeping, once */
+    ring_head_unknown(c);
+    h->inflight -= cased;
     h->held_keys -= keys;
-    h->window -= (uint32_t)(finished - (uint64_t)broken); /* the broken one kept its slot */
-    if (!broken && (ring_advance_head(c) | compact(c))) {
+    h->window -= (uint32_t)freed; /* a broken one kept its slot */
+    if (!broken && (ring_advance_head_past(c, run_end) | compact(c))) {
         ring_rewind(c); /* as in shm_release: before the fence */
         FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
         if (space_wake_due(c, 0)) *wake |= 2;

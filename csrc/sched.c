@@ -743,7 +743,7 @@ int sched_relink(shm_chan *c, uint32_t s, shm_record *r) {
 }
 
 /* ---- letting go of a message's keys --------------------------------------------------- */
-static int fifo_unlink(shm_chan *c, uint32_t s) {
+__attribute__((always_inline)) static inline int fifo_unlink(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
     uint32_t n = sl->first_node;
     for (uint32_t i = 0; i < sl->nkeys; i++) {
@@ -797,6 +797,20 @@ static int eager_unlink(shm_chan *c, uint32_t s) {
 int sched_release(shm_chan *c, uint32_t s) {
     if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
     return c->cfg.order == SHM_ORDER_FIFO ? fifo_unlink(c, s) : eager_unlink(c, s);
+}
+
+/* sched_release for each of slots[0..n) in turn (a release run: handles.c), in one call.
+ * Returns SHM_OK, or the first error with *done the slots whose keys went before it. */
+int sched_release_many(shm_chan *c, const uint32_t *slots, uint32_t n, uint32_t *done) {
+    int fifo = c->cfg.order == SHM_ORDER_FIFO, rc = SHM_OK;
+    uint32_t i = 0;
+    for (; i < n && rc == SHM_OK; i++) {
+        uint32_t s = slots[i];
+        if (!SLOT_OK(c, s)) rc = SHM_E_CORRUPT;
+        else rc = fifo ? fifo_unlink(c, s) : eager_unlink(c, s);
+    }
+    *done = rc == SHM_OK ? n : i - 1;
+    return rc;
 }
 
 /* s was given back: it keeps its place (first in its lines, or its eager keys) and goes

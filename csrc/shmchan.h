@@ -223,7 +223,7 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_GIVE_BACK      10   /* a give-back of ring memory, holding the tail      */
 #define SHM_PAUSE_SEND_GROUP     11   /* a send_many group, its record 1 claimed, unpublished */
 #define SHM_PAUSE_RUN_TAKEN      12   /* a batch receive's run: 2nd message taken, not out */
-#define SHM_PAUSE_RELEASE_RUN    13   /* the receiver's release of many, half its messages finished */
+#define SHM_PAUSE_RELEASE_RUN    13   /* the receiver's release of many, half its messages marked released */
 #define SHM_PAUSE_SEND_WRITTEN   14   /* a send, its length published, the tail hint not yet raised */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 /* Tests only: key tables of channels this process creates from now on start at this many

@@ -37,8 +37,9 @@ _RELEASE_VICTIM = """
 def test_a_receiver_killed_in_the_middle_of_a_release_run_loses_nothing(
     chan_name: str, order: str, how: str
 ) -> None:
-    # Killed with the first half finished and the 11th marked released: those are gone
-    # for good; the rest were still the dead receiver's and come back, before every later
+    # Killed with the first half and the 11th marked released (the run finishes them
+    # after every CAS of its chunk; the next receiver finishes what it left): those are
+    # gone for good; the rest were still the dead receiver's and come back, before every later
     # message on their keys, with their second attempt.
     ch = shmchan.Channel.create(chan_name, capacity=1 << 20, order=order)
     try:
