@@ -574,8 +574,21 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
  * take in again. Head moves only at the end, over records already DONE. The released
  * count is not rebuilt, so it moves with each message, as in a single release. */
 #define RUN_CHUNK 256u
-static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
-                           int *wake) {
+/* Message i of a release call: from the arrays of slots and gens, or from msgs if given
+ * (shm_release_msgs: a batch's descriptions, not copied into arrays first). */
+__attribute__((always_inline)) static inline void run_item(const uint32_t *slots,
+                                                           const uint32_t *gens,
+                                                           const shm_msg *msgs, uint32_t i,
+                                                           uint32_t *s, uint32_t *gen) {
+    *s = msgs ? (uint32_t)msgs[i].slot : slots[i];
+    *gen = msgs ? (uint32_t)msgs[i].gen : gens[i];
+}
+
+__attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
+                                                                 const uint32_t *slots,
+                                                                 const uint32_t *gens,
+                                                                 const shm_msg *msgs, uint32_t n,
+                                                                 int *wake) {
     int rc = SHM_OK, broken = 0;
     rx_lock(&c->rx_mu);
     rx_begin(c);
@@ -589,15 +602,16 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
     for (uint32_t at = 0; at < n && !broken; at += RUN_CHUNK) {
         uint32_t end = n - at < RUN_CHUNK ? n : at + RUN_CHUNK, m = 0;
         for (uint32_t i = at; i < end; i++) {
-            uint32_t s = slots[i];
+            uint32_t s, gen;
+            run_item(slots, gens, msgs, i, &s, &gen);
             if (s == NIL || s >= touched) { /* never handed out */
                 rc = SHM_E_INVALID;
                 continue;
             }
             shm_slot *sl = &c->slots[s];
-            uint64_t expect = SLOT_WORD(gens[i], SLOT_INFLIGHT);
+            uint64_t expect = SLOT_WORD(gen, SLOT_INFLIGHT);
             /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
-            if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
+            if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gen, SLOT_RELEASED)))
                 continue; /* stale: a no-op */
             if (i == n / 2) test_pause(SHM_PAUSE_RELEASE_RUN);
             /* our CAS, under rx_mu: nobody finishes it but us (see finish_released) */
@@ -654,13 +668,15 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
     return rc;
 }
 
-int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
-                     int *wake) {
+static int release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
+                        const shm_msg *msgs, uint32_t n, int *wake) {
     *wake = 0;
-    if (c->is_rx) return release_many_rx(c, slots, gens, n, wake);
+    if (c->is_rx) return release_many_rx(c, slots, gens, msgs, n, wake);
     int rc = SHM_OK, rx = 0, tx = 0;
     for (uint32_t i = 0; i < n; i++) {
-        int r = shm_release(c, slots[i], gens[i], 0);
+        uint32_t s, gen;
+        run_item(slots, gens, msgs, i, &s, &gen);
+        int r = shm_release(c, s, gen, 0);
         if (r < 0) {
             rc = r;
             continue;
@@ -670,6 +686,15 @@ int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, u
     }
     *wake = (rx ? 1 : 0) | (tx ? 2 : 0); /* at most one sender per call, like shm_recv */
     return rc;
+}
+
+int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
+                     int *wake) {
+    return release_many(c, slots, gens, NULL, n, wake);
+}
+
+int shm_release_msgs(shm_chan *c, const shm_msg *msgs, uint32_t n, int *wake) {
+    return release_many(c, NULL, NULL, msgs, n, wake);
 }
 
 /* fill, for the readers outside the poll (core.h) */

@@ -193,6 +193,8 @@ int  shm_rx_spin(shm_chan *c, uint32_t spins);
 int  shm_release(shm_chan *c, uint32_t slot, uint32_t gen, int nack);
 int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
                       uint32_t n, int *wake);
+/* shm_release_many for the messages msgs[0..n) describe (their slot and gen): a batch's */
+int  shm_release_msgs(shm_chan *c, const shm_msg *msgs, uint32_t n, int *wake);
 int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_handle_view(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_unmoved(shm_chan *c, uint32_t slot, uint64_t word, uint64_t pos);
