@@ -556,6 +556,52 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     return SHM_OK;
 }
 
+/* A release run's chunk of slots mine[0..n) leaves the handed-out list and the window's
+ * age list. A batch lies on each as stretches, usually one: taken in (age list, linked at
+ * the newer end) and handed out (handed-out list, linked at the front) in the order it is
+ * released. Each stretch is cut out with one relink of its two ends -- what unlinking its
+ * members one by one leaves (out_unlink, window_unlink: the same checks of the links read)
+ * -- and its members' own links are cleared. */
+static void run_out_unlink(shm_chan *c, const uint32_t *mine, uint32_t n) {
+    shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t first = mine[k]; /* the member farthest from the front */
+        uint32_t next = c->slots[first].out_next;
+        while (k + 1 < n && c->slots[mine[k]].out_prev == mine[k + 1]) {
+            c->slots[mine[k]].out_next = c->slots[mine[k]].out_prev = NIL;
+            k++;
+        }
+        uint32_t last = mine[k], prev = c->slots[last].out_prev; /* last: nearest the front */
+        if (prev == NIL) {
+            if (h->handed_out == last) h->handed_out = next;
+        } else if (prev <= m) {
+            c->slots[prev].out_next = next;
+        }
+        if (next != NIL && next <= m) c->slots[next].out_prev = prev;
+        c->slots[last].out_next = c->slots[last].out_prev = NIL;
+    }
+}
+
+static void run_window_unlink(shm_chan *c, const uint32_t *mine, uint32_t n) {
+    shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t first = mine[k]; /* the oldest member */
+        uint32_t older = c->slots[first].older;
+        while (k + 1 < n && c->slots[mine[k]].newer == mine[k + 1]) {
+            c->slots[mine[k]].newer = c->slots[mine[k]].older = NIL;
+            k++;
+        }
+        uint32_t last = mine[k], newer = c->slots[last].newer;
+        if (newer >= 1 && newer <= m) c->slots[newer].older = older;
+        else if (h->newest == last) h->newest = older >= 1 && older <= m ? older : NIL;
+        if (older >= 1 && older <= m) c->slots[older].newer = newer;
+        else if (h->oldest == first) h->oldest = newer >= 1 && newer <= m ? newer : NIL;
+        c->slots[last].newer = c->slots[last].older = NIL;
+    }
+}
+
 /* The receiver's own releases, many at once: one lock, one head advance, and the header's
  * counts of what is in flight, the keys held and the window changed once for the run.
  * The messages go in chunks of RUN_CHUNK, each in three passes: every message's CAS to
@@ -625,11 +671,11 @@ __attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
             rc = r;
             broken = 1;
         }
+        run_out_unlink(c, mine, ok);
         uint32_t free_head = h->free_slots;
         for (uint32_t k = 0; k < ok; k++) {
             uint32_t s = mine[k];
             shm_slot *sl = &c->slots[s];
-            out_unlink(c, s);
             uint64_t pos = sl->pos, len;
             if (LIKELY(ring_mark_done_plain(c, pos, &len))) {
                 plain++;
@@ -643,12 +689,12 @@ __attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
             /* slot_free_uncounted's steps, the free list's head kept here for the chunk */
             uint32_t gen = SLOT_GEN(sl->state) + 1;
             STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_FREE)); /* see slot_free_uncounted */
-            window_unlink(c, s);
             sl->next = free_head;
             free_head = s;
             h->released++;
         }
         h->free_slots = free_head;
+        run_window_unlink(c, mine, ok);
         freed += ok;
     }
     c->done_count += plain; /* ring_mark_done_plain's share of the bookkeeping, once */

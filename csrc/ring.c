@@ -957,7 +957,7 @@ void ring_mark_done(shm_chan *c, uint64_t pos) {
  * the receiver's poll skips the walk while ring_head_may_move says no (core.h): a
  * receiver keeping up with its releases called this twice per message, the second time
  * for nothing. Process-local state: a receiver killed leaves nothing to repair. */
-static int advance_head_from(shm_chan *c, uint64_t head) {
+__attribute__((always_inline)) static inline int advance_head_from(shm_chan *c, uint64_t head) {
     shm_header *h = c->hdr;
     uint64_t start = h->head, stop = h->ingest_pos;
     while (head < stop) {
