@@ -604,20 +604,20 @@ static void run_window_unlink(shm_chan *c, const uint32_t *mine, uint32_t n) {
 
 /* The receiver's own releases, many at once: one lock, one head advance, and the header's
  * counts of what is in flight, the keys held and the window changed once for the run.
- * The messages go in chunks of RUN_CHUNK, each in three passes: every message's CAS to
- * RELEASED; then every one's keys to the next in line (sched_release_many, one call);
- * then, per message, finish_released's remaining steps in its order (off the handed-out
- * list, its record done, its slot free).
+ * The messages go in chunks of RUN_CHUNK, each in passes: every message's CAS to
+ * RELEASED; every one's keys to the next in line (sched_release_many, one call); the
+ * chunk off the handed-out list (run_out_unlink); per message, its record done and then
+ * its slot free (finish_released's order); the chunk off the age list (run_window_unlink).
  *
  * Those three counts, the key lines, the lists and the free lists are derived state: a
  * receiver killed in the middle of the run (between rx_begin and rx_end, so dirty is set)
  * leaves them behind the slots' states, and the next receiver rebuilds them from the
  * message table (rebuild.c). The facts it rebuilds from keep finish_released's order for
  * each message: its slot goes RELEASED (the CAS), then its record DONE, then its slot FREE,
- * so a slot killed anywhere is RELEASED with its record COMMITTED (kept, finished by
- * recovery as a forgotten release), RELEASED with its record DONE, or FREE with its record
- * DONE (both freed): never FREE with its record still COMMITTED, which the rebuild would
- * take in again. Head moves only at the end, over records already DONE. The released
+ * so a receiver killed anywhere leaves each slot of the run INFLIGHT (not reached yet),
+ * RELEASED with its record COMMITTED (kept, finished by recovery as a forgotten release),
+ * RELEASED with its record DONE, or FREE with its record DONE (both freed): never FREE with
+ * its record still COMMITTED, which the rebuild would take in again. Head moves only at the end, over records already DONE. The released
  * count is not rebuilt, so it moves with each message, as in a single release. */
 #define RUN_CHUNK 256u
 /* Message i of a release call: from the arrays of slots and gens, or from msgs if given
