@@ -671,6 +671,22 @@ int ring_send_gated(shm_chan *c, uint32_t kind, const uint8_t *data, uint64_t le
 int ring_gate_settle(shm_chan *c, uint64_t pos, uint64_t owner_token, uint32_t final_state,
                      int *wake);
 int ring_advance_head(shm_chan *c);
+int ring_advance_head_past(shm_chan *c, uint64_t end); /* a release run's records: handles.c */
+/* ring_mark_done's step for one record of a run of releases (handles.c), whose caller
+ * counts done_count and forgets head_still once for the run: the record's state only,
+ * when no island is kept (then ring_mark_done must look for one; returns 0). *len: the
+ * record's length as its header says. */
+static inline int ring_mark_done_plain(shm_chan *c, uint64_t pos, uint64_t *len) {
+    if (LOAD_RELAXED(&c->hdr->island_count) != 0) return 0; /* receiver-written: its own */
+    if (pos == c->compact_watch_end) c->compact_watch_hit = 1; /* as in ring_mark_done */
+    shm_record *r = rec_at(c, pos);
+    uint64_t meta = LOAD_RELAXED(&r->meta);
+    /* release: as in ring_mark_done (pairs with claim()'s acquire load; orders our reads
+     * of the body before any reuse via head). */
+    STORE_RELEASE(&r->meta, META(META_LEN(meta), REC_DONE));
+    *len = META_LEN(meta);
+    return 1;
+}
 #define HEAD_UNKNOWN UINT64_MAX /* head_still: look (see ring_head_may_move) */
 /* May ring_advance_head move head now? No if head is where the last advance left it and
  * nothing has happened since that could let it go further: ring_mark_done, island_add and
@@ -693,6 +709,7 @@ void space_unwait_entry(shm_chan *c, shm_producer *p);
 /* sched.c */
 int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out);
 int sched_release(shm_chan *c, uint32_t s);
+int sched_release_many(shm_chan *c, const uint32_t *slots, uint32_t n, uint32_t *done);
 int sched_requeue(shm_chan *c, uint32_t s);
 uint32_t sched_pop_ready(shm_chan *c);
 int sched_has_ready(shm_chan *c);

@@ -556,53 +556,153 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
     return SHM_OK;
 }
 
+/* A release run's chunk of slots mine[0..n) leaves the handed-out list and the window's
+ * age list. A batch lies on each as stretches, usually one: taken in (age list, linked at
+ * the newer end) and handed out (handed-out list, linked at the front) in the order it is
+ * released. Each stretch is cut out with one relink of its two ends -- what unlinking its
+ * members one by one leaves (out_unlink, window_unlink: the same checks of the links read)
+ * -- and its members' own links are cleared. */
+static void run_out_unlink(shm_chan *c, const uint32_t *mine, uint32_t n) {
+    shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t first = mine[k]; /* the member farthest from the front */
+        uint32_t next = c->slots[first].out_next;
+        while (k + 1 < n && c->slots[mine[k]].out_prev == mine[k + 1]) {
+            c->slots[mine[k]].out_next = c->slots[mine[k]].out_prev = NIL;
+            k++;
+        }
+        uint32_t last = mine[k], prev = c->slots[last].out_prev; /* last: nearest the front */
+        if (prev == NIL) {
+            if (h->handed_out == last) h->handed_out = next;
+        } else if (prev <= m) {
+            c->slots[prev].out_next = next;
+        }
+        if (next != NIL && next <= m) c->slots[next].out_prev = prev;
+        c->slots[last].out_next = c->slots[last].out_prev = NIL;
+    }
+}
+
+static void run_window_unlink(shm_chan *c, const uint32_t *mine, uint32_t n) {
+    shm_header *h = c->hdr;
+    uint32_t m = c->cfg.max_messages;
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t first = mine[k]; /* the oldest member */
+        uint32_t older = c->slots[first].older;
+        while (k + 1 < n && c->slots[mine[k]].newer == mine[k + 1]) {
+            c->slots[mine[k]].newer = c->slots[mine[k]].older = NIL;
+            k++;
+        }
+        uint32_t last = mine[k], newer = c->slots[last].newer;
+        if (newer >= 1 && newer <= m) c->slots[newer].older = older;
+        else if (h->newest == last) h->newest = older >= 1 && older <= m ? older : NIL;
+        if (older >= 1 && older <= m) c->slots[older].newer = newer;
+        else if (h->oldest == first) h->oldest = newer >= 1 && newer <= m ? newer : NIL;
+        c->slots[last].newer = c->slots[last].older = NIL;
+    }
+}
+
 /* The receiver's own releases, many at once: one lock, one head advance, and the header's
  * counts of what is in flight, the keys held and the window changed once for the run.
+ * The messages go in chunks of RUN_CHUNK, each in passes: every message's CAS to
+ * RELEASED; every one's keys to the next in line (sched_release_many, one call); the
+ * chunk off the handed-out list (run_out_unlink); per message, its record done and then
+ * its slot free (finish_released's order); the chunk off the age list (run_window_unlink).
  *
- * Those three counts are derived state: a receiver killed in the middle of the run
- * (between rx_begin and rx_end, so dirty is set) leaves them behind the slots' states,
- * and the next receiver rebuilds them from the message table (rebuild.c), like the key
- * lines and free lists the run was changing. The released count is not rebuilt, so it
- * moves with each message, as in a single release. Every other step is finish_released's,
- * in its order, per message. */
-static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
-                           int *wake) {
+ * Those three counts, the key lines, the lists and the free lists are derived state: a
+ * receiver killed in the middle of the run (between rx_begin and rx_end, so dirty is set)
+ * leaves them behind the slots' states, and the next receiver rebuilds them from the
+ * message table (rebuild.c). The facts it rebuilds from keep finish_released's order for
+ * each message: its slot goes RELEASED (the CAS), then its record DONE, then its slot FREE,
+ * so a receiver killed anywhere leaves each slot of the run INFLIGHT (not reached yet),
+ * RELEASED with its record COMMITTED (kept, finished by recovery as a forgotten release),
+ * RELEASED with its record DONE, or FREE with its record DONE (both freed): never FREE with
+ * its record still COMMITTED, which the rebuild would take in again. Head moves only at the end, over records already DONE. The released
+ * count is not rebuilt, so it moves with each message, as in a single release. */
+#define RUN_CHUNK 256u
+/* Message i of a release call: from the arrays of slots and gens, or from msgs if given
+ * (shm_release_msgs: a batch's descriptions, not copied into arrays first). */
+__attribute__((always_inline)) static inline void run_item(const uint32_t *slots,
+                                                           const uint32_t *gens,
+                                                           const shm_msg *msgs, uint32_t i,
+                                                           uint32_t *s, uint32_t *gen) {
+    *s = msgs ? (uint32_t)msgs[i].slot : slots[i];
+    *gen = msgs ? (uint32_t)msgs[i].gen : gens[i];
+}
+
+__attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
+                                                                 const uint32_t *slots,
+                                                                 const uint32_t *gens,
+                                                                 const shm_msg *msgs, uint32_t n,
+                                                                 int *wake) {
     int rc = SHM_OK, broken = 0;
     rx_lock(&c->rx_mu);
     rx_begin(c);
     shm_header *h = c->hdr;
     uint32_t touched = slots_touched(c, h); /* fixed while we hold rx_mu */
-    uint64_t finished = 0, keys = 0;
-    for (uint32_t i = 0; i < n && !broken; i++) {
-        uint32_t s = slots[i];
-        if (s == NIL || s >= touched) { /* never handed out */
-            rc = SHM_E_INVALID;
-            continue;
+    uint32_t mine[RUN_CHUNK];
+    uint64_t cased = 0, freed = 0, keys = 0, plain = 0;
+    /* [head, run_end): records this run marked done, one after another from head (none
+     * kept as an island meanwhile); UINT64_MAX once that chain cannot grow. */
+    uint64_t run_end = h->head;
+    for (uint32_t at = 0; at < n && !broken; at += RUN_CHUNK) {
+        uint32_t end = n - at < RUN_CHUNK ? n : at + RUN_CHUNK, m = 0;
+        for (uint32_t i = at; i < end; i++) {
+            uint32_t s, gen;
+            run_item(slots, gens, msgs, i, &s, &gen);
+            if (s == NIL || s >= touched) { /* never handed out */
+                rc = SHM_E_INVALID;
+                continue;
+            }
+            shm_slot *sl = &c->slots[s];
+            uint64_t expect = SLOT_WORD(gen, SLOT_INFLIGHT);
+            /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
+            if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gen, SLOT_RELEASED)))
+                continue; /* stale: a no-op */
+            if (i == n / 2) test_pause(SHM_PAUSE_RELEASE_RUN);
+            /* our CAS, under rx_mu: nobody finishes it but us (see finish_released) */
+            keys += sl->nkeys; /* before sched_release_many empties it */
+            mine[m++] = s;
         }
-        shm_slot *sl = &c->slots[s];
-        uint64_t expect = SLOT_WORD(gens[i], SLOT_INFLIGHT);
-        /* seq_cst: as in shm_release (one transition out of INFLIGHT per generation). */
-        if (!CAS_SEQCST(&sl->state, &expect, SLOT_WORD(gens[i], SLOT_RELEASED)))
-            continue; /* stale: a no-op */
-        if (i == n / 2) test_pause(SHM_PAUSE_RELEASE_RUN);
-        /* our CAS, under rx_mu: nobody finished it since (see finish_released) */
-        finished++;
-        keys += sl->nkeys; /* before sched_release empties it */
-        int r = sched_release(c, s);
+        cased += m;
+        uint32_t ok;
+        int r = sched_release_many(c, mine, m, &ok);
         if (r) { /* half done: leave the header dirty for the next receiver's rebuild */
             rc = r;
             broken = 1;
-            break;
         }
-        out_unlink(c, s);
-        ring_mark_done(c, sl->pos);
-        slot_free_uncounted(c, s);
-        h->released++;
+        run_out_unlink(c, mine, ok);
+        uint32_t free_head = h->free_slots;
+        for (uint32_t k = 0; k < ok; k++) {
+            uint32_t s = mine[k];
+            shm_slot *sl = &c->slots[s];
+            uint64_t pos = sl->pos, len;
+            if (LIKELY(ring_mark_done_plain(c, pos, &len))) {
+                plain++;
+                /* a length head's walk would pass (ring.c len_ok), or the chain ends */
+                int whole = len >= REC_HDR && (len & 7u) == 0 && len <= c->cap - REC_HDR;
+                if (pos == run_end) run_end = whole ? pos + len : UINT64_MAX;
+            } else { /* an island may be kept: the whole step, and head walks */
+                ring_mark_done(c, pos);
+                run_end = UINT64_MAX;
+            }
+            /* slot_free_uncounted's steps, the free list's head kept here for the chunk */
+            uint32_t gen = SLOT_GEN(sl->state) + 1;
+            STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_FREE)); /* see slot_free_uncounted */
+            sl->next = free_head;
+            free_head = s;
+            h->released++;
+        }
+        h->free_slots = free_head;
+        run_window_unlink(c, mine, ok);
+        freed += ok;
     }
-    h->inflight -= finished;
+    c->done_count += plain; /* ring_mark_done_plain's share of the bookkeeping, once */
+    ring_head_unknown(c);
+    h->inflight -= cased;
     h->held_keys -= keys;
-    h->window -= (uint32_t)(finished - (uint64_t)broken); /* the broken one kept its slot */
-    if (!broken && (ring_advance_head(c) | compact(c))) {
+    h->window -= (uint32_t)freed; /* a broken one kept its slot */
+    if (!broken && (ring_advance_head_past(c, run_end) | compact(c))) {
         ring_rewind(c); /* as in shm_release: before the fence */
         FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
         if (space_wake_due(c, 0)) *wake |= 2;
@@ -614,13 +714,15 @@ static int release_many_rx(shm_chan *c, const uint32_t *slots, const uint32_t *g
     return rc;
 }
 
-int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
-                     int *wake) {
+static int release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
+                        const shm_msg *msgs, uint32_t n, int *wake) {
     *wake = 0;
-    if (c->is_rx) return release_many_rx(c, slots, gens, n, wake);
+    if (c->is_rx) return release_many_rx(c, slots, gens, msgs, n, wake);
     int rc = SHM_OK, rx = 0, tx = 0;
     for (uint32_t i = 0; i < n; i++) {
-        int r = shm_release(c, slots[i], gens[i], 0);
+        uint32_t s, gen;
+        run_item(slots, gens, msgs, i, &s, &gen);
+        int r = shm_release(c, s, gen, 0);
         if (r < 0) {
             rc = r;
             continue;
@@ -630,6 +732,15 @@ int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, u
     }
     *wake = (rx ? 1 : 0) | (tx ? 2 : 0); /* at most one sender per call, like shm_recv */
     return rc;
+}
+
+int shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens, uint32_t n,
+                     int *wake) {
+    return release_many(c, slots, gens, NULL, n, wake);
+}
+
+int shm_release_msgs(shm_chan *c, const shm_msg *msgs, uint32_t n, int *wake) {
+    return release_many(c, NULL, NULL, msgs, n, wake);
 }
 
 /* fill, for the readers outside the poll (core.h) */

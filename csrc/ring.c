@@ -926,9 +926,9 @@ void ring_mark_done(shm_chan *c, uint64_t pos) {
  * the receiver's poll skips the walk while ring_head_may_move says no (core.h): a
  * receiver keeping up with its releases called this twice per message, the second time
  * for nothing. Process-local state: a receiver killed leaves nothing to repair. */
-int ring_advance_head(shm_chan *c) {
+__attribute__((always_inline)) static inline int advance_head_from(shm_chan *c, uint64_t head) {
     shm_header *h = c->hdr;
-    uint64_t head = h->head, start = head, stop = h->ingest_pos;
+    uint64_t start = h->head, stop = h->ingest_pos;
     while (head < stop) {
         shm_record *r = rec_at(c, head);
         uint64_t meta = LOAD_RELAXED(&r->meta); /* consumer-owned by now */
@@ -948,6 +948,18 @@ int ring_advance_head(shm_chan *c) {
      * from the freed records happened before they may be overwritten. */
     STORE_RELEASE(&h->head, head);
     return 1;
+}
+
+int ring_advance_head(shm_chan *c) { return advance_head_from(c, c->hdr->head); }
+
+/* ring_advance_head for a caller that has itself just marked done every record of
+ * [head, end), each of a length len_ok accepts, the next starting where the last ended (a
+ * release run: handles.c): head's walk starts at end rather than looking at each of them
+ * again. An end the walk could not have reached (not past head, or past ingest_pos) is
+ * ignored: the walk starts at head. */
+int ring_advance_head_past(shm_chan *c, uint64_t end) {
+    shm_header *h = c->hdr;
+    return advance_head_from(c, end > h->head && end <= h->ingest_pos ? end : h->head);
 }
 
 /* Consumer: a record in WRITING whose producer is dead becomes DISCARDED. */

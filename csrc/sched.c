@@ -758,14 +758,29 @@ int sched_relink(shm_chan *c, uint32_t s, shm_record *r) {
 }
 
 /* ---- letting go of a message's keys --------------------------------------------------- */
-static int fifo_unlink(shm_chan *c, uint32_t s) {
+/* key_find for a key whose line node n must head: its index, or -1 if it is absent or n
+ * is not first (both corrupt). The hash is compared first, so the entry sought is not
+ * also tested for emptiness (an empty entry's hash is 0, and its head NIL: never n). */
+__attribute__((always_inline)) static inline int64_t key_find_headed(shm_chan *c, uint64_t hash,
+                                                                    uint32_t n) {
+    uint32_t i = key_home(c, hash);
+    for (uint32_t probes = 0; probes < c->keytab_size; probes++) {
+        shm_key *k = &c->keys[i];
+        if (k->hash == hash) return k->head == n ? (int64_t)i : -1;
+        if (key_empty(k)) return -1;
+        i = key_next(c, i);
+    }
+    return -1;
+}
+
+__attribute__((always_inline)) static inline int fifo_unlink(shm_chan *c, uint32_t s) {
     shm_slot *sl = &c->slots[s];
     uint32_t n = sl->first_node;
     for (uint32_t i = 0; i < sl->nkeys; i++) {
         if (!NODE_OK(c, n)) return SHM_E_CORRUPT;
         uint32_t sib = c->nodes[n].sibling;
-        int64_t k = key_find(c, c->nodes[n].hash);
-        if (k < 0 || c->keys[k].head != n) return SHM_E_CORRUPT; /* must be first in line */
+        int64_t k = key_find_headed(c, c->nodes[n].hash, n);
+        if (k < 0) return SHM_E_CORRUPT; /* absent, or n not first in line: it must be */
         shm_key *key = &c->keys[k];
         key->head = c->nodes[n].next;
         key->count--;
@@ -812,6 +827,20 @@ static int eager_unlink(shm_chan *c, uint32_t s) {
 int sched_release(shm_chan *c, uint32_t s) {
     if (!SLOT_OK(c, s)) return SHM_E_CORRUPT;
     return c->cfg.order == SHM_ORDER_FIFO ? fifo_unlink(c, s) : eager_unlink(c, s);
+}
+
+/* sched_release for each of slots[0..n) in turn (a release run: handles.c), in one call.
+ * Returns SHM_OK, or the first error with *done the slots whose keys went before it. */
+int sched_release_many(shm_chan *c, const uint32_t *slots, uint32_t n, uint32_t *done) {
+    int fifo = c->cfg.order == SHM_ORDER_FIFO, rc = SHM_OK;
+    uint32_t i = 0;
+    for (; i < n && rc == SHM_OK; i++) {
+        uint32_t s = slots[i];
+        if (!SLOT_OK(c, s)) rc = SHM_E_CORRUPT;
+        else rc = fifo ? fifo_unlink(c, s) : eager_unlink(c, s);
+    }
+    *done = rc == SHM_OK ? n : i - 1;
+    return rc;
 }
 
 /* s was given back: it keeps its place (first in its lines, or its eager keys) and goes

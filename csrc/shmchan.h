@@ -193,6 +193,8 @@ int  shm_rx_spin(shm_chan *c, uint32_t spins);
 int  shm_release(shm_chan *c, uint32_t slot, uint32_t gen, int nack);
 int  shm_release_many(shm_chan *c, const uint32_t *slots, const uint32_t *gens,
                       uint32_t n, int *wake);
+/* shm_release_many for the messages msgs[0..n) describe (their slot and gen): a batch's */
+int  shm_release_msgs(shm_chan *c, const shm_msg *msgs, uint32_t n, int *wake);
 int  shm_handle_info(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_handle_view(shm_chan *c, uint32_t slot, uint32_t gen, shm_msg *out);
 int  shm_unmoved(shm_chan *c, uint32_t slot, uint64_t word, uint64_t pos);
@@ -223,7 +225,7 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_GIVE_BACK      10   /* a give-back of ring memory, holding the tail      */
 #define SHM_PAUSE_SEND_GROUP     11   /* a send_many group, its record 1 claimed, unpublished */
 #define SHM_PAUSE_RUN_TAKEN      12   /* a batch receive's run: 2nd message taken, not out */
-#define SHM_PAUSE_RELEASE_RUN    13   /* the receiver's release of many, half its messages finished */
+#define SHM_PAUSE_RELEASE_RUN    13   /* the receiver's release of many, half its messages marked released */
 #define SHM_PAUSE_SEND_WRITTEN   14   /* a send, its length published, the tail hint not yet raised */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 /* Tests only: key tables of channels this process creates from now on start at this many

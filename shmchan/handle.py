@@ -380,6 +380,7 @@ _hot.bind(
             "shm_handle_adopt_many",
             "shm_timers_wait",
             "shm_unmoved_many",
+            "shm_release_msgs",
         )
     },
     Handle,

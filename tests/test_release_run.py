@@ -37,8 +37,9 @@ _RELEASE_VICTIM = """
 def test_a_receiver_killed_in_the_middle_of_a_release_run_loses_nothing(
     chan_name: str, order: str, how: str
 ) -> None:
-    # Killed with the first half finished and the 11th marked released: those are gone
-    # for good; the rest were still the dead receiver's and come back, before every later
+    # Killed with the first half and the 11th marked released (the run finishes them
+    # after every CAS of its chunk; the next receiver finishes what it left): those are
+    # gone for good; the rest were still the dead receiver's and come back, before every later
     # message on their keys, with their second attempt.
     ch = shmchan.Channel.create(chan_name, capacity=1 << 20, order=order)
     try:
@@ -66,6 +67,50 @@ def test_a_receiver_killed_in_the_middle_of_a_release_run_loses_nothing(
             assert all(place[first[i]] < place[later[i]] for i in range(N // 2 + 1, N))
         stats = ch.stats()
         assert (stats.inflight, stats.queued) == (0, 0)
+        rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_release_runs_out_of_ring_order_free_only_what_they_finished(
+    chan_name: str, order: str
+) -> None:
+    # The run moves head straight over the records it finished one after another from
+    # head, and no further: a later batch released first leaves the earlier one's records
+    # in place (new sends must not overwrite them), and once both are released the ring
+    # is empty again.
+    n, size = 40, 200
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 16, order=order)
+    try:
+        tx, rx = ch.sender(), ch.receiver()
+        for r in range(4):
+            data = b"".join(bytes([r * n + i]) * size for i in range(n))
+            tx.send_batch(data, [size] * n, [f"k{i}" for i in range(n)], timeout=5)
+            first = rx.recv_batch(n // 2, timeout=5)
+            later = rx.recv_batch(n // 2, timeout=5)
+            assert (len(first), len(later)) == (n // 2, n // 2)
+            later.release()
+            check_core(rx)
+            # as much as the ring takes now: written over `first` only if head passed it
+            filler = bytes([255]) * size
+            for j in range(1 << 16):
+                try:
+                    tx.send(filler, f"f{j}", timeout=0)
+                except shmchan.Full:
+                    break
+            else:
+                raise AssertionError("the ring never filled")
+            assert first.joined() == data[: n // 2 * size]
+            first.release()
+            check_core(rx)
+            while (h := rx.try_recv()) is not None:  # the fillers
+                h.release()
+            check_core(rx)
+            stats = ch.stats()
+            assert (stats.inflight, stats.window, stats.used_bytes) == (0, 0, 0)
         rx.close()
     finally:
         ch.close()

@@ -57,6 +57,18 @@ PyObject *hot_batch_adopt(SegmentObject *seg, shm_msg **msgs, Py_ssize_t n, Py_s
  * idx NULL = all of them. Returns the core's status (errors < 0), wake-ups posted. */
 static int batch_finish_core(BatchObject *b, const Py_ssize_t *idx, Py_ssize_t k, int nack) {
     SegmentObject *seg = b->seg;
+    if (idx == NULL && !nack && b->left == b->n && b->n <= UINT32_MAX && seg != NULL &&
+        !seg_detached(seg)) {
+        /* All of it, every message still held (the common release): the core reads the
+         * slots and generations from the descriptions themselves. */
+        memset(b->done, 1, (size_t)b->n);
+        b->left = 0;
+        int wake = 0;
+        int rc = hot_core.release_msgs(seg->c, b->msgs, (uint32_t)b->n, &wake);
+        if (wake & 1) wake_post(&seg->wk, WAKE_RX, 1);
+        if (wake & 2) wake_sender(&seg->wk);
+        return rc;
+    }
     Py_ssize_t cnt = idx ? k : b->n;
     uint32_t stack_s[256], stack_g[256];
     uint32_t *slots = stack_s, *gens = stack_g;
@@ -220,6 +232,7 @@ static PyObject *Batch_joined(BatchObject *b, PyObject *unused) {
     }
     Py_ssize_t first = (Py_ssize_t)hot_core.unmoved_many(seg->c, b->msgs, (uint32_t)b->n);
     if (good > first) good = first;
+    if (good == b->n) return out; /* all good as copied (the common case) */
     p = PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < good; i++) p += b->msgs[i].data_len;
     for (Py_ssize_t i = good; i < b->n; i++) { /* from the first that moved: one at a time */

@@ -56,6 +56,7 @@ typedef int (*release_fn)(shm_chan *, uint32_t, uint32_t, int);
 typedef int (*release_many_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t, int *);
 typedef int (*unmoved_fn)(shm_chan *, uint32_t, uint64_t, uint64_t);
 typedef uint32_t (*unmoved_many_fn)(shm_chan *, const shm_msg *, uint32_t);
+typedef int (*release_msgs_fn)(shm_chan *, const shm_msg *, uint32_t, int *);
 typedef int (*rx_spin_fn)(shm_chan *, uint32_t);
 typedef int (*view_fn)(shm_chan *, uint32_t, uint32_t, shm_msg *);
 typedef int (*send_many_handles_fn)(shm_chan *, const uint32_t *, const uint32_t *, uint32_t,
@@ -80,6 +81,7 @@ struct hot_core_fns {
     adopt_many_fn handle_adopt_many;
     timers_wait_fn timers_wait; /* seconds to the next delayed message's time (timers.c) */
     unmoved_many_fn unmoved_many; /* unmoved for a batch: index of the first moved, or n */
+    release_msgs_fn release_msgs; /* release_many for a batch's descriptions */
 };
 extern struct hot_core_fns hot_core;
 

@@ -76,9 +76,10 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
                                          "shm_release_many", "shm_unmoved", "shm_rx_spin",
                                          "shm_send_many", "shm_handle_view",
                                          "shm_handle_send_many", "shm_handle_adopt_many",
-                                         "shm_timers_wait", "shm_unmoved_many"};
-    void *fp[12];
-    for (int i = 0; i < 12; i++) {
+                                         "shm_timers_wait", "shm_unmoved_many",
+                                         "shm_release_msgs"};
+    void *fp[13];
+    for (int i = 0; i < 13; i++) {
         PyObject *v = PyDict_GetItemString(addrs, fnames[i]);
         if (v == NULL) return PyErr_Format(PyExc_KeyError, "no address for %s", fnames[i]);
         fp[i] = PyLong_AsVoidPtr(v);
@@ -99,6 +100,7 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     hot_core.handle_adopt_many = (adopt_many_fn)fp[9];
     hot_core.timers_wait = (timers_wait_fn)fp[10];
     hot_core.unmoved_many = (unmoved_many_fn)fp[11];
+    hot_core.release_msgs = (release_msgs_fn)fp[12];
     if (hot_handle_type != NULL) hot_handles_flush(); /* the kept memory is the old type's */
     Py_XSETREF(hot_handle_type, (PyTypeObject *)Py_NewRef(htype));
     Py_INCREF(btype); /* held for good: the module's types outlive every batch */
