@@ -370,3 +370,22 @@ def test_a_groups_key_hashes_are_the_keys_own(make_channel: Any) -> None:
     for k in paused:
         ch.resume_key(k)
     assert [k for _, _, (k,) in _drain(rx)] == [k for _, k in items if k in paused]
+
+
+def test_send_batch_refuses_keys_that_change_while_being_encoded(make_channel: Any) -> None:
+    # An iterable key is encoded by Python code, which may change the keys list under
+    # send_batch: the batch is refused whole, nothing sent, nothing read past the list.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    keys: list[Any] = []
+
+    class Shrinking:
+        def __iter__(self) -> Any:
+            keys.clear()
+            return iter(["a"])
+
+    keys.extend([1, 2, Shrinking(), 4, 5])
+    with pytest.raises(shmchan.InvalidArgument, match="changed size"):
+        tx.send_batch(bytes(5), array.array("Q", [1] * 5), keys, timeout=5)
+    assert rx.try_recv() is None
+    assert ch.stats().sent == 0

@@ -456,7 +456,7 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         PyErr_SetString(EXC_INVALID, "send_batch: the lengths add up to less than data");
         goto out;
     }
-    uint32_t raw = SHM_PAYLOAD_RAW, none = 0;
+    uint32_t raw = SHM_PAYLOAD_RAW;
     size_t un = (size_t)p.n;
     if (gbuf_reserve(&p.kinds, 4 * un) < 0 || gbuf_reserve(&p.klens, 4 * un) < 0 ||
         gbuf_reserve(&p.nkeys, 4 * un) < 0 || gbuf_reserve(&p.blob, KEY_ROOM * un) < 0)
@@ -471,16 +471,40 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         }
     }
     keyblob kb;
-    for (Py_ssize_t i = 0; i < p.n; i++) {
-        if (gbuf_put(&p.kinds, &raw, sizeof raw) < 0) goto out;
-        if (keyseq == NULL) {
-            if (gbuf_put(&p.klens, &none, 4) < 0 || gbuf_put(&p.nkeys, &none, 4) < 0) goto out;
-        } else {
-            PyObject *k = PySequence_Fast_GET_ITEM(keyseq, i);
-            if (!pack_key_fast(seg, k, &p.blob, &p.klens, &p.nkeys) &&
-                pack_keys(seg, k, &kb, &p.blob, &p.klens, &p.nkeys) < 0)
-                goto out;
+    /* kinds, and the key lengths and counts: room for all n was reserved above */
+    for (Py_ssize_t i = 0; i < p.n; i++) ((uint32_t *)p.kinds.p)[i] = raw;
+    p.kinds.len = 4 * un;
+    if (keyseq == NULL && un) {
+        memset(p.klens.p, 0, 4 * un);
+        memset(p.nkeys.p, 0, 4 * un);
+        p.klens.len = p.nkeys.len = 4 * un;
+    }
+    for (Py_ssize_t i = 0; keyseq != NULL && i < p.n;) {
+        if (seg->max_keys >= 1) { /* small int keys, the common batch, in one call */
+            size_t used;
+            Py_ssize_t w = hot_keys_write_ints(
+                (uint8_t *)p.blob.p + p.blob.len, p.blob.cap - p.blob.len,
+                PySequence_Fast_ITEMS(keyseq) + i, p.n - i, (uint32_t *)(p.klens.p + p.klens.len),
+                (uint32_t *)(p.nkeys.p + p.nkeys.len), &used);
+            p.blob.len += used;
+            p.klens.len += 4 * (size_t)w;
+            p.nkeys.len += 4 * (size_t)w;
+            if ((i += w) == p.n) break;
         }
+        /* any other key; encoding it may run Python code (codec.encode_keys), which may
+         * change the list under us: such a batch is refused, nothing sent */
+        PyObject *k = Py_NewRef(PySequence_Fast_GET_ITEM(keyseq, i));
+        int bad = !pack_key_fast(seg, k, &p.blob, &p.klens, &p.nkeys) &&
+                  pack_keys(seg, k, &kb, &p.blob, &p.klens, &p.nkeys) < 0;
+        Py_DECREF(k);
+        if (bad) goto out;
+        if (PySequence_Fast_GET_SIZE(keyseq) != p.n) {
+            PyErr_SetString(EXC_INVALID, "send_batch: keys changed size while being encoded "
+                                         "(nothing was sent)");
+            goto out;
+        }
+        i++;
+        if (gbuf_reserve(&p.blob, KEY_ROOM * (size_t)(p.n - i)) < 0) goto out;
     }
     PyObject *seqs = PyByteArray_FromStringAndSize(NULL, p.n * (Py_ssize_t)sizeof(uint64_t));
     if (seqs == NULL) goto out;
