@@ -404,7 +404,7 @@ static int key_hashes_any(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys
 static inline int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys,
                              uint64_t *out) {
     if (nkeys == 1) {
-        if ((uint32_t)keys[0] + ((uint32_t)keys[1] << 8) + 2 != keys_len) /* also keys_len < 2 */
+        if (keys_len < 2 || ((uint32_t)keys[0] | ((uint32_t)keys[1] << 8)) != keys_len - 2)
             return SHM_E_INVALID;
         if (out) out[0] = hash_key_bytes(keys + 2, keys_len - 2);
         return SHM_OK;
@@ -676,7 +676,7 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint64_t *s
         uint8_t *kb = (uint8_t *)r + REC_BODY + 16u * nk; /* past hashes and links */
         int bad;
         if (nk == 1) { /* the common case: its blob is (length, key); hashed from our copy */
-            bad = (uint32_t)kp[0] + ((uint32_t)kp[1] << 8) + 2 != kl; /* also kl < 2 */
+            bad = kl < 2 || ((uint32_t)kp[0] | ((uint32_t)kp[1] << 8)) != kl - 2;
             if (!bad) {
                 copy_small(kb, kp, kl);
                 /* the rest of the record and the next header follow the copy */
