@@ -42,7 +42,9 @@ ffi.set_source(
     '#include "core.h"',
     sources=[str(Path("csrc") / name) for name in SOURCES],
     include_dirs=["csrc"],
-    depends=[str(Path("csrc") / name) for name in ("core.h", "hash.h", "lane.h", "rxlock.h", "shmchan.h")],
+    depends=[
+        str(Path("csrc") / name) for name in ("core.h", "hash.h", "lane.h", "rxlock.h", "shmchan.h")
+    ],
     extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 
