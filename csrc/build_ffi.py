@@ -43,7 +43,8 @@ ffi.set_source(
     sources=[str(Path("csrc") / name) for name in SOURCES],
     include_dirs=["csrc"],
     depends=[
-        str(Path("csrc") / name) for name in ("core.h", "lane.h", "peek.h", "rxlock.h", "shmchan.h")
+        str(Path("csrc") / name)
+        for name in ("core.h", "hash.h", "lane.h", "peek.h", "rxlock.h", "shmchan.h")
     ],
     extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )

@@ -1,69 +1,8 @@
-/* hash.c -- the stable 64-bit hash of an encoded key.
- *
- * Keys must hash identically in every process and every run (Python's hash() is
- * randomized per process), on any Linux machine, so the byte order is fixed: words
- * are read little-endian whatever the CPU. The construction is a multiply-rotate
- * over 8-byte words with a final avalanche (the finalizer of MurmurHash3, which
- * flips each output bit with probability ~1/2 for any input bit). It is not a
- * cryptographic hash: a collision only serializes two keys (they share a line),
- * it never lets conflicting messages run together.
- *
- * The values are part of the segment's format (records carry their keys' hashes, and a
- * paused key is found by its hash): tests/test_keys.py pins some of them.
- */
+/* hash.c -- the out-of-line copy of the key hash (hash.h), for callers off the send path
+ * and for the Python side (shm_hash_key). */
 #include "core.h"
+#include "hash.h"
 
-#define P1 0x9e3779b97f4a7c15ull
-#define P2 0xc2b2ae3d27d4eb4full
-#define P3 0x165667b19e3779f9ull
+uint64_t hash_bytes(const uint8_t *p, uint64_t n) { return hash_key_bytes(p, n); }
 
-static inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-/* Little-endian loads: one move each on a little-endian CPU, a byte swap elsewhere. */
-static inline uint64_t load_le64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, sizeof v);
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap64(v);
-#endif
-    return v;
-}
-
-static inline uint64_t load_le32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, sizeof v);
-#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap32(v);
-#endif
-    return v;
-}
-
-/* The r (0..7) bytes at p as a little-endian number, read with at most three loads
- * instead of a byte at a time: two overlapping words (r >= 4) or the first, middle and
- * last byte (r < 4). Where the loads overlap they read the same bytes into the same
- * bit positions, so OR-ing them gives exactly sum(p[t] << 8t). */
-static inline uint64_t load_le_tail(const uint8_t *p, uint64_t r) {
-    if (r >= 4) return load_le32(p) | (load_le32(p + r - 4) << (8 * (r - 4)));
-    if (r == 0) return 0;
-    return (uint64_t)p[0] | ((uint64_t)p[r / 2] << (8 * (r / 2))) |
-           ((uint64_t)p[r - 1] << (8 * (r - 1)));
-}
-
-static inline uint64_t avalanche(uint64_t h) {
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 33;
-    return h;
-}
-
-uint64_t hash_bytes(const uint8_t *p, uint64_t n) {
-    uint64_t h = P3 ^ (n * P1);
-    uint64_t i = 0;
-    for (; i + 8 <= n; i += 8) h = rotl(h ^ (load_le64(p + i) * P2), 31) * P1;
-    h = rotl(h ^ (load_le_tail(p + i, n - i) * P2), 27) * P1 + P3;
-    return avalanche(h);
-}
-
-uint64_t shm_hash_key(const uint8_t *enc, uint32_t len) { return hash_bytes(enc, len); }
+uint64_t shm_hash_key(const uint8_t *enc, uint32_t len) { return hash_key_bytes(enc, len); }

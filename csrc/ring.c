@@ -67,8 +67,9 @@
  * its producer writes the header of record i + 1 as a claim of its own -- owner = our
  * token, meta = 0 (CLAIMED), seq = seq + 1 -- and after the last record the next tail
  * (EMPTY), so that whoever passes record i finds a claim naming us, exactly as if we
- * had won record i + 1's CAS. Steps 4-5 run for every record first (fixed fields,
- * hashes, successor, WRITING), then step 6 for each in order (body, COMMITTED): each
+ * had won record i + 1's CAS. Steps 4-5 run for every record first (fixed fields, key
+ * blob and hashes, successor, WRITING), then step 6 for each in order (payload,
+ * COMMITTED): each
  * record is CLAIMED only for a few stores, as after a single claim, so a frozen
  * producer holds up only the messages on its keys (at most GROUP_COUNT placeholders).
  * Killed inside a group, the producer leaves committed records whole, WRITING ones
@@ -117,6 +118,7 @@
 #include <sched.h>
 
 #include "core.h"
+#include "hash.h"
 #include "peek.h"
 
 #define WALK_SPINS 2000u /* spins waiting for a claimant to publish its length */
@@ -387,7 +389,7 @@ static int key_hashes_any(const uint8_t *keys, uint32_t keys_len, uint32_t nkeys
         uint32_t kl = (uint32_t)keys[off] | ((uint32_t)keys[off + 1] << 8);
         off += 2;
         if (keys_len - off < kl) return SHM_E_INVALID;
-        if (out) out[i] = hash_bytes(keys + off, kl);
+        if (out) out[i] = hash_key_bytes(keys + off, kl);
         off += kl;
     }
     return off == keys_len ? SHM_OK : SHM_E_INVALID;
@@ -399,7 +401,7 @@ static inline int key_hashes(const uint8_t *keys, uint32_t keys_len, uint32_t nk
     if (nkeys == 1) {
         if (keys_len < 2 || ((uint32_t)keys[0] | ((uint32_t)keys[1] << 8)) != keys_len - 2)
             return SHM_E_INVALID;
-        if (out) out[0] = hash_bytes(keys + 2, keys_len - 2);
+        if (out) out[0] = hash_key_bytes(keys + 2, keys_len - 2);
         return SHM_OK;
     }
     return key_hashes_any(keys, keys_len, nkeys, out);
@@ -587,16 +589,53 @@ static void cancel_range(shm_chan *c, uint64_t pos, uint64_t len, uint64_t seq) 
     hint_raise(c, pos + len);
 }
 
+/* A payload into a record: lengths up to 64 bytes (the common message) with a few
+ * overlapping 16-byte loads and stores that read and write only [src, src + n), the rest
+ * with a memcpy call, which would cost more than the copy for small ones. */
+static inline void copy_payload(uint8_t *dst, const uint8_t *src, uint64_t n) {
+    if (n > 64 || n < 16) {
+        if (n > 64) memcpy(dst, src, n);
+        else copy_small(dst, src, n);
+        return;
+    }
+    uint8_t a[16], b[16], y[16], z[16];
+    memcpy(a, src, 16);
+    memcpy(z, src + n - 16, 16);
+    if (n > 32) {
+        memcpy(b, src + 16, 16);
+        memcpy(y, src + n - 32, 16);
+        memcpy(dst + 16, b, 16);
+        memcpy(dst + n - 32, y, 16);
+    }
+    memcpy(dst, a, 16);
+    memcpy(dst + n - 16, z, 16);
+}
+
+/* A record's fixed fields after the header words (kind and nkeys, data_len, keys_len and
+ * slot), written as three 8-byte stores. */
+_Static_assert(offsetof(shm_record, nkeys) == offsetof(shm_record, kind) + 4 &&
+                   offsetof(shm_record, slot) == offsetof(shm_record, keys_len) + 4 &&
+                   offsetof(shm_record, flags) == offsetof(shm_record, crc) + 4,
+               "put_fixed and send_group write these pairs as one word");
+static inline void put_fixed(shm_record *r, uint32_t kind, uint32_t nkeys, uint64_t data_len,
+                             uint32_t keys_len) {
+    uint32_t kn[2] = {kind, nkeys}, ks[2] = {keys_len, 0}; /* slot = 0 */
+    memcpy(&r->kind, kn, 8);
+    r->data_len = data_len;
+    memcpy(&r->keys_len, ks, 8);
+}
+
 /* Send k messages of the caller's arrays (checked by check_message: each record at most
- * GROUP_RECORD bytes, total bytes in all) as one group (see the top of this file).
- * *sent: how many went (SHM_OK: all k), their seqs in seqs_out. */
-static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *kinds,
-                      const uint8_t *data, const uint64_t *lens, const uint8_t *keys,
-                      const uint32_t *klens, const uint32_t *nkeys, uint64_t *seqs_out,
-                      uint32_t *sent, shm_stall *stall) {
+ * GROUP_RECORD bytes, total bytes in all; sizes[i] = rec_size of message i) as one group
+ * (see the top of this file). *sent: how many went (SHM_OK: all k), their seqs in
+ * seqs_out. */
+static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint64_t *sizes,
+                      const uint32_t *kinds, const uint8_t *data, const uint64_t *lens,
+                      const uint8_t *keys, const uint32_t *klens, const uint32_t *nkeys,
+                      uint64_t *seqs_out, uint32_t *sent, shm_stall *stall) {
     uint64_t pos = 0, seq = 0;
     *sent = 0;
-    if (UNLIKELY(k > GROUP_COUNT)) return SHM_E_INVALID; /* sizes[] below holds GROUP_COUNT */
+    if (UNLIKELY(k > GROUP_COUNT)) return SHM_E_INVALID; /* at most GROUP_COUNT placeholders */
     uint32_t down = LOAD_ACQUIRE(&c->hdr->shutdown); /* pairs with shm_shutdown */
     if (UNLIKELY(down) && !c->ovf_drainer)
         return down & SHUTDOWN_REMOVED ? SHM_REMOVED : SHM_CLOSED;
@@ -618,9 +657,8 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
     /* The group's bytes from its first record's address: contiguous through the ring's
      * second mapping (see successor_at), so no record needs a division to be found. */
     uint8_t *const base = ring_at(c, pos);
-    uint64_t sizes[GROUP_COUNT]; /* each record's size, from pass 1 for pass 2 */
-    /* Pass 1: each record's fixed part and key hashes, its successor's header, then its
-     * length (WRITING). Every record is CLAIMED for a few stores only, as after a single
+    /* Pass 1: each record's fixed part, key blob and hashes, its successor's header, then
+     * its length (WRITING). Every record is CLAIMED for a few stores only, as after a single
      * send's CAS: a producer frozen (SIGSTOP) inside a group holds up only the messages
      * on its keys, never the whole channel. */
     uint64_t off = 0, s = seq;
@@ -628,18 +666,28 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
     uint32_t m = 0; /* records published WRITING */
     for (; m < k; m++) {
         shm_record *r = (shm_record *)(base + off);
-        uint64_t n = sizes[m] = rec_size(nkeys[m], klens[m], lens[m]);
-        if (UNLIKELY(key_hashes(kp, klens[m], nkeys[m], r->hashes) != SHM_OK)) {
+        const uint64_t n = sizes[m];
+        const uint32_t kl = klens[m], nk = nkeys[m];
+        uint8_t *kb = (uint8_t *)r + REC_BODY + 16u * nk; /* past hashes and links */
+        int bad;
+        if (nk == 1) { /* the common case: its blob is (length, key); hashed from our copy */
+            bad = kl < 2 || ((uint32_t)kp[0] | ((uint32_t)kp[1] << 8)) != kl - 2;
+            if (!bad) {
+                copy_small(kb, kp, kl);
+                /* the rest of the record and the next header follow the copy */
+                r->hashes[0] = hash_key_padded(kb + 2, kl - 2);
+            }
+        } else {
+            bad = key_hashes(kp, kl, nk, r->hashes) != SHM_OK;
+            if (!bad) copy_small(kb, kp, kl);
+        }
+        if (UNLIKELY(bad)) {
             /* a blob that changed since it was checked: the rest of the group goes out
              * as one cancelled record; the records before it are finished below */
             cancel_range(c, pos + off, total - off, s);
             break;
         }
-        r->kind = kinds[m];
-        r->nkeys = nkeys[m];
-        r->data_len = lens[m];
-        r->keys_len = klens[m];
-        r->slot = 0;
+        put_fixed(r, kinds[m], nk, lens[m], kl);
         shm_record *nx = (shm_record *)(base + off + n);
         if (m + 1 < k) { /* the next record: a claim of ours, as if won by CAS */
             /* relaxed: published by the release store of our meta just below, which
@@ -655,29 +703,31 @@ static int send_group(shm_chan *c, uint32_t k, uint64_t total, const uint32_t *k
         STORE_RELEASE(&r->meta, META(n, REC_WRITING));
         off += n;
         s++;
-        kp += klens[m];
+        kp += kl;
     }
     if (m == k) hint_raise(c, end); /* other producers may claim behind the group now */
-    /* Pass 2: the bodies, each record COMMITTED in order. */
+    /* Pass 2: the payloads, each record COMMITTED in order. */
     off = 0;
+    const uint64_t sent0 = p->sent; /* single writer: the registry entry's owner */
     for (uint32_t i = 0; i < m; i++) {
         shm_record *r = (shm_record *)(base + off);
-        uint64_t n = sizes[i];
-        uint8_t *b = (uint8_t *)r + REC_BODY + 16u * nkeys[i]; /* past hashes and links */
-        copy_small(b, keys, klens[i]);
-        if (lens[i]) memcpy(b + align8(klens[i]), data, lens[i]);
-        r->flags = 0; /* groups carry no time footer (timers.c) */
-        r->crc = durable ? rec_checksum(r, n) : 0;
+        const uint64_t n = sizes[i], len = lens[i];
+        const uint32_t kl = klens[i];
+        uint8_t *b = (uint8_t *)r + REC_BODY + 16u * nkeys[i]; /* the key blob, copied in pass 1 */
+        copy_payload(b + align8(kl), data, len);
+        /* crc and flags (groups carry no time footer: timers.c) as one store */
+        uint32_t cf[2] = {0, 0};
+        if (UNLIKELY(durable)) cf[0] = rec_checksum(r, n);
+        memcpy(&r->crc, cf, 8);
         /* release: pairs with ring_peek's acquire load: the body is complete when seen */
         STORE_RELEASE(&r->meta, META(n, REC_COMMITTED));
-        STORE_RELAXED(&p->sent, p->sent + 1); /* single writer: the registry entry's owner */
-        if (i == 0) test_pause(SHM_PAUSE_SEND_GROUP); /* the rest are WRITING */
+        STORE_RELAXED(&p->sent, sent0 + i + 1); /* relaxed: a statistic (shm_stats_read) */
+        if (UNLIKELY(i == 0)) test_pause(SHM_PAUSE_SEND_GROUP); /* the rest are WRITING */
         seqs_out[i] = seq + i;
-        *sent = i + 1;
         off += n;
-        data += lens[i];
-        keys += klens[i];
+        data += len;
     }
+    *sent = m;
     return m == k ? SHM_OK : SHM_E_INVALID;
 }
 
@@ -692,17 +742,18 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
     const int checked = *done == 0; /* every message passed check_message below */
     if (checked) {
         /* All or nothing for bad input: every message is checked before the first one is
-         * sent, so a batch with one oversize or malformed message sends none of it. */
+         * sent, so a batch with one oversize or malformed message sends none of it. doff
+         * and koff stay within their totals, so each bound is one subtraction. */
         uint64_t rec;
         for (uint32_t j = 0; j < n; j++) {
-            if (doff > data_total || data_lens[j] > data_total - doff || koff > keys_total ||
-                keys_lens[j] > keys_total - koff)
-                return SHM_E_INVALID;
-            int bad = check_message(c, kinds[j], data_lens[j], keys_lens[j], nkeys[j], &rec);
-            if (!bad) bad = key_hashes((const uint8_t *)keys + koff, keys_lens[j], nkeys[j], NULL);
+            const uint64_t dl = data_lens[j];
+            const uint32_t kl = keys_lens[j];
+            if (dl > data_total - doff || kl > keys_total - koff) return SHM_E_INVALID;
+            int bad = check_message(c, kinds[j], dl, kl, nkeys[j], &rec);
+            if (!bad) bad = key_hashes((const uint8_t *)keys + koff, kl, nkeys[j], NULL);
             if (bad) return bad;
-            doff += data_lens[j];
-            koff += keys_lens[j];
+            doff += dl;
+            koff += kl;
         }
         doff = koff = 0;
     }
@@ -720,23 +771,35 @@ int shm_send_many(shm_chan *c, uint32_t n, const uint32_t *kinds, const char *da
         /* a group: the small records from i on, as many as GROUP_BYTES allow */
         uint64_t cap = c->limit / 4 < GROUP_BYTES ? c->limit / 4 : GROUP_BYTES;
         uint64_t total = 0, d = doff, kk = koff, rec;
+        uint64_t sizes[GROUP_COUNT]; /* each record's size, for send_group */
         uint32_t g = 0;
-        /* checked: every message's bounds and record size were checked above */
-        while (i + g < n &&
-               (checked || (d <= data_total && data_lens[i + g] <= data_total - d &&
-                            kk <= keys_total && keys_lens[i + g] <= keys_total - kk)) &&
-               (checked ? (rec = rec_size(nkeys[i + g], keys_lens[i + g], data_lens[i + g]), 1)
-                        : check_message(c, kinds[i + g], data_lens[i + g], keys_lens[i + g],
-                                        nkeys[i + g], &rec) == SHM_OK) &&
-               rec <= GROUP_RECORD && total + rec <= cap && g < GROUP_COUNT) {
-            total += rec;
-            d += data_lens[i + g];
-            kk += keys_lens[i + g];
-            g++;
+        const uint32_t gmax = n - i < GROUP_COUNT ? n - i : GROUP_COUNT;
+        if (checked) { /* every message's bounds and record size were checked above */
+            for (; g < gmax; g++) {
+                rec = rec_size(nkeys[i + g], keys_lens[i + g], data_lens[i + g]);
+                if (rec > GROUP_RECORD || total + rec > cap) break;
+                sizes[g] = rec;
+                total += rec;
+                d += data_lens[i + g];
+                kk += keys_lens[i + g];
+            }
+        } else {
+            for (; g < gmax; g++) {
+                if (d > data_total || data_lens[i + g] > data_total - d || kk > keys_total ||
+                    keys_lens[i + g] > keys_total - kk ||
+                    check_message(c, kinds[i + g], data_lens[i + g], keys_lens[i + g],
+                                  nkeys[i + g], &rec) != SHM_OK ||
+                    rec > GROUP_RECORD || total + rec > cap)
+                    break;
+                sizes[g] = rec;
+                total += rec;
+                d += data_lens[i + g];
+                kk += keys_lens[i + g];
+            }
         }
         if (g > 1) {
             uint32_t sent;
-            rc = send_group(c, g, total, kinds + i, (const uint8_t *)data + doff, data_lens + i,
+            rc = send_group(c, g, total, sizes, kinds + i, (const uint8_t *)data + doff, data_lens + i,
                             (const uint8_t *)keys + koff, keys_lens + i, nkeys + i,
                             seqs_out + i, &sent, stall);
             if (sent == g) { /* the whole group: its bytes were summed above */

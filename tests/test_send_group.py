@@ -351,3 +351,41 @@ def test_a_producer_killed_inside_a_group_that_crosses_the_end_of_the_ring(
     assert got == [b"f" * fill[-1], b"before", bytes([0]) * 40, b"after"], got
     assert ch.stats().discarded >= 1
     assert rx.try_recv() is None
+
+
+def test_a_groups_key_hashes_are_the_keys_own(make_channel: Any) -> None:
+    # A group hashes each one-key record's copy of its key (ring.c); the hash must be the
+    # one every other path computes, here pause_key's: messages on a paused key of any
+    # encoded length (1 to 25 bytes: the tail of the hash is 0 to 7 bytes) are held back,
+    # the rest flow.
+    ch = make_channel(capacity=4 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    keys: list[Any] = [("x" * n) for n in range(25)] + [7, -1, 2**40, 2**63 - 1, b"", b"abcdefgh"]
+    paused = keys[::2]
+    for k in paused:
+        ch.pause_key(k)
+    items = [(bytes([i]), keys[i % len(keys)]) for i in range(3 * len(keys))]
+    tx.send_many(items, timeout=5)
+    assert [k for _, _, (k,) in _drain(rx)] == [k for _, k in items if k not in paused]
+    for k in paused:
+        ch.resume_key(k)
+    assert [k for _, _, (k,) in _drain(rx)] == [k for _, k in items if k in paused]
+
+
+def test_send_batch_refuses_keys_that_change_while_being_encoded(make_channel: Any) -> None:
+    # An iterable key is encoded by Python code, which may change the keys list under
+    # send_batch: the batch is refused whole, nothing sent, nothing read past the list.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    keys: list[Any] = []
+
+    class Shrinking:
+        def __iter__(self) -> Any:
+            keys.clear()
+            return iter(["a"])
+
+    keys.extend([1, 2, Shrinking(), 4, 5])
+    with pytest.raises(shmchan.InvalidArgument, match="changed size"):
+        tx.send_batch(bytes(5), array.array("Q", [1] * 5), keys, timeout=5)
+    assert rx.try_recv() is None
+    assert ch.stats().sent == 0

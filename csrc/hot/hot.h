@@ -125,6 +125,8 @@ void hot_keys_init(keyblob *kb);
 int hot_key_append(keyblob *kb, PyObject *k);
 int hot_key_single(keyblob *kb, PyObject *k); /* one key, common types: 1, or 0 */
 size_t hot_key_write(uint8_t *f, size_t room, PyObject *k); /* framed, or 0 */
+Py_ssize_t hot_keys_write_ints(uint8_t *out, size_t room, PyObject *const *keys, Py_ssize_t n,
+                               uint32_t *klens, uint32_t *nkeys, size_t *used); /* int keys */
 /* The n keys of a blob of len bytes, as a new tuple; NULL without an exception if the
  * blob is malformed, with one (MemoryError) if a key could not be made. */
 PyObject *hot_keys_from_blob(const uint8_t *buf, size_t len, size_t n);

@@ -130,6 +130,24 @@ static inline int small_int(PyObject *k, long long *v) {
 #endif
 }
 
+/* The framed encoding of the int v (u16 length, 'i', minimal big-endian body) at f, which
+ * has room for 11 bytes (those past the encoding are scratch): tag and body as two stores.
+ * Returns the bytes of the encoding. */
+static inline size_t int_key_write(uint8_t *f, long long v) {
+    unsigned long long mag = v < 0 ? ~(unsigned long long)v : (unsigned long long)v;
+    int bits = 64 - __builtin_clzll(mag | 1); /* 1 for 0: the same blen as 0 bits */
+    size_t blen = (size_t)(bits / 8 + 1);
+    uint64_t be = (unsigned long long)v << (8 * (8 - blen)); /* the body: v's low blen bytes */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    be = __builtin_bswap64(be);
+#endif
+    /* length and tag, and a scratch byte the body's store overwrites */
+    uint8_t head[4] = {(uint8_t)(blen + 1), 0, 'i', 0};
+    memcpy(f, head, 4);
+    memcpy(f + 3, &be, sizeof be);
+    return blen + 3;
+}
+
 /* The framed encoding of one key (u16 length, tag, body) written at f, which has room
  * bytes, for the common cases made without the general path's calls: an exact int within
  * 64 bits, an exact bytes, an exact ASCII str (its UTF-8 is its data). Returns the bytes
@@ -149,21 +167,10 @@ size_t hot_key_write(uint8_t *f, size_t room, PyObject *k) {
                 return 0;
             }
         }
+        if (room >= 11) return int_key_write(f, v);
         unsigned long long mag = v < 0 ? ~(unsigned long long)v : (unsigned long long)v;
         int bits = mag ? 64 - __builtin_clzll(mag) : 0;
         blen = (size_t)(bits / 8 + 1);
-        if (room >= 11) { /* tag and body as two stores: the body is v's low blen bytes,
-                           * big-endian, and the bytes past it are scratch */
-            uint64_t be = (unsigned long long)v << (8 * (8 - blen));
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-            be = __builtin_bswap64(be);
-#endif
-            f[0] = (uint8_t)(blen + 1);
-            f[1] = 0;
-            f[2] = 'i';
-            memcpy(f + 3, &be, sizeof be);
-            return blen + 3;
-        }
         for (size_t i = 0; i < blen; i++) num[blen - 1 - i] = (uint8_t)((unsigned long long)v >> (8 * i));
         tag = 'i';
         body = num;
@@ -188,6 +195,28 @@ size_t hot_key_write(uint8_t *f, size_t room, PyObject *k) {
         memcpy(f + 3, body, blen);
     }
     return blen + 3;
+}
+
+/* The blobs of keys[0..n), one key each, written back to back at out (room bytes), with
+ * each blob's length in klens and 1 in nkeys: a batch's keys without a call a key. Stops at
+ * the first key that is not an exact int of up to 30 bits (small_int) or for which room
+ * runs short (the caller sees to it with hot_key_write or the general path). Returns how
+ * many were written; *used: their bytes. */
+Py_ssize_t hot_keys_write_ints(uint8_t *out, size_t room, PyObject *const *keys, Py_ssize_t n,
+                               uint32_t *klens, uint32_t *nkeys, size_t *used) {
+    size_t len = 0;
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *k = keys[i];
+        long long v;
+        if (!PyLong_CheckExact(k) || room - len < 11 || !small_int(k, &v)) break;
+        size_t w = int_key_write(out + len, v);
+        len += w;
+        klens[i] = (uint32_t)w;
+        nkeys[i] = 1;
+    }
+    *used = len;
+    return i;
 }
 
 /* The blob of one key on its own (hot_key_write into kb, freshly initialized). Returns 1

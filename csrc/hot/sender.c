@@ -95,11 +95,20 @@ static PyObject *Sender_send(SenderObject *self, PyObject *const *args, Py_ssize
  * hot_key_write may use, or a short str or bytes key, goes in without a growth check. */
 #define KEY_ROOM 16u
 
-/* A growable byte buffer for packing. */
+/* A growable byte buffer for packing: heap memory (own), or none yet, or the caller's
+ * stack buffer, left for the heap once it is outgrown. */
 typedef struct {
     char *p;
     size_t len, cap;
+    int own; /* p is ours to PyMem_Free */
 } gbuf;
+
+static inline void gbuf_local(gbuf *b, void *buf, size_t cap) {
+    b->p = buf;
+    b->len = 0;
+    b->cap = cap;
+    b->own = 0;
+}
 
 static int gbuf_grow_put(gbuf *b, const void *src, size_t n) {
     if (n > PY_SSIZE_T_MAX - b->len) {
@@ -109,12 +118,14 @@ static int gbuf_grow_put(gbuf *b, const void *src, size_t n) {
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap : 4096;
         while (cap < b->len + n) cap = cap > PY_SSIZE_T_MAX / 2 ? b->len + n : cap * 2;
-        char *p = PyMem_Realloc(b->p, cap);
+        char *p = b->own ? PyMem_Realloc(b->p, cap) : PyMem_Malloc(cap);
         if (p == NULL) {
             PyErr_NoMemory();
             return -1;
         }
+        if (!b->own && b->len) memcpy(p, b->p, b->len); /* out of the stack buffer */
         b->p = p;
+        b->own = 1;
         b->cap = cap;
     }
     if (n && src) memcpy(b->p + b->len, src, n);
@@ -242,19 +253,36 @@ typedef struct {
 } packed;
 
 static void packed_free(packed *p) {
-    PyMem_Free(p->kinds.p);
-    PyMem_Free(p->data.p);
-    PyMem_Free(p->lens.p);
-    PyMem_Free(p->blob.p);
-    PyMem_Free(p->klens.p);
-    PyMem_Free(p->nkeys.p);
+    gbuf *all[] = {&p->kinds, &p->data, &p->lens, &p->blob, &p->klens, &p->nkeys};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (all[i]->own) PyMem_Free(all[i]->p);
 }
 
-/* Pack `items`; 0 on success, -1 with an exception (the buffers are freed either way by
- * packed_free). Works on a tuple copy: encoding may run Python code (pickling), which
- * must not be able to change the sequence under us. */
-static int pack_items(SegmentObject *seg, PyObject *items, packed *p) {
+/* Stack room for the per-message arrays of a batch of up to LOCAL_N messages: send_batch
+ * packs the usual batch without an allocation. */
+#define LOCAL_N 256
+typedef struct {
+    uint64_t lens[LOCAL_N];
+    uint32_t kinds[LOCAL_N], klens[LOCAL_N], nkeys[LOCAL_N];
+    uint64_t blob[KEY_ROOM * LOCAL_N / 8];
+} packed_local;
+
+/* The per-message arrays of p in loc while they fit (p's payloads stay on the heap). */
+static void packed_use_local(packed *p, packed_local *loc) {
+    gbuf_local(&p->lens, loc->lens, sizeof loc->lens);
+    gbuf_local(&p->kinds, loc->kinds, sizeof loc->kinds);
+    gbuf_local(&p->klens, loc->klens, sizeof loc->klens);
+    gbuf_local(&p->nkeys, loc->nkeys, sizeof loc->nkeys);
+    gbuf_local(&p->blob, loc->blob, sizeof loc->blob);
+}
+
+/* Pack `items`, the arrays in loc while they fit (loc NULL: on the heap); 0 on success,
+ * -1 with an exception (the buffers are freed either way by packed_free). Works on a
+ * tuple copy: encoding may run Python code (pickling), which must not be able to change
+ * the sequence under us. */
+static int pack_items(SegmentObject *seg, PyObject *items, packed *p, packed_local *loc) {
     memset(p, 0, sizeof *p);
+    if (loc) packed_use_local(p, loc);
     /* seg is the caller's (referenced) segment; only its fixed fields are read here */
     PyObject *tup = PySequence_Tuple(items);
     if (tup == NULL) {
@@ -310,7 +338,7 @@ static PyObject *Sender_pack(SenderObject *self, PyObject *items) {
     if (seg == NULL) return PyErr_Format(PyExc_RuntimeError, "sender is not bound");
     Py_INCREF(seg); /* packing may run Python code, which may close the sender */
     packed p;
-    PyObject *res = pack_items(seg, items, &p) == 0 ? packed_tuple(&p) : NULL;
+    PyObject *res = pack_items(seg, items, &p, NULL) == 0 ? packed_tuple(&p) : NULL;
     packed_free(&p);
     Py_DECREF(seg);
     return res;
@@ -329,7 +357,8 @@ static PyObject *Sender_send_many(SenderObject *self, PyObject *const *args, Py_
         return PyObject_CallMethod((PyObject *)self, "_send_many_slow", "OO", a[0], a[1]);
     Py_INCREF(seg); /* packing may run Python code, which may close the sender */
     packed p;
-    if (pack_items(seg, a[0], &p) < 0) {
+    packed_local loc;
+    if (pack_items(seg, a[0], &p, &loc) < 0) {
         packed_free(&p);
         Py_DECREF(seg);
         return NULL;
@@ -403,6 +432,8 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
     int have_lv = 0;
     packed p;
     memset(&p, 0, sizeof p);
+    packed_local loc; /* used by the arrays while they fit */
+    packed_use_local(&p, &loc);
     PyObject *res = NULL, *keyseq = NULL;
     Py_INCREF(seg); /* key encoding may run Python code, which may close the sender */
     /* lengths: a buffer of 8-byte unsigned ints (array('Q'), numpy uint64) or ints */
@@ -456,7 +487,7 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         PyErr_SetString(EXC_INVALID, "send_batch: the lengths add up to less than data");
         goto out;
     }
-    uint32_t raw = SHM_PAYLOAD_RAW, none = 0;
+    uint32_t raw = SHM_PAYLOAD_RAW;
     size_t un = (size_t)p.n;
     if (gbuf_reserve(&p.kinds, 4 * un) < 0 || gbuf_reserve(&p.klens, 4 * un) < 0 ||
         gbuf_reserve(&p.nkeys, 4 * un) < 0 || gbuf_reserve(&p.blob, KEY_ROOM * un) < 0)
@@ -471,16 +502,40 @@ static PyObject *Sender_send_batch(SenderObject *self, PyObject *const *args, Py
         }
     }
     keyblob kb;
-    for (Py_ssize_t i = 0; i < p.n; i++) {
-        if (gbuf_put(&p.kinds, &raw, sizeof raw) < 0) goto out;
-        if (keyseq == NULL) {
-            if (gbuf_put(&p.klens, &none, 4) < 0 || gbuf_put(&p.nkeys, &none, 4) < 0) goto out;
-        } else {
-            PyObject *k = PySequence_Fast_GET_ITEM(keyseq, i);
-            if (!pack_key_fast(seg, k, &p.blob, &p.klens, &p.nkeys) &&
-                pack_keys(seg, k, &kb, &p.blob, &p.klens, &p.nkeys) < 0)
-                goto out;
+    /* kinds, and the key lengths and counts: room for all n was reserved above */
+    for (Py_ssize_t i = 0; i < p.n; i++) ((uint32_t *)p.kinds.p)[i] = raw;
+    p.kinds.len = 4 * un;
+    if (keyseq == NULL && un) {
+        memset(p.klens.p, 0, 4 * un);
+        memset(p.nkeys.p, 0, 4 * un);
+        p.klens.len = p.nkeys.len = 4 * un;
+    }
+    for (Py_ssize_t i = 0; keyseq != NULL && i < p.n;) {
+        if (seg->max_keys >= 1) { /* small int keys, the common batch, in one call */
+            size_t used;
+            Py_ssize_t w = hot_keys_write_ints(
+                (uint8_t *)p.blob.p + p.blob.len, p.blob.cap - p.blob.len,
+                PySequence_Fast_ITEMS(keyseq) + i, p.n - i, (uint32_t *)(p.klens.p + p.klens.len),
+                (uint32_t *)(p.nkeys.p + p.nkeys.len), &used);
+            p.blob.len += used;
+            p.klens.len += 4 * (size_t)w;
+            p.nkeys.len += 4 * (size_t)w;
+            if ((i += w) == p.n) break;
         }
+        /* any other key; encoding it may run Python code (codec.encode_keys), which may
+         * change the list under us: such a batch is refused, nothing sent */
+        PyObject *k = Py_NewRef(PySequence_Fast_GET_ITEM(keyseq, i));
+        int bad = !pack_key_fast(seg, k, &p.blob, &p.klens, &p.nkeys) &&
+                  pack_keys(seg, k, &kb, &p.blob, &p.klens, &p.nkeys) < 0;
+        Py_DECREF(k);
+        if (bad) goto out;
+        if (PySequence_Fast_GET_SIZE(keyseq) != p.n) {
+            PyErr_SetString(EXC_INVALID, "send_batch: keys changed size while being encoded "
+                                         "(nothing was sent)");
+            goto out;
+        }
+        i++;
+        if (gbuf_reserve(&p.blob, KEY_ROOM * (size_t)(p.n - i)) < 0) goto out;
     }
     PyObject *seqs = PyByteArray_FromStringAndSize(NULL, p.n * (Py_ssize_t)sizeof(uint64_t));
     if (seqs == NULL) goto out;
