@@ -89,10 +89,12 @@
  * a sender is refused (header.refusals, counted by ring.c's claim): a sender that found
  * the ring full gets a look at the next poll.
  */
+#include <stdlib.h>
+
 #include "core.h"
 
-#define COMPACT_MAX 1024u       /* entries (moves and walls) in one window              */
-#define COMPACT_VISITS 65536u   /* records one look visits at most                      */
+#define COMPACT_MAX 1024u       /* entries (moves and walls) a window first has room for */
+#define COMPACT_VISITS 65536u   /* records one look visits at most, in a small ring     */
 #define COMPACT_TARGET(c) ((c)->limit / 8)  /* a slide freeing this much looks no further */
 #define COMPACT_BUDGET(c) ((c)->limit / 2)  /* the most one slide copies                  */
 
@@ -103,6 +105,47 @@ typedef struct {
     uint32_t slot; /* E_MOVE: the message's slot, NIL for a parked record */
     uint32_t kind; /* E_MOVE ... E_ISLAND */
 } entry;
+
+/* How far one look may go: every record the ring can hold (none is shorter than REC_BODY
+ * but a SKIP, and a SKIP long enough to matter is longer), at least COMPACT_VISITS. A
+ * fixed bound on the records a look visits, or on the entries of a window, would make a
+ * run of parked records longer than it at head unmovable for ever -- every look starts
+ * at head and would end inside the run -- and the ring would fill behind it with the
+ * sender refused: a backlog of 100 000 small messages parked on one held key is such a
+ * run. So a window may take in the whole run, and the entries grow to what it needs. */
+static uint64_t compact_visits(const shm_chan *c) {
+    uint64_t n = c->limit / REC_BODY;
+    return n > COMPACT_VISITS ? n : COMPACT_VISITS;
+}
+
+/* The receiver's buffer for a window (process-local, compact_buf): compact_cap entries,
+ * then compact_cap positions twice (the slide's parked records, old and new). */
+static entry *buf_entries(shm_chan *c) { return (entry *)c->compact_buf; }
+static uint64_t *buf_from(shm_chan *c) { return (uint64_t *)(buf_entries(c) + c->compact_cap); }
+static uint64_t *buf_to(shm_chan *c) { return buf_from(c) + c->compact_cap; }
+
+/* Room for entry n (entries [0, n) are kept): 1, or 0 if the buffer cannot grow -- the
+ * window is full then, as at a fixed bound. Growing moves the buffer: re-read it. */
+static int compact_room(shm_chan *c, uint32_t n) {
+    if (n < c->compact_cap) return 1;
+    uint64_t most = compact_visits(c);
+    if (n >= most) return 0;
+    uint64_t cap = c->compact_cap ? (uint64_t)c->compact_cap * 2 : COMPACT_MAX;
+    if (cap > most) cap = most;
+    void *b = malloc((size_t)cap * (sizeof(entry) + 2 * sizeof(uint64_t)));
+    if (b == NULL) return 0;
+    if (n) memcpy(b, c->compact_buf, (size_t)n * sizeof(entry));
+    free(c->compact_buf);
+    c->compact_buf = b;
+    c->compact_cap = (uint32_t)cap;
+    return 1;
+}
+
+void compact_free(shm_chan *c) {
+    free(c->compact_buf);
+    c->compact_buf = NULL;
+    c->compact_cap = 0;
+}
 
 static uint64_t rec_len(shm_chan *c, uint64_t pos) {
     uint64_t meta = LOAD_RELAXED(&rec_at(c, pos)->meta);
@@ -149,9 +192,9 @@ typedef struct {
 
 /* The look: the window to slide, from head up to stop (scan_pos). *looked counts the
  * records visited, *watch is the record that ended the look (whose finishing may change
- * the answer). Fills e[] and *clean (head reaches the window's first move once the
- * fillers are in: islands may be made in it). */
-static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean, uint32_t *looked,
+ * the answer). Fills the entries (buf_entries) and *clean (head reaches the window's
+ * first move once the fillers are in: islands may be made in it). */
+static cut look(shm_chan *c, uint64_t head, uint64_t stop, int *clean, uint32_t *looked,
                 uint64_t *watch) {
     shm_header *h = c->hdr;
     uint32_t island_count = LOAD_RELAXED(&h->island_count); /* receiver-written: our own */
@@ -160,14 +203,16 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
     uint64_t moved = 0, first = 0, wall_end = 0, pos = head;
     int64_t slack = INT64_MAX; /* min over the moves of (finished bytes after it) - its len */
     cut best = {0, 0, 0};
+    uint64_t visits = compact_visits(c);
     *clean = 1;
+    if (!compact_room(c, 0)) return best; /* no memory for a window: no look */
     for (;;) {
         /* pos ends a finished run (or is where the look stopped): is it a window's end? */
         if (moves && slack >= (int64_t)REC_HDR && (wall_end == 0 || pos - moved >= wall_end + REC_HDR)) {
             best = (cut){n, pos, moved};
             if (pos - moved - first >= COMPACT_TARGET(c)) break;
         }
-        if (pos >= stop || *looked >= COMPACT_VISITS) break;
+        if (pos >= stop || *looked >= visits) break;
         (*looked)++;
         *watch = pos;
         uint64_t len = rec_len(c, pos);
@@ -189,7 +234,7 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
         if (kind != E_MOVE && (!*clean || (kind == E_PIN && pins >= islands_free))) kind = E_HARD;
         if ((kind == E_PIN || kind == E_ISLAND) && moves == 0) kind = E_HARD; /* see compact() */
         if (kind == E_MOVE && len > COMPACT_BUDGET(c)) kind = E_HARD;
-        int full = n == COMPACT_MAX || (kind == E_MOVE && moved + len > COMPACT_BUDGET(c));
+        int full = !compact_room(c, n) || (kind == E_MOVE && moved + len > COMPACT_BUDGET(c));
         if (kind == E_HARD || full) {
             if (best.n) break; /* a window before it works: take that */
             /* a new window after the wall, or from this record on */
@@ -200,7 +245,7 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
             if (kind == E_HARD) pos += len;
             continue;
         }
-        e[n++] = (entry){pos, len, s, (uint32_t)kind};
+        buf_entries(c)[n++] = (entry){pos, len, s, (uint32_t)kind};
         if (kind == E_MOVE) {
             if (moves++ == 0) first = pos;
             moved += len;
@@ -219,10 +264,10 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
 static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t *looked,
                  uint64_t *watch) {
     shm_header *h = c->hdr;
-    entry e[COMPACT_MAX];
     int clean;
-    cut w = look(c, head, stop, e, &clean, looked, watch);
+    cut w = look(c, head, stop, &clean, looked, watch);
     if (w.n == 0) return 0;
+    entry *e = buf_entries(c); /* the look is done: the buffer stays where it is */
     uint32_t n = w.n;
     uint64_t start = e[0].pos, freed = w.end - w.moved - start; /* a window starts with a move */
     /* A slide copies w.moved bytes to free `freed`: until space runs low or a sender
@@ -261,7 +306,7 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
     }
 
     /* 1-4 for each move, last first: each moves to the end of what follows it */
-    uint64_t old_parked[COMPACT_MAX], new_parked[COMPACT_MAX], skips = 0;
+    uint64_t *old_parked = buf_from(c), *new_parked = buf_to(c), skips = 0; /* n <= compact_cap */
     uint32_t parked = 0;
     for (uint32_t j = 0; j < n; j++) parked += e[j].kind == E_MOVE && e[j].slot == NIL;
     uint32_t p = parked;
