@@ -33,10 +33,11 @@
  * The window runs from its first move to an end E, and packing its moves, in order, at
  * the end of [first move, E) frees everything before them: one filler from the first move's
  * place to the first copy. E is the end of a finished run, chosen as far on as is useful
- * (the slide then frees up to a COMPACT_TARGET of the ring) within bounds on the entries
- * and the bytes copied. A hard wall ends the look if a window before it works; otherwise
- * a new window starts after it (the same when the bounds are reached with nothing that
- * works: the records before stay, and the next call finds the space freed after them).
+ * (the slide then frees a COMPACT_TARGET of the ring, and twice what it copies) within
+ * bounds on the entries and the bytes copied. A hard wall ends the look if a window
+ * before it works; otherwise a new window starts after it (the same when the bounds are
+ * reached with nothing that works: the records before stay, and the next call finds the
+ * space freed after them).
  *
  * The steps, for each move L at `at` (len bytes), last first; gap_end starts at E and is
  * where the previous copy starts:
@@ -95,7 +96,10 @@
 
 #define COMPACT_MAX 1024u       /* entries (moves and walls) a window first has room for */
 #define COMPACT_VISITS 65536u   /* records one look visits at most, in a small ring     */
-#define COMPACT_TARGET(c) ((c)->limit / 8)  /* a slide freeing this much looks no further */
+/* A slide freeing this much, and at least twice what it copies, looks no further: the
+ * copying is what costs, so a long run of live records (a parked backlog) is slid past as
+ * much finished space as the look finds, not moved again for every eighth of the ring. */
+#define COMPACT_TARGET(c) ((c)->limit / 8)
 #define COMPACT_BUDGET(c) ((c)->limit / 2)  /* the most one slide copies                  */
 
 enum { E_MOVE, E_SKIP, E_PIN, E_ISLAND, E_HARD };
@@ -210,7 +214,8 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, int *clean, uint32_t 
         /* pos ends a finished run (or is where the look stopped): is it a window's end? */
         if (moves && slack >= (int64_t)REC_HDR && (wall_end == 0 || pos - moved >= wall_end + REC_HDR)) {
             best = (cut){n, pos, moved};
-            if (pos - moved - first >= COMPACT_TARGET(c)) break;
+            uint64_t freed = pos - moved - first;
+            if (freed >= COMPACT_TARGET(c) && freed >= 2 * moved) break;
         }
         if (pos >= stop || *looked >= visits) break;
         (*looked)++;
