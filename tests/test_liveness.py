@@ -54,6 +54,16 @@ def hold_hot(ch, rx):
     return h
 
 
+def drain_hot(rx) -> int:
+    """Receive and release everything ready, all of it on "hot"; how many there were."""
+    got = 0
+    while (h := rx.try_recv()) is not None:
+        assert h.keys == ("hot",)
+        got += 1
+        h.release()
+    return got
+
+
 def recv_in_thread(rx, timeout: float):
     """Start a thread blocked in rx.recv(timeout); returns (thread, outcome dict)."""
     outcome: dict = {}
@@ -154,12 +164,7 @@ def test_a_free_key_keeps_flowing_behind_a_backlog_larger_than_the_window(make_c
         h.release()
     assert rx.try_recv() is None
     held.release()
-    got = 0
-    while (h := rx.try_recv()) is not None:
-        assert h.keys == ("hot",)
-        got += 1
-        h.release()
-    assert got == 10_000
+    assert drain_hot(rx) == 10_000
 
 
 @pytest.mark.timeout(60)
@@ -210,12 +215,7 @@ def test_free_keys_keep_flowing_for_laps_behind_a_parked_run_of_70k_records(make
                 assert h.keys == (i,)
     assert ch.stats().queued == n
     held.release()
-    got = 0
-    while (h := rx.try_recv()) is not None:
-        assert h.keys == ("hot",)
-        got += 1
-        h.release()
-    assert got == n
+    assert drain_hot(rx) == n
     rx.close()
 
 
