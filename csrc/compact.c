@@ -360,6 +360,8 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
     return 1;
 }
 
+static int compact_run(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail);
+
 /* compact (core.h) found at least a sixteenth of the ring in [head, scan_pos): a look
  * is worth it if head is pinned. (That test, first, also keeps a receiver that holds its
  * latest message off the producers' cache line below.) */
@@ -371,6 +373,15 @@ int compact_look(shm_chan *c) {
     /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
     if (tail - head <= c->limit / 2) return 0;
+    return compact_run(c, head, stop, tail);
+}
+
+/* compact_look's work once the ring is more than half used behind a pinned head. Apart,
+ * so that the checks above, made at every poll while a backlog pins head, stay a leaf
+ * call that saves no registers. */
+static __attribute__((noinline)) int compact_run(shm_chan *c, uint64_t head, uint64_t stop,
+                                                 uint64_t tail) {
+    shm_header *h = c->hdr;
     /* A record pinned by a zero-copy view at head cannot move: the ring flows around it
      * instead (islands.c). Head passes it; producers step over its bytes. */
     if (island_make_at_head(c, head, 1)) return 1;
