@@ -404,6 +404,9 @@ static __attribute__((noinline)) int compact_run(shm_chan *c, uint64_t head, uin
     uint32_t looked = 0;
     uint64_t watch = head;
     int slid = slide(c, head, stop, urgent, &looked, &watch);
+    /* A buffer grown for a long run is given back at once: it is needed again only a
+     * slide later, and the copying a slide does costs far more than the allocation. */
+    if (c->compact_cap > COMPACT_MAX) compact_free(c);
     if (slid > 0) return 1;
     /* Nothing could move the handle at head -- a pinned record right behind it with no
      * island entry left for it, or a record nothing passes: it stays where it is too, as
