@@ -33,10 +33,11 @@
  * The window runs from its first move to an end E, and packing its moves, in order, at
  * the end of [first move, E) frees everything before them: one filler from the first move's
  * place to the first copy. E is the end of a finished run, chosen as far on as is useful
- * (the slide then frees up to a COMPACT_TARGET of the ring) within bounds on the entries
- * and the bytes copied. A hard wall ends the look if a window before it works; otherwise
- * a new window starts after it (the same when the bounds are reached with nothing that
- * works: the records before stay, and the next call finds the space freed after them).
+ * (the slide then frees a COMPACT_TARGET of the ring, and twice what it copies) within
+ * bounds on the entries and the bytes copied. A hard wall ends the look if a window
+ * before it works; otherwise a new window starts after it (the same when the bounds are
+ * reached with nothing that works: the records before stay, and the next call finds the
+ * space freed after them).
  *
  * The steps, for each move L at `at` (len bytes), last first; gap_end starts at E and is
  * where the previous copy starts:
@@ -89,11 +90,16 @@
  * a sender is refused (header.refusals, counted by ring.c's claim): a sender that found
  * the ring full gets a look at the next poll.
  */
+#include <stdlib.h>
+
 #include "core.h"
 
-#define COMPACT_MAX 1024u       /* entries (moves and walls) in one window              */
-#define COMPACT_VISITS 65536u   /* records one look visits at most                      */
-#define COMPACT_TARGET(c) ((c)->limit / 8)  /* a slide freeing this much looks no further */
+#define COMPACT_MAX 1024u       /* entries (moves and walls) a window first has room for */
+#define COMPACT_VISITS 65536u   /* records one look visits at most, in a small ring     */
+/* A slide freeing this much, and at least twice what it copies, looks no further: the
+ * copying is what costs, so a long run of live records (a parked backlog) is slid past as
+ * much finished space as the look finds, not moved again for every eighth of the ring. */
+#define COMPACT_TARGET(c) ((c)->limit / 8)
 #define COMPACT_BUDGET(c) ((c)->limit / 2)  /* the most one slide copies                  */
 
 enum { E_MOVE, E_SKIP, E_PIN, E_ISLAND, E_HARD };
@@ -103,6 +109,47 @@ typedef struct {
     uint32_t slot; /* E_MOVE: the message's slot, NIL for a parked record */
     uint32_t kind; /* E_MOVE ... E_ISLAND */
 } entry;
+
+/* How far one look may go: every record the ring can hold (none is shorter than REC_BODY
+ * but a SKIP, and a SKIP long enough to matter is longer), at least COMPACT_VISITS. A
+ * fixed bound on the records a look visits, or on the entries of a window, would make a
+ * run of parked records longer than it at head unmovable for ever -- every look starts
+ * at head and would end inside the run -- and the ring would fill behind it with the
+ * sender refused: a backlog of 100 000 small messages parked on one held key is such a
+ * run. So a window may take in the whole run, and the entries grow to what it needs. */
+static uint64_t compact_visits(const shm_chan *c) {
+    uint64_t n = c->limit / REC_BODY;
+    return n > COMPACT_VISITS ? n : COMPACT_VISITS;
+}
+
+/* The receiver's buffer for a window (process-local, compact_buf): compact_cap entries,
+ * then compact_cap positions twice (the slide's parked records, old and new). */
+static entry *buf_entries(shm_chan *c) { return (entry *)c->compact_buf; }
+static uint64_t *buf_from(shm_chan *c) { return (uint64_t *)(buf_entries(c) + c->compact_cap); }
+static uint64_t *buf_to(shm_chan *c) { return buf_from(c) + c->compact_cap; }
+
+/* Room for entry n (entries [0, n) are kept): 1, or 0 if the buffer cannot grow -- the
+ * window is full then, as at a fixed bound. Growing moves the buffer: re-read it. */
+static int compact_room(shm_chan *c, uint32_t n) {
+    if (n < c->compact_cap) return 1;
+    uint64_t most = compact_visits(c);
+    if (n >= most) return 0;
+    uint64_t cap = c->compact_cap ? (uint64_t)c->compact_cap * 2 : COMPACT_MAX;
+    if (cap > most) cap = most;
+    void *b = malloc((size_t)cap * (sizeof(entry) + 2 * sizeof(uint64_t)));
+    if (b == NULL) return 0;
+    if (n) memcpy(b, c->compact_buf, (size_t)n * sizeof(entry));
+    free(c->compact_buf);
+    c->compact_buf = b;
+    c->compact_cap = (uint32_t)cap;
+    return 1;
+}
+
+void compact_free(shm_chan *c) {
+    free(c->compact_buf);
+    c->compact_buf = NULL;
+    c->compact_cap = 0;
+}
 
 static uint64_t rec_len(shm_chan *c, uint64_t pos) {
     uint64_t meta = LOAD_RELAXED(&rec_at(c, pos)->meta);
@@ -149,9 +196,9 @@ typedef struct {
 
 /* The look: the window to slide, from head up to stop (scan_pos). *looked counts the
  * records visited, *watch is the record that ended the look (whose finishing may change
- * the answer). Fills e[] and *clean (head reaches the window's first move once the
- * fillers are in: islands may be made in it). */
-static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean, uint32_t *looked,
+ * the answer). Fills the entries (buf_entries) and *clean (head reaches the window's
+ * first move once the fillers are in: islands may be made in it). */
+static cut look(shm_chan *c, uint64_t head, uint64_t stop, int *clean, uint32_t *looked,
                 uint64_t *watch) {
     shm_header *h = c->hdr;
     uint32_t island_count = LOAD_RELAXED(&h->island_count); /* receiver-written: our own */
@@ -160,14 +207,17 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
     uint64_t moved = 0, first = 0, wall_end = 0, pos = head;
     int64_t slack = INT64_MAX; /* min over the moves of (finished bytes after it) - its len */
     cut best = {0, 0, 0};
+    uint64_t visits = compact_visits(c);
     *clean = 1;
+    if (!compact_room(c, 0)) return best; /* no memory for a window: no look */
     for (;;) {
         /* pos ends a finished run (or is where the look stopped): is it a window's end? */
         if (moves && slack >= (int64_t)REC_HDR && (wall_end == 0 || pos - moved >= wall_end + REC_HDR)) {
             best = (cut){n, pos, moved};
-            if (pos - moved - first >= COMPACT_TARGET(c)) break;
+            uint64_t freed = pos - moved - first;
+            if (freed >= COMPACT_TARGET(c) && freed >= 2 * moved) break;
         }
-        if (pos >= stop || *looked >= COMPACT_VISITS) break;
+        if (pos >= stop || *looked >= visits) break;
         (*looked)++;
         *watch = pos;
         uint64_t len = rec_len(c, pos);
@@ -189,7 +239,7 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
         if (kind != E_MOVE && (!*clean || (kind == E_PIN && pins >= islands_free))) kind = E_HARD;
         if ((kind == E_PIN || kind == E_ISLAND) && moves == 0) kind = E_HARD; /* see compact() */
         if (kind == E_MOVE && len > COMPACT_BUDGET(c)) kind = E_HARD;
-        int full = n == COMPACT_MAX || (kind == E_MOVE && moved + len > COMPACT_BUDGET(c));
+        int full = !compact_room(c, n) || (kind == E_MOVE && moved + len > COMPACT_BUDGET(c));
         if (kind == E_HARD || full) {
             if (best.n) break; /* a window before it works: take that */
             /* a new window after the wall, or from this record on */
@@ -200,7 +250,7 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
             if (kind == E_HARD) pos += len;
             continue;
         }
-        e[n++] = (entry){pos, len, s, (uint32_t)kind};
+        buf_entries(c)[n++] = (entry){pos, len, s, (uint32_t)kind};
         if (kind == E_MOVE) {
             if (moves++ == 0) first = pos;
             moved += len;
@@ -219,10 +269,10 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, entry *e, int *clean,
 static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t *looked,
                  uint64_t *watch) {
     shm_header *h = c->hdr;
-    entry e[COMPACT_MAX];
     int clean;
-    cut w = look(c, head, stop, e, &clean, looked, watch);
+    cut w = look(c, head, stop, &clean, looked, watch);
     if (w.n == 0) return 0;
+    entry *e = buf_entries(c); /* the look is done: the buffer stays where it is */
     uint32_t n = w.n;
     uint64_t start = e[0].pos, freed = w.end - w.moved - start; /* a window starts with a move */
     /* A slide copies w.moved bytes to free `freed`: until space runs low or a sender
@@ -261,7 +311,7 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
     }
 
     /* 1-4 for each move, last first: each moves to the end of what follows it */
-    uint64_t old_parked[COMPACT_MAX], new_parked[COMPACT_MAX], skips = 0;
+    uint64_t *old_parked = buf_from(c), *new_parked = buf_to(c), skips = 0; /* n <= compact_cap */
     uint32_t parked = 0;
     for (uint32_t j = 0; j < n; j++) parked += e[j].kind == E_MOVE && e[j].slot == NIL;
     uint32_t p = parked;
@@ -310,6 +360,8 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
     return 1;
 }
 
+static int compact_run(shm_chan *c, uint64_t head, uint64_t stop, uint64_t tail);
+
 /* compact (core.h) found at least a sixteenth of the ring in [head, scan_pos): a look
  * is worth it if head is pinned. (That test, first, also keeps a receiver that holds its
  * latest message off the producers' cache line below.) */
@@ -321,6 +373,15 @@ int compact_look(shm_chan *c) {
     /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
     if (tail - head <= c->limit / 2) return 0;
+    return compact_run(c, head, stop, tail);
+}
+
+/* compact_look's work once the ring is more than half used behind a pinned head. Apart,
+ * so that the checks above, made at every poll while a backlog pins head, stay a leaf
+ * call that saves no registers. */
+static __attribute__((noinline)) int compact_run(shm_chan *c, uint64_t head, uint64_t stop,
+                                                 uint64_t tail) {
+    shm_header *h = c->hdr;
     /* A record pinned by a zero-copy view at head cannot move: the ring flows around it
      * instead (islands.c). Head passes it; producers step over its bytes. */
     if (island_make_at_head(c, head, 1)) return 1;
@@ -343,6 +404,9 @@ int compact_look(shm_chan *c) {
     uint32_t looked = 0;
     uint64_t watch = head;
     int slid = slide(c, head, stop, urgent, &looked, &watch);
+    /* A buffer grown for a long run is given back at once: it is needed again only a
+     * slide later, and the copying a slide does costs far more than the allocation. */
+    if (c->compact_cap > COMPACT_MAX) compact_free(c);
     if (slid > 0) return 1;
     /* Nothing could move the handle at head -- a pinned record right behind it with no
      * island entry left for it, or a record nothing passes: it stays where it is too, as

@@ -507,6 +507,9 @@ struct shm_chan {
     uint64_t compact_watch_end; /* ... or for the record here to finish              */
     uint64_t compact_fail_ns;   /* ... or for RECHECK_NS after this failure            */
     int compact_watch_hit;
+    void *compact_buf;      /* receiver: the look's entries and the slide's parked-record
+                             * positions, grown to what a window needs (compact.c) */
+    uint32_t compact_cap;   /* entries compact_buf holds                               */
     uint32_t refusals_seen;     /* header.refusals at the receiver's last look (compact.c) */
     uint64_t head_still;  /* head where ring_advance_head last stopped, while nothing that
                            * could let it go further has happened since (ring.c); NO_POS:
@@ -773,6 +776,7 @@ void lookahead_reset(shm_chan *c);
 void lookahead_free(shm_chan *c);
 /* compact.c */
 int compact_look(shm_chan *c);
+void compact_free(shm_chan *c);
 /* Compaction can only win space inside [head, scan_pos), and below a sixteenth of the
  * ring that is too little to be worth it: the common case, decided here without a call
  * (receiver-owned fields only). */

@@ -265,6 +265,7 @@ void shm_detach(shm_chan *c) {
     if (c->producer) shm_producer_detach(c);
     if (c->is_rx) shm_rx_release_ownership(c);
     lookahead_free(c);
+    compact_free(c);
     munmap(c->base, c->map_len);
     if (c->fd >= 0) close(c->fd);
     free(c);

@@ -702,15 +702,25 @@ int window_parked_movable(shm_chan *c, uint64_t pos) {
     return pos >= c->hdr->ingest_pos && pos < c->hdr->scan_pos && !window_is_writing(c, pos);
 }
 
-/* Where the record that was at pos lies now: moved_to[i] if pos == moved_from[i]. */
-static uint64_t moved_pos(const uint64_t *from, const uint64_t *to, uint32_t n, uint64_t pos) {
-    uint32_t lo = 0, hi = n; /* from[] ascends */
-    while (lo < hi) {
-        uint32_t mid = lo + (hi - lo) / 2;
-        if (from[mid] < pos) lo = mid + 1;
-        else hi = mid;
+/* Where the record that was at pos lies now: to[i] if pos == from[i]. *at is where to
+ * look first, and is left just past the record found: a chain walked in ring order meets
+ * the moved records of a run on its key one after the other, so the walk of a long run
+ * costs no search per record. */
+static uint64_t moved_pos(const uint64_t *from, const uint64_t *to, uint32_t n, uint64_t pos,
+                          uint32_t *at) {
+    uint32_t lo = *at;
+    if (lo >= n || from[lo] != pos) {
+        uint32_t hi = n; /* from[] ascends */
+        lo = 0;
+        while (lo < hi) {
+            uint32_t mid = lo + (hi - lo) / 2;
+            if (from[mid] < pos) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo >= n || from[lo] != pos) return pos;
     }
-    return lo < n && from[lo] == pos ? to[lo] : pos;
+    *at = lo + 1;
+    return to[lo];
 }
 
 static int by_value(const void *a, const void *b) {
@@ -733,7 +743,9 @@ void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_
     for (uint32_t i = 0; i < n; i++) {
         shm_record *r = rec_at(c, to[i]); /* the copy, checked by compact.c's look */
         for (uint32_t j = 0; j < r->nkeys && j < c->cfg.max_keys; j++)
-            if (rec_first_of_hash(r, j)) hashes[nh++] = r->hashes[j];
+            /* a run of records on one key adds its hash once: less to sort */
+            if (rec_first_of_hash(r, j) && (nh == 0 || hashes[nh - 1] != r->hashes[j]))
+                hashes[nh++] = r->hashes[j];
     }
     qsort(hashes, nh, sizeof *hashes, by_value);
     for (uint32_t i = 0; i < nh; i++) {
@@ -741,15 +753,17 @@ void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_
         uint64_t hash = hashes[i];
         shm_key *k = sched_key_find(c, hash);
         if (k == NULL || k->skipped == 0) continue; /* eager: not a chain this record is in */
-        k->skip_head = moved_pos(from, to, n, k->skip_head);
-        k->skip_tail = moved_pos(from, to, n, k->skip_tail);
+        uint32_t at = 0;
+        k->skip_tail = moved_pos(from, to, n, k->skip_tail, &at);
+        at = 0;
+        k->skip_head = moved_pos(from, to, n, k->skip_head, &at);
         uint64_t pos = k->skip_head;
         for (uint32_t m = 0; m + 1 < k->skipped; m++) {
             int idx;
             shm_record *r = parked_at(c, pos, hash, &idx);
             if (r == NULL) break;
             uint64_t *link = &rec_links(r, r->nkeys)[idx];
-            *link = moved_pos(from, to, n, *link);
+            *link = moved_pos(from, to, n, *link, &at);
             if (fifo && pos > to[n - 1]) break; /* the rest of the chain lies further on */
             pos = *link;
         }
