@@ -56,7 +56,6 @@ static inline int run_hand_out(shm_chan *c, uint32_t s, shm_record *r, uint64_t 
         return SHM_E_CORRUPT;
     }
     shm_slot *sl = &c->slots[s];
-    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * b->nkeys;
     uint32_t gen = SLOT_GEN(sl->state);
     if (c->cfg.lease_ns && !*deadline) {
         struct timespec ts;
@@ -64,18 +63,8 @@ static inline int run_hand_out(shm_chan *c, uint32_t s, shm_record *r, uint64_t 
         *deadline = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + c->cfg.lease_ns;
     }
     handles_mark_inflight(c, s, gen, now, c->cfg.lease_ns ? *deadline : 0);
-    m->slot = s;
-    m->gen = gen;
-    m->seq = sl->seq;
-    m->attempt = sl->attempt;
-    m->kind = b->kind;
-    m->nkeys = b->nkeys;
-    m->keys_off = body;
-    m->keys_len = b->keys_len;
-    m->data_off = body + align8(b->keys_len);
-    m->data_len = b->data_len;
-    m->pos = pos;
-    m->word = SLOT_WORD(gen, SLOT_INFLIGHT); /* nobody holds it yet: nobody changed it */
+    /* nobody holds it yet: nobody changed its state word */
+    msg_describe(m, c, r, pos, s, gen, sl->seq, sl->attempt, b, SLOT_WORD(gen, SLOT_INFLIGHT));
     return SHM_OK;
 }
 

@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "core.h"
+#include "peek.h"
 
 
 static uint64_t now_ns(void) {
@@ -264,28 +265,17 @@ __attribute__((always_inline)) static inline int fill(shm_chan *c, uint32_t s, u
     uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
     uint64_t len = META_LEN(meta), seq = LOAD_RELAXED(&sl->seq);
     /* relaxed: ordered after the acquire of meta above; only read once each (see above) */
-    uint32_t kind = LOAD_RELAXED(&r->kind), nkeys = LOAD_RELAXED(&r->nkeys);
-    uint32_t keys_len = LOAD_RELAXED(&r->keys_len);
-    uint64_t data_len = LOAD_RELAXED(&r->data_len);
+    shm_body b = {LOAD_RELAXED(&r->kind), LOAD_RELAXED(&r->nkeys), LOAD_RELAXED(&r->keys_len),
+                  LOAD_RELAXED(&r->data_len)};
     if (META_STATE(meta) != REC_COMMITTED || len < REC_BODY || len > c->cap - REC_HDR ||
-        LOAD_RELAXED(&r->seq) != seq || !rec_fields_ok(c, kind, nkeys, keys_len, data_len, len))
+        LOAD_RELAXED(&r->seq) != seq ||
+        !rec_fields_ok(c, b.kind, b.nkeys, b.keys_len, b.data_len, len))
         return SHM_E_CORRUPT;
-    uint64_t size = rec_size(nkeys, keys_len, data_len);
+    uint64_t size = rec_size(b.nkeys, b.keys_len, b.data_len);
     if (size != len && (size > len || ring_validate_body(c, r, len) != SHM_OK))
         return SHM_E_CORRUPT;
-    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * nkeys; /* past hashes and links */
-    m->slot = s;
-    m->gen = gen;
-    m->seq = seq;
-    m->attempt = sl->attempt;
-    m->kind = kind;
-    m->nkeys = nkeys;
-    m->keys_off = body;
-    m->keys_len = keys_len;
-    m->data_off = body + align8(keys_len);
-    m->data_len = data_len;
-    m->pos = pos;
-    m->word = LOAD_ACQUIRE(&sl->state);
+    uint32_t attempt = sl->attempt;
+    msg_describe(m, c, r, pos, s, gen, seq, attempt, &b, LOAD_ACQUIRE(&sl->state));
     return SHM_OK;
 }
 

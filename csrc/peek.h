@@ -80,4 +80,26 @@ static inline __attribute__((always_inline)) int peek_record(shm_chan *c, uint64
     return rc;
 }
 
+/* Describe the message of record r at pos, held in slot s (generation gen, state word
+ * `word`), from its checked body fields *b: the offsets of its keys and data. The one
+ * description both hand-outs give (handles.c fill, batchin.c run_hand_out). */
+static inline __attribute__((always_inline)) void
+msg_describe(shm_msg *m, shm_chan *c, shm_record *r, uint64_t pos, uint32_t s, uint32_t gen,
+             uint64_t seq, uint32_t attempt, const shm_body *b, uint64_t word) {
+    /* past the hashes and links */
+    uint64_t body = (uint64_t)((uint8_t *)r - c->base) + REC_BODY + 16u * b->nkeys;
+    m->slot = s;
+    m->gen = gen;
+    m->seq = seq;
+    m->attempt = attempt;
+    m->kind = b->kind;
+    m->nkeys = b->nkeys;
+    m->keys_off = body;
+    m->keys_len = b->keys_len;
+    m->data_off = body + align8(b->keys_len);
+    m->data_len = b->data_len;
+    m->pos = pos;
+    m->word = word;
+}
+
 #endif
