@@ -412,6 +412,54 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.stale.append(h)
         self.released += 1
 
+    @rule(n=st.integers(2, 12))
+    def recv_many(self, n):
+        """A receive of many (the run that hands messages out as it takes them in:
+        csrc/batchin.c): each handle must be one the model allows given those before it.
+        It may return fewer than n (what one poll found), but not none while one is ready."""
+        try:
+            hs = self.rx.recv_many(n, timeout=0)
+        except shmchan.Empty:
+            hs = []
+        assert len(hs) <= n
+        for h in hs:
+            ready = self.model.ready()
+            assert h.seq in ready, f"recv_many handed out seq {h.seq}; allowed were {sorted(ready)}"
+            m = self.model.msgs[h.seq]
+            self.model.deliver(h.seq)
+            assert h.keys == m.keys
+            assert h.payload == m.payload
+            assert h.attempt == m.attempt
+            self.live[h.seq] = h
+            self.delivered += 1
+            self.redeliveries += h.attempt > 1
+        if not hs:  # fewer than n is allowed; none while one is ready is not
+            window_full = self.max_messages is not None and len(self.live) >= self.max_messages
+            assert not self.model.ready() or window_full, (
+                f"recv_many gave nothing although {sorted(self.model.ready())} are ready"
+            )
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def release_many(self, data):
+        """Release several live handles in one call, stale ones mixed in (each a no-op)
+        and one live handle possibly twice: the release run (csrc/handles.c)."""
+        seqs = data.draw(
+            st.lists(st.sampled_from(sorted(self.live)), min_size=1, max_size=8, unique=True)
+        )
+        hs = [self.live.pop(seq) for seq in seqs]
+        batch = list(hs)
+        if self.stale:
+            batch += data.draw(st.lists(st.sampled_from(self.stale), max_size=3))
+        if data.draw(st.booleans()):
+            batch.append(hs[0])  # the same handle again: released once
+        batch = data.draw(st.permutations(batch))
+        self.rx.release_many(batch)
+        for seq, h in zip(seqs, hs, strict=True):
+            self.model.release(seq)
+            self.stale.append(h)
+            self.released += 1
+
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def nack(self, data):
