@@ -57,6 +57,14 @@
  * checked in O(1).
  * Then: the parked records' chains point at their copies (window_moved), ingest_pos moves
  * past the filler if it lay in the window, and head moves past the filler (release store).
+ * Nothing may fail once the first byte has moved: the chains would name the old places,
+ * now inside a filler or under another copy. So what window_moved needs (a place for
+ * the parked records' key hashes, at most one per key of each: the look counts them) is
+ * reserved before step 0, and a window whose reservation fails is not slid this time,
+ * as when a view is taken meanwhile. Should window_moved still find a chain it cannot
+ * follow, the receiver rebuilds its derived state from the ring at once (rebuild.c), as
+ * a new receiver would; if that fails too, the header stays dirty and the operation
+ * reports the channel corrupt.
  * The records' order in the ring (= their seq order, and a fifo chain's order) is kept.
  *
  * Islands made by the slide: a pinned record inside the window gets its island entry
@@ -188,11 +196,21 @@ static int classify(shm_chan *c, uint64_t pos, uint64_t len, uint32_t *slot) {
     return E_HARD; /* released, nacked or discarded: taken back at the next poll */
 }
 
-/* A window that works: its first n entries, packed to end at `end`. */
+/* A window that works: its first n entries, packed to end at `end`; `keys` hashes at
+ * most for its parked records' chains (window_moved). */
 typedef struct {
     uint32_t n;
-    uint64_t end, moved;
+    uint64_t end, moved, keys;
 } cut;
+
+/* Tests only (shm_test_compact_fail): make the next slide's reservation, or its
+ * window_moved, fail. Read once per slide, never on a message's path. */
+static int compact_fail_next;
+
+int shm_test_compact_fail(int what) {
+    /* relaxed: process-local, read by the receiver's next slide; pairs with nothing */
+    return __atomic_exchange_n(&compact_fail_next, what, __ATOMIC_RELAXED);
+}
 
 /* The look: the window to slide, from head up to stop (scan_pos). *looked counts the
  * records visited, *watch is the record that ended the look (whose finishing may change
@@ -204,16 +222,16 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, int *clean, uint32_t 
     uint32_t island_count = LOAD_RELAXED(&h->island_count); /* receiver-written: our own */
     uint32_t islands_free = island_count < SHM_ISLANDS ? SHM_ISLANDS - island_count : 0;
     uint32_t n = 0, moves = 0, pins = 0;
-    uint64_t moved = 0, first = 0, wall_end = 0, pos = head;
+    uint64_t moved = 0, first = 0, wall_end = 0, keys = 0, pos = head;
     int64_t slack = INT64_MAX; /* min over the moves of (finished bytes after it) - its len */
-    cut best = {0, 0, 0};
+    cut best = {0, 0, 0, 0};
     uint64_t visits = compact_visits(c);
     *clean = 1;
     if (!compact_room(c, 0)) return best; /* no memory for a window: no look */
     for (;;) {
         /* pos ends a finished run (or is where the look stopped): is it a window's end? */
         if (moves && slack >= (int64_t)REC_HDR && (wall_end == 0 || pos - moved >= wall_end + REC_HDR)) {
-            best = (cut){n, pos, moved};
+            best = (cut){n, pos, moved, keys};
             uint64_t freed = pos - moved - first;
             if (freed >= COMPACT_TARGET(c) && freed >= 2 * moved) break;
         }
@@ -244,7 +262,7 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, int *clean, uint32_t 
             if (best.n) break; /* a window before it works: take that */
             /* a new window after the wall, or from this record on */
             n = moves = pins = 0;
-            moved = first = wall_end = 0;
+            moved = first = wall_end = keys = 0;
             slack = INT64_MAX;
             *clean = 0;
             if (kind == E_HARD) pos += len;
@@ -255,6 +273,10 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, int *clean, uint32_t 
             if (moves++ == 0) first = pos;
             moved += len;
             if (-(int64_t)len < slack) slack = -(int64_t)len;
+            if (s == NIL) { /* parked: its hashes, as window_moved reads them from the copy */
+                uint32_t nk = rec_at(c, pos)->nkeys;
+                keys += nk < c->cfg.max_keys ? nk : c->cfg.max_keys;
+            }
         } else {
             pins += kind == E_PIN;
             wall_end = pos + len;
@@ -265,7 +287,8 @@ static cut look(shm_chan *c, uint64_t head, uint64_t stop, int *clean, uint32_t 
     return best;
 }
 
-/* The slide: 1 slid; 0: cannot now; -1: can, but not worth it yet. */
+/* The slide: 1 slid; 0: cannot now; -1: can, but not worth it yet; SHM_E_CORRUPT: slid,
+ * but the parked records' chains could be neither repaired nor rebuilt (header dirty). */
 static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t *looked,
                  uint64_t *watch) {
     shm_header *h = c->hdr;
@@ -279,6 +302,22 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
      * waits, wait for it to free as much as it copies (or a sixteenth of the ring). */
     uint64_t worth = w.moved < c->limit / 16 ? w.moved : c->limit / 16;
     if (freed < worth && !urgent) return -1; /* not yet: more must finish first */
+
+    /* What window_moved needs, had before anything moves (see the top): without it the
+     * window stays where it is this time, and the look is retried later as a failed one. */
+    uint32_t parked = 0;
+    for (uint32_t j = 0; j < n; j++) parked += e[j].kind == E_MOVE && e[j].slot == NIL;
+    uint64_t *hashes = NULL;
+    int fail = __atomic_load_n(&compact_fail_next, __ATOMIC_RELAXED); /* tests only */
+    if (parked) {
+        if (fail == SHM_TEST_COMPACT_RESERVE) {
+            __atomic_store_n(&compact_fail_next, 0, __ATOMIC_RELAXED);
+            return 0;
+        }
+        if (w.keys >= SIZE_MAX / sizeof(uint64_t)) return 0;
+        hashes = malloc(sizeof(uint64_t) * ((size_t)w.keys + 1));
+        if (hashes == NULL) return 0;
+    }
 
     /* 0. in-flight moves: stop holders from taking views until we are done; then the
      * pinned records the window passes become islands (before any filler covers them) */
@@ -307,13 +346,12 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
             shm_slot *sl = &c->slots[e[j].slot];
             if (LOAD_RELAXED(&sl->pin) == PIN_MOVING) STORE_RELEASE(&sl->pin, PIN_FREE); /* pairs with shm_handle_view */
         }
+        free(hashes);
         return 0;
     }
 
     /* 1-4 for each move, last first: each moves to the end of what follows it */
     uint64_t *old_parked = buf_from(c), *new_parked = buf_to(c), skips = 0; /* n <= compact_cap */
-    uint32_t parked = 0;
-    for (uint32_t j = 0; j < n; j++) parked += e[j].kind == E_MOVE && e[j].slot == NIL;
     uint32_t p = parked;
     uint64_t gap_end = w.end;
     for (uint32_t j = n; j-- > 0;) {
@@ -354,9 +392,30 @@ static int slide(shm_chan *c, uint64_t head, uint64_t stop, int urgent, uint32_t
      * head reaches: only finished records there) */
     if ((h->ingest_pos >= start && h->ingest_pos < w.end) || (clean && h->ingest_pos < start))
         h->ingest_pos = gap_end;
-    if (parked) window_moved(c, old_parked, new_parked, parked);
-    /* 5. free the space (release store of head inside) */
+    int rc = SHM_OK;
+    if (parked) {
+        if (fail == SHM_TEST_COMPACT_CHAINS) {
+            __atomic_store_n(&compact_fail_next, 0, __ATOMIC_RELAXED);
+            rc = SHM_E_CORRUPT;
+        } else {
+            rc = window_moved(c, old_parked, new_parked, parked, hashes, w.keys + 1);
+        }
+        free(hashes);
+    }
+    /* 5. free the space (release store of head inside): the ring is whole either way */
     ring_advance_head(c);
+    if (rc != SHM_OK) {
+        /* The chains are not whole. Rebuild them now, as a new receiver would (rebuild.c:
+         * we hold rx_mu inside rx_begin, and the rebuild makes all the derived state anew
+         * from the ring and the handed-out slots); its process-local caches first, as in
+         * shm_rx_acquire. If even that fails, the header stays dirty for the next receiver
+         * and the caller reports the error. */
+        ring_head_unknown(c);
+        lookahead_reset(c);
+        if (recovery_rebuild(c) == SHM_OK) return 1;
+        STORE_RELAXED(&h->dirty, 1);
+        return SHM_E_CORRUPT;
+    }
     return 1;
 }
 
@@ -407,7 +466,7 @@ static __attribute__((noinline)) int compact_run(shm_chan *c, uint64_t head, uin
     /* A buffer grown for a long run is given back at once: it is needed again only a
      * slide later, and the copying a slide does costs far more than the allocation. */
     if (c->compact_cap > COMPACT_MAX) compact_free(c);
-    if (slid > 0) return 1;
+    if (slid > 0 || slid == SHM_E_CORRUPT) return slid;
     /* Nothing could move the handle at head -- a pinned record right behind it with no
      * island entry left for it, or a record nothing passes: it stays where it is too, as
      * an island, once space runs short. */

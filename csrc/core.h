@@ -736,7 +736,8 @@ int window_is_writing(shm_chan *c, uint64_t pos);
 int window_discard(shm_chan *c, shm_record *r, uint64_t pos);
 int window_check(shm_chan *c, uint32_t *what);
 int window_parked_movable(shm_chan *c, uint64_t pos);
-void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n);
+int window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n,
+                 uint64_t *hashes, uint64_t room);
 void window_wake_push(shm_chan *c, uint64_t hash);
 /* s joins the newest end of the window's age list (receiver only, under rx_mu). Inline:
  * every take-in links one, a batch receive's run once per message. */
@@ -779,7 +780,9 @@ int compact_look(shm_chan *c);
 void compact_free(shm_chan *c);
 /* Compaction can only win space inside [head, scan_pos), and below a sixteenth of the
  * ring that is too little to be worth it: the common case, decided here without a call
- * (receiver-owned fields only). */
+ * (receiver-owned fields only). 1: space was freed; 0: none; SHM_E_CORRUPT: space was
+ * freed but the parked records' chains could be neither repaired nor rebuilt -- the
+ * header is dirty, and the caller must leave it so and report the error. */
 static inline int compact(shm_chan *c) {
     uint64_t head = c->hdr->head, stop = c->hdr->scan_pos;
     if (head >= stop || stop - head < c->limit / 16) return 0;

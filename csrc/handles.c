@@ -388,7 +388,10 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         }
         if (rc) break;
         if (ring_head_may_move(c)) moved |= ring_advance_head(c); /* see ring.c */
-        moved |= compact(c);
+        if (UNLIKELY((moved |= compact(c)) < 0)) { /* the header stays dirty: see compact */
+            rc = SHM_E_CORRUPT;
+            break;
+        }
         if (*got) break;
         if (stalled) {
             /* A record being claimed or written holds the scan. A caller about to sleep
@@ -523,13 +526,16 @@ int shm_release(shm_chan *c, uint32_t s, uint32_t gen, int nack) {
         rx_begin(c);
         int rc = handles_finish(c, s);
         /* a nack, or a release finished meanwhile by upkeep, frees nothing: see ring.c */
-        if (rc == SHM_OK && ((ring_head_may_move(c) && ring_advance_head(c)) | compact(c))) {
+        int slid = 0; /* < 0: the header stays dirty, see compact (core.h) */
+        if (rc == SHM_OK &&
+            ((ring_head_may_move(c) && ring_advance_head(c)) | (slid = compact(c)))) {
             /* the last message out of an empty ring (ring.c); before the fence, so that a
              * sender that starts waiting meanwhile is seen by the check below */
             ring_rewind(c);
             FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
             if (space_wake_due(c, 0)) out |= WAKE_TX;
         }
+        if (UNLIKELY(slid < 0)) rc = SHM_E_CORRUPT;
         if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
         if (rc == SHM_OK && handles_rx_asleep(c)) out |= WAKE_RX;
         rx_end(c);
@@ -692,10 +698,15 @@ __attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
     h->inflight -= cased;
     h->held_keys -= keys;
     h->window -= (uint32_t)freed; /* a broken one kept its slot */
-    if (!broken && (ring_advance_head_past(c, run_end) | compact(c))) {
+    int slid = 0; /* < 0: the header stays dirty, see compact (core.h) */
+    if (!broken && (ring_advance_head_past(c, run_end) | (slid = compact(c)))) {
         ring_rewind(c); /* as in shm_release: before the fence */
         FENCE_SEQCST(); /* pairs with shm_space_wait, as in shm_recv */
         if (space_wake_due(c, 0)) *wake |= 2;
+    }
+    if (UNLIKELY(slid < 0)) {
+        rc = SHM_E_CORRUPT;
+        broken = 1;
     }
     if (!broken) STORE_RELAXED(&c->hdr->dirty, 0);
     if (!broken && handles_rx_asleep(c)) *wake |= 1;

@@ -132,7 +132,9 @@ int shm_revoke(shm_chan *c, const uint64_t *dead, uint32_t ndead, uint64_t now_n
         rc = handles_finish(c, s);
         count++;
     }
-    if (ring_advance_head(c) | compact(c)) FENCE_SEQCST(); /* pairs with shm_space_wait */
+    int slid; /* < 0: the header stays dirty, see compact (core.h) */
+    if (ring_advance_head(c) | (slid = compact(c))) FENCE_SEQCST(); /* pairs with shm_space_wait */
+    if (slid < 0) rc = SHM_E_CORRUPT;
     if (rc == SHM_OK) STORE_RELAXED(&c->hdr->dirty, 0);
     rx_end(c);
     rx_unlock(&c->rx_mu);

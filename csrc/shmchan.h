@@ -228,6 +228,13 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_RELEASE_RUN    13   /* the receiver's release of many, half its messages marked released */
 #define SHM_PAUSE_SEND_WRITTEN   14   /* a send, its length published, the tail hint not yet raised */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
+/* Tests only: the next compaction in this process that moves parked records fails as
+ * if its memory were refused before it moved anything (RESERVE: it does not slide), or
+ * as if a parked record's chain could not be repaired after (CHAINS). 0 disarms.
+ * Returns what was armed before: 0 once a slide has used it. */
+#define SHM_TEST_COMPACT_RESERVE  1
+#define SHM_TEST_COMPACT_CHAINS   2
+int  shm_test_compact_fail(int what);
 /* Tests only: key tables of channels this process creates from now on start at this many
  * entries (a power of two from 16 to the default 512; 0 = the default), so that their
  * growth is exercised by small tests. */

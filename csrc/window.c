@@ -733,22 +733,26 @@ static int by_value(const void *a, const void *b) {
  * at the copies -- each key's first and last position, and the links of the records in
  * its chain. Each such chain is walked once from its first record; a fifo chain runs in
  * ring order, so its walk ends past the last copy, while an eager one is walked whole.
- * O(records in those chains). A chain found broken is left as it is: the next poll that
- * follows it reports the channel corrupt (parked_at checks every step). */
-void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n) {
+ * O(records in those chains). hashes has room for `room` entries, which compact.c
+ * reserved before moving anything (at least one per key of each moved record), so that
+ * nothing here allocates. SHM_E_CORRUPT if that room is short or a chain cannot be
+ * followed (parked_at checks every step): compact.c then rebuilds the chains from the
+ * ring (rebuild.c). */
+int window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_t n,
+                 uint64_t *hashes, uint64_t room) {
     int fifo = c->cfg.order == SHM_ORDER_FIFO;
-    uint32_t nh = 0;
-    uint64_t *hashes = malloc(sizeof(uint64_t) * ((size_t)n * c->cfg.max_keys + 1));
-    if (hashes == NULL) return; /* the chains point at the fillers: seen as corrupt */
+    uint64_t nh = 0;
     for (uint32_t i = 0; i < n; i++) {
         shm_record *r = rec_at(c, to[i]); /* the copy, checked by compact.c's look */
         for (uint32_t j = 0; j < r->nkeys && j < c->cfg.max_keys; j++)
             /* a run of records on one key adds its hash once: less to sort */
-            if (rec_first_of_hash(r, j) && (nh == 0 || hashes[nh - 1] != r->hashes[j]))
+            if (rec_first_of_hash(r, j) && (nh == 0 || hashes[nh - 1] != r->hashes[j])) {
+                if (nh >= room) return SHM_E_CORRUPT; /* more keys than the look counted */
                 hashes[nh++] = r->hashes[j];
+            }
     }
     qsort(hashes, nh, sizeof *hashes, by_value);
-    for (uint32_t i = 0; i < nh; i++) {
+    for (uint64_t i = 0; i < nh; i++) {
         if (i > 0 && hashes[i] == hashes[i - 1]) continue;
         uint64_t hash = hashes[i];
         shm_key *k = sched_key_find(c, hash);
@@ -761,14 +765,14 @@ void window_moved(shm_chan *c, const uint64_t *from, const uint64_t *to, uint32_
         for (uint32_t m = 0; m + 1 < k->skipped; m++) {
             int idx;
             shm_record *r = parked_at(c, pos, hash, &idx);
-            if (r == NULL) break;
+            if (r == NULL) return SHM_E_CORRUPT;
             uint64_t *link = &rec_links(r, r->nkeys)[idx];
             *link = moved_pos(from, to, n, *link, &at);
             if (fifo && pos > to[n - 1]) break; /* the rest of the chain lies further on */
             pos = *link;
         }
     }
-    free(hashes);
+    return SHM_OK;
 }
 
 /* For the receiver's maintenance: the placeholders and their producers, whose liveness
