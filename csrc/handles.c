@@ -662,6 +662,7 @@ __attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
             broken = 1;
         }
         run_out_unlink(c, mine, ok);
+        test_pause(SHM_PAUSE_RELEASE_KEYS); /* keys passed on, every record still COMMITTED */
         uint32_t free_head = h->free_slots;
         for (uint32_t k = 0; k < ok; k++) {
             uint32_t s = mine[k];
@@ -676,6 +677,9 @@ __attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
                 ring_mark_done(c, pos);
                 run_end = UINT64_MAX;
             }
+            /* the chunk's first half FREE off the free list, this record DONE with its slot
+             * RELEASED, the rest RELEASED with their records COMMITTED; head not moved */
+            if (UNLIKELY(k == ok / 2)) test_pause(SHM_PAUSE_RELEASE_DONE);
             /* slot_free_uncounted's steps, the free list's head kept here for the chunk */
             uint32_t gen = SLOT_GEN(sl->state) + 1;
             STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_FREE)); /* see slot_free_uncounted */

@@ -115,3 +115,78 @@ def test_release_runs_out_of_ring_order_free_only_what_they_finished(
     finally:
         ch.close()
         shmchan.unlink(chan_name)
+
+
+_PASS_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rx = shmchan.Channel.open(name).receiver()
+    if "{how}" == "batch":
+        held = rx.recv_batch({n}, timeout=10)
+    else:  # a receive takes in at most a window's step: gather them for one release
+        held = []
+        while len(held) < {n}:
+            held += rx.recv_many({n} - len(held), timeout=10)
+    assert len(held) == {n}
+    lib.shm_test_pause_at(lib.{point}, notify, wait)
+    if "{how}" == "batch":
+        held.release()
+    else:
+        rx.release_many(held)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("how", "n"), [("batch", 20), ("many", 20), ("many", 300)])
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+@pytest.mark.parametrize("point", ["SHM_PAUSE_RELEASE_KEYS", "SHM_PAUSE_RELEASE_DONE"])
+def test_a_receiver_killed_in_a_release_runs_later_passes_loses_nothing(
+    chan_name: str, point: str, order: str, how: str, n: int
+) -> None:
+    # Killed after its first chunk's CAS pass (the run's chunks are 256 messages): at
+    # RELEASE_KEYS every message of the chunk is RELEASED and its keys passed on while
+    # its record is still COMMITTED; at RELEASE_DONE, in the middle of the finish pass,
+    # the chunk's first half is FREE but off the free list, one record is DONE with its
+    # slot still RELEASED, the rest as at RELEASE_KEYS, and head has not moved. The whole
+    # first chunk counts as released (gone for good, its keys free for the next
+    # messages); a second chunk's messages were never touched, still the dead
+    # receiver's, and come back with their second attempt.
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 20, order=order)
+    try:
+        tx = ch.sender()
+        keys = [f"k{i}" for i in range(n)]
+        first = list(tx.send_batch(bytes(n), [1] * n, keys))
+        script = _PASS_VICTIM.format(how=how, n=n, point=point)
+        kill_at_pause(script, chan_name, f"{point} in a release run")
+        gone = min(n, 256)  # the first chunk
+        rx = take_receiver_seat(ch)
+        check_core(rx)
+        stats = ch.stats()
+        # the dead receiver's untouched handles are back in the queue; the chunk counted
+        assert (stats.inflight, stats.queued, stats.released) == (0, n - gone, gone)
+        later = list(tx.send_batch(bytes(n), [1] * n, keys))
+        got: list[tuple[int, int]] = []
+        while len(got) < n + n - gone:
+            b = rx.recv_batch(100, timeout=10)
+            got.extend(zip((int(s) for s in b.seqs), (int(a) for a in b.attempts), strict=True))
+            check_core(rx)
+            b.release()
+            check_core(rx)
+        assert rx.try_recv() is None
+        back = first[gone:]
+        assert sorted(s for s, _ in got) == sorted(back + later)  # each once, none lost
+        assert all(a == 2 for s, a in got if s in back)
+        assert all(a == 1 for s, a in got if s in later)
+        if order == "fifo":  # per key: the redelivered one before the later one
+            place = {s: i for i, (s, _) in enumerate(got)}
+            assert all(place[first[i]] < place[later[i]] for i in range(gone, n))
+        stats = ch.stats()
+        assert (stats.inflight, stats.queued, stats.held_keys, stats.window) == (0, 0, 0, 0)
+        assert stats.used_bytes == 0  # head moved over every record, the dead run's too
+        assert (stats.sent, stats.released) == (2 * n, 2 * n)
+        rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name)
