@@ -626,6 +626,35 @@ __attribute__((always_inline)) static inline void run_item(const uint32_t *slots
     *gen = msgs ? (uint32_t)msgs[i].gen : gens[i];
 }
 
+/* The finish pass's step for message s of a run (finish_released's order): its record
+ * done, then its slot FREE at the front of *free_head (the chunk's free list, stored in the
+ * header once per chunk). *run_end and *plain as in release_many_rx. pause, a constant:
+ * the test's pause point between the two stores, where the chunk's messages before this
+ * one are FREE but off the free list, this record is DONE with its slot RELEASED, the
+ * rest are RELEASED with their records COMMITTED, and head has not moved. */
+__attribute__((always_inline)) static inline void run_finish(shm_chan *c, uint32_t s, int pause,
+                                                             uint64_t *run_end, uint64_t *plain,
+                                                             uint32_t *free_head) {
+    shm_slot *sl = &c->slots[s];
+    uint64_t pos = sl->pos, len;
+    if (LIKELY(ring_mark_done_plain(c, pos, &len))) {
+        (*plain)++;
+        /* a length head's walk would pass (ring.c len_ok), or the chain ends */
+        int whole = len >= REC_HDR && (len & 7u) == 0 && len <= c->cap - REC_HDR;
+        if (pos == *run_end) *run_end = whole ? pos + len : UINT64_MAX;
+    } else { /* an island may be kept: the whole step, and head walks */
+        ring_mark_done(c, pos);
+        *run_end = UINT64_MAX;
+    }
+    if (pause) test_pause(SHM_PAUSE_RELEASE_DONE);
+    /* slot_free_uncounted's steps, the free list's head kept by the caller for the chunk */
+    uint32_t gen = SLOT_GEN(sl->state) + 1;
+    STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_FREE)); /* see slot_free_uncounted */
+    sl->next = *free_head;
+    *free_head = s;
+    c->hdr->released++;
+}
+
 __attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
                                                                  const uint32_t *slots,
                                                                  const uint32_t *gens,
@@ -668,27 +697,13 @@ __attribute__((always_inline)) static inline int release_many_rx(shm_chan *c,
             broken = 1;
         }
         run_out_unlink(c, mine, ok);
-        uint32_t free_head = h->free_slots;
-        for (uint32_t k = 0; k < ok; k++) {
-            uint32_t s = mine[k];
-            shm_slot *sl = &c->slots[s];
-            uint64_t pos = sl->pos, len;
-            if (LIKELY(ring_mark_done_plain(c, pos, &len))) {
-                plain++;
-                /* a length head's walk would pass (ring.c len_ok), or the chain ends */
-                int whole = len >= REC_HDR && (len & 7u) == 0 && len <= c->cap - REC_HDR;
-                if (pos == run_end) run_end = whole ? pos + len : UINT64_MAX;
-            } else { /* an island may be kept: the whole step, and head walks */
-                ring_mark_done(c, pos);
-                run_end = UINT64_MAX;
-            }
-            /* slot_free_uncounted's steps, the free list's head kept here for the chunk */
-            uint32_t gen = SLOT_GEN(sl->state) + 1;
-            STORE_RELEASE(&sl->state, SLOT_WORD(gen, SLOT_FREE)); /* see slot_free_uncounted */
-            sl->next = free_head;
-            free_head = s;
-            h->released++;
-        }
+        test_pause(SHM_PAUSE_RELEASE_KEYS); /* keys passed on, every record still COMMITTED */
+        uint32_t free_head = h->free_slots, mid = ok / 2;
+        /* the middle message apart, so that only it carries the test's pause point */
+        for (uint32_t k = 0; k < mid; k++) run_finish(c, mine[k], 0, &run_end, &plain, &free_head);
+        if (mid < ok) run_finish(c, mine[mid], 1, &run_end, &plain, &free_head);
+        for (uint32_t k = mid + 1; k < ok; k++)
+            run_finish(c, mine[k], 0, &run_end, &plain, &free_head);
         h->free_slots = free_head;
         run_window_unlink(c, mine, ok);
         freed += ok;

@@ -68,6 +68,7 @@ static int keep_handed_out(shm_chan *c, kept_t *kept, uint32_t *nkept, uint64_t 
             int behind = sl->pos < h->head && !island;
             if (behind && (st == SLOT_RELEASED || st == SLOT_DISCARD)) {
                 STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w) + 1, SLOT_FREE));
+                if (st == SLOT_RELEASED) h->released++; /* counted after the free: see below */
                 sl->next = h->free_slots;
                 h->free_slots = s;
                 continue;
@@ -81,6 +82,9 @@ static int keep_handed_out(shm_chan *c, kept_t *kept, uint32_t *nkept, uint64_t 
                 return SHM_E_CORRUPT;
             if (rs == REC_DONE) { /* died between marking the record and freeing the slot */
                 STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w) + 1, SLOT_FREE));
+                /* A release counts itself only after its slot is FREE (finish_released,
+                 * release_many_rx), so one cut short here was not counted yet. */
+                if (st == SLOT_RELEASED) h->released++;
                 keep = 0;
             }
         } else if (st != SLOT_FREE) {

@@ -227,6 +227,8 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_RUN_TAKEN      12   /* a batch receive's run: 2nd message taken, not out */
 #define SHM_PAUSE_RELEASE_RUN    13   /* the receiver's release of many, half its messages marked released */
 #define SHM_PAUSE_SEND_WRITTEN   14   /* a send, its length published, the tail hint not yet raised */
+#define SHM_PAUSE_RELEASE_KEYS   15   /* the release of many, a chunk's keys passed on, no record done */
+#define SHM_PAUSE_RELEASE_DONE   16   /* the release of many, mid-chunk: a record done, its slot not free */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 /* Tests only: the next compaction in this process that moves parked records fails as
  * if its memory were refused before it moved anything (RESERVE: it does not slide), or

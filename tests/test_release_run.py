@@ -10,63 +10,78 @@ from procs import check_core, kill_at_pause, take_receiver_seat
 
 import shmchan
 
-N = 20  # messages the victim holds; the pause is after the CAS of the 11th (N // 2)
-
 _RELEASE_VICTIM = """
     import sys
     import shmchan
     from shmchan._lib import lib
-    name, notify, wait, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "{how}"
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rx = shmchan.Channel.open(name).receiver()
-    if how == "batch":
-        b = rx.recv_batch({n}, timeout=10)
-        assert len(b) == {n}
-        lib.shm_test_pause_at(lib.SHM_PAUSE_RELEASE_RUN, notify, wait)
-        b.release()
+    if "{how}" == "batch":
+        held = rx.recv_batch({n}, timeout=10)
+    else:  # a receive takes in at most a window's step: gather them for one release
+        held = []
+        while len(held) < {n}:
+            held += rx.recv_many({n} - len(held), timeout=10)
+    assert len(held) == {n}
+    lib.shm_test_pause_at(lib.{point}, notify, wait)
+    if "{how}" == "batch":
+        held.release()
     else:
-        hs = rx.recv_many({n}, timeout=10)
-        assert len(hs) == {n}
-        lib.shm_test_pause_at(lib.SHM_PAUSE_RELEASE_RUN, notify, wait)
-        rx.release_many(hs)
+        rx.release_many(held)
 """
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["batch", "many"])
+@pytest.mark.parametrize(("how", "n"), [("batch", 20), ("many", 20), ("many", 300)])
 @pytest.mark.parametrize("order", ["fifo", "eager"])
+@pytest.mark.parametrize(
+    "point", ["SHM_PAUSE_RELEASE_RUN", "SHM_PAUSE_RELEASE_KEYS", "SHM_PAUSE_RELEASE_DONE"]
+)
 def test_a_receiver_killed_in_the_middle_of_a_release_run_loses_nothing(
-    chan_name: str, order: str, how: str
+    chan_name: str, point: str, order: str, how: str, n: int
 ) -> None:
-    # Killed with the first half and the 11th marked released (the run finishes them
-    # after every CAS of its chunk; the next receiver finishes what it left): those are
-    # gone for good; the rest were still the dead receiver's and come back, before every later
-    # message on their keys, with their second attempt.
+    # The run's chunks are 256 messages, each finished in passes. Killed at RELEASE_RUN,
+    # in the first chunk's CAS pass: its messages up to the middle one are RELEASED, the
+    # rest still INFLIGHT. At RELEASE_KEYS, after the pass that gives the keys on: the
+    # whole chunk RELEASED, keys passed on, every record still COMMITTED. At RELEASE_DONE,
+    # in the middle of the finish pass: the chunk's first half FREE but off the free list,
+    # one record DONE with its slot still RELEASED, the rest as at RELEASE_KEYS, head not
+    # moved. What was marked released is gone for good and counted, its keys free for the
+    # next messages; the rest (a second chunk's too) was still the dead receiver's and
+    # comes back with its second attempt, before every later message on its keys.
     ch = shmchan.Channel.create(chan_name, capacity=1 << 20, order=order)
     try:
         tx = ch.sender()
-        keys = [f"k{i}" for i in range(N)]
-        first = list(tx.send_batch(bytes(N), [1] * N, keys))
-        kill_at_pause(_RELEASE_VICTIM.format(how=how, n=N), chan_name, "a release run's middle")
+        keys = [f"k{i}" for i in range(n)]
+        first = list(tx.send_batch(bytes(n), [1] * n, keys))
+        script = _RELEASE_VICTIM.format(how=how, n=n, point=point)
+        kill_at_pause(script, chan_name, f"{point} in a release run")
+        gone = n // 2 + 1 if point == "SHM_PAUSE_RELEASE_RUN" else min(n, 256)
         rx = take_receiver_seat(ch)
         check_core(rx)
-        later = list(tx.send_batch(bytes(N), [1] * N, keys))
+        stats = ch.stats()
+        # the dead receiver's unreleased handles are back in the queue; the rest counted
+        assert (stats.inflight, stats.queued, stats.released) == (0, n - gone, gone)
+        later = list(tx.send_batch(bytes(n), [1] * n, keys))
         got: list[tuple[int, int]] = []
-        while len(got) < N + N - (N // 2 + 1):
+        while len(got) < n + n - gone:
             b = rx.recv_batch(100, timeout=10)
             got.extend(zip((int(s) for s in b.seqs), (int(a) for a in b.attempts), strict=True))
             check_core(rx)
             b.release()
             check_core(rx)
         assert rx.try_recv() is None
-        back = first[N // 2 + 1 :]
+        back = first[gone:]
         assert sorted(s for s, _ in got) == sorted(back + later)  # each once, none lost
         assert all(a == 2 for s, a in got if s in back)
         assert all(a == 1 for s, a in got if s in later)
         if order == "fifo":  # per key: the redelivered one before the later one
             place = {s: i for i, (s, _) in enumerate(got)}
-            assert all(place[first[i]] < place[later[i]] for i in range(N // 2 + 1, N))
+            assert all(place[first[i]] < place[later[i]] for i in range(gone, n))
         stats = ch.stats()
-        assert (stats.inflight, stats.queued) == (0, 0)
+        assert (stats.inflight, stats.queued, stats.held_keys, stats.window) == (0, 0, 0, 0)
+        assert stats.used_bytes == 0  # head moved over every record, the dead run's too
+        assert (stats.sent, stats.released) == (2 * n, 2 * n)
         rx.close()
     finally:
         ch.close()
