@@ -638,10 +638,11 @@ int sched_take_in(shm_chan *c, shm_record *r, uint64_t pos, uint32_t *slot_out) 
  * The caller has checked that nothing is ready or waking and the record carries no
  * times (batchin.c), so the message is the lowest seq that may go. */
 
-/* attach_keys for the nkeys keys of r found absent: at[i] is where key i's probe stopped. */
+/* attach_keys for the nkeys keys found absent, whose hashes hs[] the probes read from
+ * the record: at[i] is where key i's probe stopped. */
 static inline __attribute__((always_inline)) int attach_free_keys(shm_chan *c, uint32_t s,
-                                                                   shm_record *r,
                                                                    uint32_t nkeys,
+                                                                   const uint64_t *hs,
                                                                    const uint32_t *at) {
     shm_slot *sl = &c->slots[s];
     int fifo = c->cfg.order == SHM_ORDER_FIFO, probed = 1;
@@ -649,8 +650,10 @@ static inline __attribute__((always_inline)) int attach_free_keys(shm_chan *c, u
     sl->nkeys = 0;
     sl->pending = 0;
     for (uint32_t i = 0; i < nkeys; i++) {
-        if (!rec_first_of_hash(r, i)) continue;
-        uint64_t hash = r->hashes[i];
+        uint64_t hash = hs[i];
+        int first = 1; /* a message counts each distinct hash once (rec_first_of_hash) */
+        for (uint32_t j = 0; j < i; j++) first &= hs[j] != hash;
+        if (!first) continue;
         uint32_t n = node_alloc(c);
         if (n == NIL) return SHM_E_CORRUPT; /* room() said there was room */
         c->nodes[n].hash = hash;
@@ -710,9 +713,10 @@ static uint32_t run_room(shm_chan *c) {
 }
 
 /* Take r in if none of its keys is in the table and there is room. nkeys: r's key count
- * as the caller validated it against r's length (peek.h), read from r once: every
- * step below uses it, so the probes and the insertions cover the same keys whatever a
- * producer writes into the record meanwhile. *room_left: the run's room
+ * as the caller validated it against r's length (peek.h), read from r once; its hashes
+ * are read once too, by the probes (hs): every step below uses those copies, so the
+ * probes and the insertions cover the same keys whatever a producer writes into the
+ * record meanwhile. *room_left: the run's room
  * (SCHED_ROOM_UNKNOWN before its first message). Returns 1 (taken in: *slot_out), 0
  * (a key is in the table, or no room: the general path decides) or an error. */
 static inline __attribute__((always_inline)) int take_in_free(shm_chan *c, shm_record *r,
@@ -721,9 +725,12 @@ static inline __attribute__((always_inline)) int take_in_free(shm_chan *c, shm_r
                                                               uint32_t *slot_out) {
     shm_header *h = c->hdr;
     uint32_t at[SHM_MAX_KEYS_LIMIT];
+    uint64_t hs[SHM_MAX_KEYS_LIMIT];
     if (nkeys > c->cfg.max_keys || nkeys > SHM_MAX_KEYS_LIMIT) return 0; /* the general path's */
-    for (uint32_t i = 0; i < nkeys; i++)
-        if (key_probe(c, r->hashes[i], &at[i]) >= 0) return 0;
+    for (uint32_t i = 0; i < nkeys; i++) {
+        hs[i] = r->hashes[i];
+        if (key_probe(c, hs[i], &at[i]) >= 0) return 0;
+    }
     int first = *room_left == SCHED_ROOM_UNKNOWN;
     if (first) { /* the first of a receive: as decide() asks, committing more if need be */
         if (!sched_has_room(c, nkeys)) return 0;
@@ -734,7 +741,7 @@ static inline __attribute__((always_inline)) int take_in_free(shm_chan *c, shm_r
     }
     uint32_t s;
     int rc = take_slot(c, r, pos, &s);
-    if (rc == SHM_OK) rc = attach_free_keys(c, s, r, nkeys, at);
+    if (rc == SHM_OK) rc = attach_free_keys(c, s, nkeys, hs, at);
     if (rc) return rc;
     take_done(c, r, s);
     if (first) *room_left = run_room(c);
