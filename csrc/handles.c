@@ -613,8 +613,9 @@ static void run_window_unlink(shm_chan *c, const uint32_t *mine, uint32_t n) {
  * so a receiver killed anywhere leaves each slot of the run INFLIGHT (not reached yet),
  * RELEASED with its record COMMITTED (kept, finished by recovery as a forgotten release),
  * RELEASED with its record DONE, or FREE with its record DONE (both freed): never FREE with
- * its record still COMMITTED, which the rebuild would take in again. Head moves only at the end, over records already DONE. The released
- * count is not rebuilt, so it moves with each message, as in a single release. */
+ * its record still COMMITTED, which the rebuild would take in again. Head moves only at
+ * the end, over records already DONE. The released count moves with each message, as in
+ * a single release (the rebuild counts one cut short between its DONE and its FREE). */
 #define RUN_CHUNK 256u
 /* Message i of a release call: from the arrays of slots and gens, or from msgs if given
  * (shm_release_msgs: a batch's descriptions, not copied into arrays first). */
