@@ -382,17 +382,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def try_recv(self):
-        ready = self.model.ready()
         h = self.rx.try_recv()
         if h is None:
-            # The one allowed exception: a window whose every slot is a live handle
-            # (max_messages also bounds the handles out at once).
-            window_full = self.max_messages is not None and len(self.live) >= self.max_messages
-            assert not ready or window_full, (
-                f"try_recv gave nothing although {sorted(ready)} are ready"
-            )
+            self.check_nothing_was_ready("try_recv")
             return
-        assert h.seq in ready, f"handed out seq {h.seq}; allowed were {sorted(ready)}"
+        self.check_delivery(h, "try_recv")
+
+    def check_delivery(self, h, call):
+        """h must be a message the model allows now; it is live from here on."""
+        ready = self.model.ready()
+        assert h.seq in ready, f"{call} handed out seq {h.seq}; allowed were {sorted(ready)}"
         m = self.model.msgs[h.seq]
         self.model.deliver(h.seq)
         assert h.keys == m.keys
@@ -401,6 +400,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live[h.seq] = h
         self.delivered += 1
         self.redeliveries += h.attempt > 1
+
+    def check_nothing_was_ready(self, call):
+        # The one allowed exception: a window whose every slot is a live handle
+        # (max_messages also bounds the handles out at once).
+        ready = self.model.ready()
+        window_full = self.max_messages is not None and len(self.live) >= self.max_messages
+        assert not ready or window_full, f"{call} gave nothing although {sorted(ready)} are ready"
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -423,21 +429,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             hs = []
         assert len(hs) <= n
         for h in hs:
-            ready = self.model.ready()
-            assert h.seq in ready, f"recv_many handed out seq {h.seq}; allowed were {sorted(ready)}"
-            m = self.model.msgs[h.seq]
-            self.model.deliver(h.seq)
-            assert h.keys == m.keys
-            assert h.payload == m.payload
-            assert h.attempt == m.attempt
-            self.live[h.seq] = h
-            self.delivered += 1
-            self.redeliveries += h.attempt > 1
+            self.check_delivery(h, "recv_many")
         if not hs:  # fewer than n is allowed; none while one is ready is not
-            window_full = self.max_messages is not None and len(self.live) >= self.max_messages
-            assert not self.model.ready() or window_full, (
-                f"recv_many gave nothing although {sorted(self.model.ready())} are ready"
-            )
+            self.check_nothing_was_ready("recv_many")
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
