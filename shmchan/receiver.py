@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import _segment, aio, deadroute, errors, liveness, overflow
+from . import _segment, deadroute, errors, liveness, overflow
 from ._lib import ffi, lib, raise_for
 from ._segment import (
     TX,
@@ -241,6 +241,8 @@ class Receiver(_hot.ReceiverBase):
     async def recv_async(self, timeout: float | None = None) -> Handle:
         """recv() for asyncio: awaits the next message without blocking the event loop.
         A cancelled await has taken nothing (see shmchan.aio)."""
+        from . import aio  # asyncio is imported by the first asyncio call, not by import shmchan
+
         return (await aio.recv_many(self, self._async_step, 1, timeout, "recv_async"))[0]
 
     async def recv_many_async(
@@ -250,10 +252,14 @@ class Receiver(_hot.ReceiverBase):
         if type(max_items) is not int or max_items < 1:
             raise errors.InvalidArgument(f"max_items must be a positive int, not {max_items!r:.40}")
         n = min(max_items, 65536)
+        from . import aio
+
         return await aio.recv_many(self, self._async_step, n, timeout, "recv_many_async")
 
     def __aiter__(self) -> AsyncIterator[Handle]:
         """`async for h in rx`: handles until the channel is shut down and drained."""
+        from . import aio
+
         return aio.iterate(self, self._async_step)
 
     def __iter__(self) -> Iterator[Handle]:

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import _shmchan_hot as _hot  # the per-message calls (csrc/hot/)
 
-from . import aio, codec, errors, overflow, timers
+from . import codec, errors, overflow, timers
 from ._lib import ffi, lib, raise_for
 from ._segment import RX, Attachment, Segment, SpaceWait, deadline_of, shared_attachment
 
@@ -266,6 +266,8 @@ class Sender(_hot.SenderBase):
     async def send_async(self, obj: object, keys: Any = (), timeout: float | None = None) -> int:
         """send() for asyncio: waits for space without blocking the event loop; returns
         the message's sequence number. A cancelled await has sent nothing."""
+        from . import aio  # asyncio is imported by the first asyncio call, not by import shmchan
+
         return await aio.send(
             lambda: self.send(obj, keys, 0), self._space_waiting, timeout, "send_async"
         )

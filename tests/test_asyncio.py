@@ -9,6 +9,8 @@ import asyncio
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -414,3 +416,12 @@ def test_a_send_from_another_process_wakes_the_awaiting_task_at_once(make_channe
         took = run(main())
         p.join(WAIT)
     assert took < 7.5, f"{rounds} round trips took {took:.1f} s: wake-ups were missed"
+
+
+def test_import_shmchan_leaves_asyncio_unimported() -> None:
+    """asyncio costs a fresh process ~30 ms to import: it comes with the first asyncio
+    call (shmchan.aio), not with `import shmchan`, which every producer pays."""
+    code = "import sys, shmchan; print('asyncio' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
