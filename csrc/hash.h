@@ -64,23 +64,27 @@ static inline uint64_t hash_avalanche(uint64_t h) {
     return h;
 }
 
-static inline uint64_t hash_key_bytes(const uint8_t *p, uint64_t n) {
+/* The key hash of the n bytes at p. padded: at least 8 readable bytes follow the key (one
+ * copied into a record: the rest of the record and the next header follow it), so its
+ * tail is one load masked to its n % 8 bytes; the same value either way. A constant at
+ * each call, so each caller compiles one tail. */
+static inline __attribute__((always_inline)) uint64_t hash_key_with(const uint8_t *p,
+                                                                    uint64_t n, int padded) {
     uint64_t h = HASH_P3 ^ (n * HASH_P1);
     uint64_t i = 0;
     for (; i + 8 <= n; i += 8) h = hash_rotl(h ^ (hash_le64(p + i) * HASH_P2), 31) * HASH_P1;
-    h = hash_rotl(h ^ (hash_le_tail(p + i, n - i) * HASH_P2), 27) * HASH_P1 + HASH_P3;
+    uint64_t tail = padded ? hash_le64(p + i) & ((1ull << (8 * (n - i))) - 1) /* n - i < 8 */
+                           : hash_le_tail(p + i, n - i);
+    h = hash_rotl(h ^ (tail * HASH_P2), 27) * HASH_P1 + HASH_P3;
     return hash_avalanche(h);
 }
 
-/* hash_key_bytes(p, n), the same value, for a key followed by at least 8 readable bytes
- * (one copied into a record: the rest of the record and the next header follow it): the
- * tail is one load, masked to its n % 8 bytes. */
+static inline uint64_t hash_key_bytes(const uint8_t *p, uint64_t n) {
+    return hash_key_with(p, n, 0);
+}
+
+/* hash_key_bytes(p, n) for a key followed by at least 8 readable bytes. */
 static inline uint64_t hash_key_padded(const uint8_t *p, uint64_t n) {
-    uint64_t h = HASH_P3 ^ (n * HASH_P1);
-    uint64_t i = 0;
-    for (; i + 8 <= n; i += 8) h = hash_rotl(h ^ (hash_le64(p + i) * HASH_P2), 31) * HASH_P1;
-    uint64_t tail = hash_le64(p + i) & ((1ull << (8 * (n - i))) - 1); /* n - i < 8 */
-    h = hash_rotl(h ^ (tail * HASH_P2), 27) * HASH_P1 + HASH_P3;
-    return hash_avalanche(h);
+    return hash_key_with(p, n, 1);
 }
 #endif
