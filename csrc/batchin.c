@@ -1,13 +1,15 @@
-/* batchin.c -- a receive of many messages takes a run of new records in and hands them
- * out in one pass.
+/* batchin.c -- a receive takes a run of new records in and hands them out in one pass.
  *
  * The general poll (handles.c shm_recv) first takes new records into the window until
  * READY_AHEAD messages are ready (window.c window_ingest), then pops the ready heap one
  * message at a time (sched.c): with a few hundred ready, every pop sifts the heap's last
- * entry down its whole height. A receive asking for many messages (recv_batch,
- * recv_many) that finds nothing ready, nothing to wake and nothing being written instead
- * takes the records at scan_pos one at a time and hands each out as it is taken in, and
- * the record is looked at once while it is in the cache.
+ * entry down its whole height, and every message goes through the ready queue. A receive
+ * (recv, recv_many, recv_batch) that finds nothing ready, nothing to wake and nothing
+ * being written instead takes the records at scan_pos one at a time and hands each out
+ * as it is taken in, and the record is looked at once while it is in the cache. A
+ * single recv takes in one record: the consumer that releases each message before the
+ * next recv finds its keys free again, and every message of such a stream skips the
+ * ready queue.
  *
  * It is the general path's steps, in the same order, for the case where they cannot
  * interleave with anything else:
@@ -75,7 +77,7 @@ static inline int run_hand_out(shm_chan *c, uint32_t s, shm_record *r, uint64_t 
 int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
                 int *moved) {
     shm_header *h = c->hdr;
-    if (max - *got < BATCHIN_RUN_MIN || h->ready_count != 0 || h->wake_n || h->wake_overflow ||
+    if (*got >= max || h->ready_count != 0 || h->wake_n || h->wake_overflow ||
         h->writing_n || h->timed || h->delayed_count || UNLIKELY(hold_any(c)))
         return SHM_OK;
     uint32_t room = SCHED_ROOM_UNKNOWN; /* the tables' room for the run (sched.c) */

@@ -859,9 +859,6 @@ static inline void handles_mark_inflight(shm_chan *c, uint32_t s, uint32_t gen, 
     handles_out_link(c, s);
 }
 /* batchin.c */
-/* A receive for fewer messages than this keeps the general path's batched scan; the
- * caller tests it, so a single receive does not pay the call. */
-#define BATCHIN_RUN_MIN 2u
 int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t *now,
                 int *moved);
 /* rebuild.c */

@@ -358,11 +358,13 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         int progress = 0;
         rc = handles_drain(c);
         if (rc) break;
-        if (max - *got >= BATCHIN_RUN_MIN) { /* many asked for: batchin.c */
-            rc = batchin_run(c, out, max, got, &now, &progress);
-            if (rc) break;
-        }
-        rc = window_ingest(c, stall, &stalled, &progress);
+        /* New free-key records straight from their take-in to their hand-out (batchin.c);
+         * the general take-in below only for what that left: a call that has what it
+         * asked for does not take records ahead into the ready queue, which would send
+         * the next call down the general path too. */
+        rc = batchin_run(c, out, max, got, &now, &progress);
+        if (rc) break;
+        if (*got < max) rc = window_ingest(c, stall, &stalled, &progress);
         if (rc) break;
         if (UNLIKELY(h->delayed_count)) { /* delayed messages whose time came (timers.c) */
             rc = timers_sweep(c);

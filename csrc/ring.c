@@ -866,7 +866,7 @@ int ring_rewind_look(shm_chan *c) {
     uint64_t pos = h->scan_pos; /* receiver-owned fields */
     /* Not empty: ring_rewind (core.h) says so first; no division, no shared line read. */
     if (h->head != pos || h->ingest_pos != pos) return 0;
-    uint64_t off = pos % c->cap;
+    uint64_t off = ring_pos_off(c, pos);
     /* Early, before REWIND_AT, where the ring's committed part (commit.c) ends soon: an
      * empty ring then starts again at offset 0 rather than take more memory, and a sender
      * that found the filesystem full (ring_short, a hint: relaxed) goes on at once.
