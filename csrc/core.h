@@ -720,6 +720,7 @@ int sched_park_room(shm_chan *c, uint32_t n);
 int sched_unpop(shm_chan *c, uint32_t s);
 int sched_has_room(shm_chan *c, uint32_t nkeys);
 #define SCHED_ROOM_UNKNOWN UINT32_MAX /* sched_take_in_free's *room_left before the first */
+#define SCHED_ROOM_UNCOUNTED (UINT32_MAX - 1u) /* after the first, not counted yet */
 int sched_take_in_free(shm_chan *c, shm_record *r, uint64_t pos, uint32_t nkeys,
                        uint32_t *room_left, uint32_t *slot_out); /* batchin.c */
 int sched_tables_needed(shm_chan *c);

@@ -709,16 +709,18 @@ static uint32_t run_room(shm_chan *c) {
         uint64_t keys = half > bound ? half - bound : 0;
         if (keys < left) left = keys;
     }
-    return left > UINT32_MAX ? UINT32_MAX : (uint32_t)left;
+    /* below the *room_left markers (core.h) */
+    return left >= SCHED_ROOM_UNCOUNTED ? SCHED_ROOM_UNCOUNTED - 1u : (uint32_t)left;
 }
 
 /* Take r in if none of its keys is in the table and there is room. nkeys: r's key count
  * as the caller validated it against r's length (peek.h), read from r once; its hashes
  * are read once too, by the probes (hs): every step below uses those copies, so the
  * probes and the insertions cover the same keys whatever a producer writes into the
- * record meanwhile. *room_left: the run's room
- * (SCHED_ROOM_UNKNOWN before its first message). Returns 1 (taken in: *slot_out), 0
- * (a key is in the table, or no room: the general path decides) or an error. */
+ * record meanwhile. *room_left: the run's room (SCHED_ROOM_UNKNOWN before its first
+ * message; SCHED_ROOM_UNCOUNTED after it until a second one comes: a single recv's run
+ * of one does not count it). Returns 1 (taken in: *slot_out), 0 (a key is in the table,
+ * or no room: the general path decides) or an error. */
 static inline __attribute__((always_inline)) int take_in_free(shm_chan *c, shm_record *r,
                                                               uint64_t pos, uint32_t nkeys,
                                                               uint32_t *room_left,
@@ -734,17 +736,21 @@ static inline __attribute__((always_inline)) int take_in_free(shm_chan *c, shm_r
     int first = *room_left == SCHED_ROOM_UNKNOWN;
     if (first) { /* the first of a receive: as decide() asks, committing more if need be */
         if (!sched_has_room(c, nkeys)) return 0;
-    } else if (nkeys > *room_left ||
-               (h->free_slots == NIL &&
-                (!SLOT_OK(c, h->fresh_slots) || h->fresh_slots >= h->slots_committed))) {
-        return 0; /* room()'s tests */
+    } else {
+        /* counted now, after the first message's take-in: the same count as right after
+         * it (its hand-out changes no table) */
+        if (*room_left == SCHED_ROOM_UNCOUNTED) *room_left = run_room(c);
+        if (nkeys > *room_left ||
+            (h->free_slots == NIL &&
+             (!SLOT_OK(c, h->fresh_slots) || h->fresh_slots >= h->slots_committed)))
+            return 0; /* room()'s tests */
     }
     uint32_t s;
     int rc = take_slot(c, r, pos, &s);
     if (rc == SHM_OK) rc = attach_free_keys(c, s, nkeys, hs, at);
     if (rc) return rc;
     take_done(c, r, s);
-    if (first) *room_left = run_room(c);
+    if (first) *room_left = SCHED_ROOM_UNCOUNTED;
     else *room_left -= nkeys == 1 ? 1u : c->slots[s].nkeys; /* its nodes: at most nkeys */
     *slot_out = s;
     return 1;
