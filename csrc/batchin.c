@@ -103,6 +103,7 @@ int batchin_run(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, uint64_t
          * would pass a record taken in, so the poll does not walk the run again. */
         if (h->ingest_pos == pos) h->ingest_pos = pos + len;
         if (n == 1) test_pause(SHM_PAUSE_RUN_TAKEN); /* its slot FREE, the record its */
+        else if (max == 1) test_pause(SHM_PAUSE_RECV_TAKEN); /* the same, for a recv */
         if (!t) t = coarse_ns();
         rc = run_hand_out(c, s, r, pos, &b, &out[n], t, &deadline);
         if (rc) break;

@@ -811,7 +811,15 @@ int hold_channel(shm_chan *c);
 int hold_blocks(shm_chan *c, uint32_t s);
 int hold_record(shm_chan *c, const shm_record *r);
 /* pause.c */
-void test_pause(int point); /* a test's pause point (shmchan.h): one load unless armed */
+/* A test's pause point (shmchan.h SHM_PAUSE_*): one load, inline, unless armed. */
+extern int shm_pause_point;
+void test_pause_armed(int point);
+static inline void test_pause(int point) {
+    /* relaxed: a stale read only delays a test's pause to the next call; the CAS in
+     * test_pause_armed decides (pairs with shm_test_pause_at's release store). */
+    if (UNLIKELY(__atomic_load_n(&shm_pause_point, __ATOMIC_RELAXED) == point))
+        test_pause_armed(point);
+}
 /* handles.c */
 int msg_fill(shm_chan *c, uint32_t s, uint32_t gen, shm_msg *m);
 int handles_drain(shm_chan *c);

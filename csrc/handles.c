@@ -170,6 +170,7 @@ __attribute__((always_inline)) static inline int finish_released(shm_chan *c, ui
     if (rc) return rc;
     out_unlink(c, s);
     ring_mark_done(c, sl->pos);
+    test_pause(SHM_PAUSE_RELEASE_ONE); /* rebuild.c counts the release: its record is done */
     free_slot(c, s);
     h->released++;
     return SHM_OK;

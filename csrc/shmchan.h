@@ -229,6 +229,8 @@ int  shm_handle_extend(shm_chan *c, uint32_t slot, uint32_t gen, uint64_t deadli
 #define SHM_PAUSE_SEND_WRITTEN   14   /* a send, its length published, the tail hint not yet raised */
 #define SHM_PAUSE_RELEASE_KEYS   15   /* the release of many, a chunk's keys passed on, no record done */
 #define SHM_PAUSE_RELEASE_DONE   16   /* the release of many, mid-chunk: a record done, its slot not free */
+#define SHM_PAUSE_RECV_TAKEN     17   /* a single recv: its message taken in, not out       */
+#define SHM_PAUSE_RELEASE_ONE    18   /* a single release: its record done, its slot not free */
 int  shm_test_pause_at(int point, int notify_fd, int wait_fd);
 /* Tests only: the next compaction in this process that moves parked records fails as
  * if its memory were refused before it moved anything (RESERVE: it does not slide), or

@@ -329,6 +329,56 @@ def test_a_receiver_killed_between_a_runs_take_in_and_hand_out_loses_nothing(
         shmchan.unlink(chan_name)
 
 
+_RECV_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rx = shmchan.Channel.open(name).receiver()
+    rx.recv(timeout=10).release()
+    held = rx.recv(timeout=10)  # kept: the dead receiver's, redelivered
+    lib.shm_test_pause_at(lib.SHM_PAUSE_RECV_TAKEN, notify, wait)
+    rx.recv(timeout=10)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_receiver_killed_between_a_single_recvs_take_in_and_hand_out_loses_nothing(
+    chan_name: str, order: str
+) -> None:
+    # A single recv also takes a free-key message straight from the ring to its
+    # hand-out. Killed between the two: one message released, one out, one taken in
+    # with its slot FREE. The next receiver hands out every unreleased message once, the
+    # one that was out with its second attempt, and key order holds.
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 20, order=order)
+    try:
+        tx = ch.sender()
+        seqs = [tx.send(bytes([i]), keys=f"k{i % 3}") for i in range(9)]
+        kill_at_pause(_RECV_VICTIM, chan_name, "a single recv's take-in")
+        rx = take_receiver_seat(ch)
+        check_core(rx)
+        assert (ch.stats().released, ch.stats().queued) == (1, 8)
+        got: list[tuple[int, int, bytes]] = []
+        while (h := rx.try_recv()) is not None:
+            got.append((h.seq, h.attempt, h.payload))
+            check_core(rx)
+            h.release()
+        assert sorted(s for s, _, _ in got) == seqs[1:]  # each once, the released one gone
+        assert all(p == bytes([seqs.index(s)]) for s, _, p in got)
+        assert {s: a for s, a, _ in got} == {s: 2 if s == seqs[1] else 1 for s in seqs[1:]}
+        if order == "fifo":
+            for k in range(3):
+                on_key = [s for s, _, _ in got if seqs.index(s) % 3 == k]
+                assert on_key == sorted(on_key)
+        stats = ch.stats()
+        assert (stats.inflight, stats.window, stats.used_bytes) == (0, 0, 0)
+        rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name)
+
+
 _SCRIBBLED_VICTIM = """
     import sys
     import shmchan

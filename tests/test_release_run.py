@@ -130,3 +130,54 @@ def test_release_runs_out_of_ring_order_free_only_what_they_finished(
     finally:
         ch.close()
         shmchan.unlink(chan_name)
+
+
+_RELEASE_ONE_VICTIM = """
+    import sys
+    import shmchan
+    from shmchan._lib import lib
+    name, notify, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rx = shmchan.Channel.open(name).receiver()
+    held = [rx.recv(timeout=10) for _ in range(3)]
+    held[0].release()
+    lib.shm_test_pause_at(lib.SHM_PAUSE_RELEASE_ONE, notify, wait)
+    held[1].release()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["fifo", "eager"])
+def test_a_receiver_killed_in_the_middle_of_a_single_release_loses_nothing(
+    chan_name: str, order: str
+) -> None:
+    # Killed in Handle.release() after the record is marked done and before its slot is
+    # free: that release counts (its keys went on, its record is finished), the handle
+    # still out comes back with its second attempt, and head passes every finished record.
+    ch = shmchan.Channel.create(chan_name, capacity=1 << 20, order=order)
+    try:
+        tx = ch.sender()
+        first = [tx.send(bytes([i]), keys=f"k{i}") for i in range(3)]
+        kill_at_pause(_RELEASE_ONE_VICTIM, chan_name, "SHM_PAUSE_RELEASE_ONE in a release")
+        rx = take_receiver_seat(ch)
+        check_core(rx)
+        stats = ch.stats()
+        assert (stats.inflight, stats.queued, stats.released) == (0, 1, 2)
+        later = [tx.send(bytes([3 + i]), keys=f"k{i}") for i in range(3)]
+        got = []
+        while (h := rx.try_recv()) is not None:
+            got.append((h.seq, h.attempt))
+            check_core(rx)
+            h.release()
+            check_core(rx)
+        assert sorted(s for s, _ in got) == sorted([first[2], *later])  # each once
+        assert dict(got)[first[2]] == 2
+        assert all(a == 1 for s, a in got if s != first[2])
+        if order == "fifo":  # k2: the redelivered one before the later one
+            assert [s for s, _ in got].index(first[2]) < [s for s, _ in got].index(later[2])
+        stats = ch.stats()
+        assert (stats.inflight, stats.queued, stats.window, stats.used_bytes) == (0, 0, 0, 0)
+        assert (stats.sent, stats.released) == (6, 6)
+        rx.close()
+    finally:
+        ch.close()
+        shmchan.unlink(chan_name)
