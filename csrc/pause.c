@@ -2,9 +2,9 @@
  *
  * Process-local: a test arms one point (shm_test_pause_at), and the first thread to reach
  * it stops there until the test lets it go, so that a race can be staged instruction by
- * instruction. Unarmed, test_pause costs one relaxed load, inline (core.h); armed, exactly one thread
- * pauses per arming (the CAS that disarms decides which). Every mechanism may call
- * test_pause; it calls nothing of the core.
+ * instruction. Unarmed, test_pause costs one relaxed load, inline (core.h); armed,
+ * exactly one thread pauses per arming (the CAS that disarms decides which). Every
+ * mechanism may call test_pause; it calls nothing of the core.
  */
 #include <unistd.h>
 
@@ -16,7 +16,7 @@ static int pause_notify = -1, pause_wait = -1;
 int shm_test_pause_at(int point, int notify_fd, int wait_fd) {
     pause_notify = notify_fd;
     pause_wait = wait_fd;
-    /* release: pairs with the acquire CAS in test_pause (the fds above are visible). */
+    /* release: pairs with the acquire CAS in test_pause_armed (the fds above are visible). */
     __atomic_store_n(&shm_pause_point, point, __ATOMIC_RELEASE);
     return SHM_OK;
 }

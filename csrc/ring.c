@@ -867,18 +867,14 @@ int ring_rewind_look(shm_chan *c) {
     /* Not empty: ring_rewind (core.h) says so first; no division, no shared line read. */
     if (h->head != pos || h->ingest_pos != pos) return 0;
     uint64_t off = ring_pos_off(c, pos);
+    if (off == 0) return 0; /* at the lap's start already */
     /* Early, before REWIND_AT, where the ring's committed part (commit.c) ends soon: an
      * empty ring then starts again at offset 0 rather than take more memory, and a sender
      * that found the filesystem full (ring_short, a hint: relaxed) goes on at once.
      * acquire: pairs with commit_ring's release raise (a mere bound here). */
-    int early = 0;
-    if (off < REWIND_AT(c)) { /* the usual case after a release: decided here */
-        if (off == 0) return 0;
-        uint64_t cm = LOAD_ACQUIRE(&h->ring_committed);
-        if (!LOAD_RELAXED(&h->ring_short) && (cm >= c->cap || off < cm - cm / 4)) return 0;
-        early = 1;
-    }
-    if (h->writing_n) return 0;
+    uint64_t cm = LOAD_ACQUIRE(&h->ring_committed);
+    int early = LOAD_RELAXED(&h->ring_short) || (cm < c->cap && off >= cm - cm / 4);
+    if ((off < REWIND_AT(c) && !early) || h->writing_n) return 0;
     uint64_t end = pos + (c->cap - off);
     if (end + REC_HDR > pos + c->limit || !len_ok(c, end - pos)) return 0; /* room, as claim() */
     uint64_t first = 0;
