@@ -65,8 +65,7 @@ static int batch_finish_core(BatchObject *b, const Py_ssize_t *idx, Py_ssize_t k
         b->left = 0;
         int wake = 0;
         int rc = hot_core.release_msgs(seg->c, b->msgs, (uint32_t)b->n, &wake);
-        if (wake & 1) wake_post(&seg->wk, WAKE_RX, 1);
-        if (wake & 2) wake_sender(&seg->wk);
+        wake_released(&seg->wk, wake);
         return rc;
     }
     Py_ssize_t cnt = idx ? k : b->n;
@@ -106,8 +105,7 @@ static int batch_finish_core(BatchObject *b, const Py_ssize_t *idx, Py_ssize_t k
     if (m && !nack) {
         int wake = 0;
         rc = hot_core.release_many(seg->c, slots, gens, m, &wake);
-        if (wake & 1) wake_post(&seg->wk, WAKE_RX, 1);
-        if (wake & 2) wake_sender(&seg->wk);
+        wake_released(&seg->wk, wake);
     } else if (m) { /* nacks, one core call each (rare: a batch given back) */
         for (uint32_t j = 0; j < m; j++) {
             int r = hot_core.release(seg->c, slots[j], gens[j], 1);

@@ -389,8 +389,7 @@ static PyObject *Receiver_release_many(ReceiverObject *self, PyObject *handles) 
         PyMem_Free(slots);
         PyMem_Free(gens);
     }
-    if (wake & 1) wake_post(&seg->wk, WAKE_RX, 1);
-    if (wake & 2) wake_sender(&seg->wk);
+    wake_released(&seg->wk, wake);
     Py_DECREF(seg);
     Py_DECREF(seq);
     if (rc >= 0) Py_RETURN_NONE;

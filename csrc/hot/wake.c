@@ -145,6 +145,11 @@ void wake_requests(wake_ends *w, int r) {
     if (r & WAKE_TX_BIT) wake_sender(w);
 }
 
+void wake_released(wake_ends *w, int wake) {
+    if (wake & 1) wake_post(w, WAKE_RX, 1);
+    if (wake & 2) wake_sender(w);
+}
+
 /* A signal ends the wait after its Python handler ran; if the handler raised, returns -1
  * with that exception (as PEP 475 has system calls do). 0 otherwise: the caller
  * re-checks whatever it waits for either way. */

@@ -34,6 +34,8 @@ void wake_post(wake_ends *w, int which, unsigned n);
 void wake_sender(wake_ends *w);
 /* Post what a release asked for: bit 8 the receiver, bit 9 one sender. */
 void wake_requests(wake_ends *w, int r);
+/* Post what a release of many asked for (its *wake): bit 0 the receiver, bit 1 one sender. */
+void wake_released(wake_ends *w, int wake);
 /* Sleep on side which's semaphore until posted or deadline (CLOCK_MONOTONIC seconds),
  * GIL released. -1 with the exception of a signal handler that raised, else 0. */
 int wake_sleep(wake_ends *w, int which, double deadline);
