@@ -335,6 +335,44 @@ def test_cold_group_reports_first_messages_and_after_burst_pings_beside_its_peer
     assert _leftovers(pid) == []
 
 
+def test_onecpu_group_runs_every_system_on_one_cpu_paced_and_unpaced() -> None:
+    args = [sys.executable, "-m", "shmchan", "bench", "--quick", "--only", "onecpu", "--json"]
+    report, pid, _err = _run_json(args)
+    assert report["workloads"] == ["onecpu"]
+    rows = {(r["workload"], r["system"]): r for r in report["results"]}
+    systems = [bench.SHMCHAN, bench.MPQ] + [
+        s
+        for s, present in (
+            (bench.FFIFO, HAS_FASTER_FIFO),
+            (bench.ZEROQ, HAS_ZEROQ),
+            (bench.ZMQ, HAS_ZMQ),
+        )
+        if present
+    ]
+    workloads = ("onecpu_paced", "onecpu_unbatched")
+    assert set(rows) == {(w, s) for w in workloads for s in systems}
+    for w in workloads:
+        checked = {rows[w, s]["checked"] for s in systems}
+        assert len(checked) == 1 and checked.pop() > 0  # every system sent the same messages
+        for s in systems:
+            row = rows[w, s]
+            assert row["unit"] == "msg/s"
+            assert len(row["samples"]) == bench.QUICK.reps, row
+            assert all(_positive(x) for x in row["samples"]), row
+    assert "only" in rows["onecpu_paced", bench.SHMCHAN]["note"]  # names the CPU
+    assert _leftovers(pid) == []
+
+
+def test_one_cpu_pins_this_process_and_gives_its_cpus_back() -> None:
+    from shmchan.bench.onecpu import _one_cpu
+
+    before = os.sched_getaffinity(0)
+    with pytest.raises(RuntimeError), _one_cpu() as cpu:
+        assert os.sched_getaffinity(0) == {cpu} and cpu in before
+        raise RuntimeError("the group failed")
+    assert os.sched_getaffinity(0) == before
+
+
 # --------------------------------------------------------------------------- command line
 
 

@@ -123,13 +123,15 @@ def throughput(
     capacity: int = CAPACITY,
     after: Callable[[dict[str, Endpoint]], dict[str, str]] | None = None,
     spinner: Spinner | None = None,
+    gap: float = 0.0,
 ) -> None:
     """Run one throughput workload on every system, repetitions interleaved.
 
     With a `spinner`, every repetition of every system runs twice, quiet and with the
     spinner spinning (in alternating order), and three row sets come out: the quiet rows
     (`workload`), the busy ones (`workload`_busy) and, per repetition, busy over quiet in
-    percent (`workload`_retained)."""
+    percent (`workload`_retained). A `gap` paces the producers of mode "msg": each works
+    (busy-waits) that many seconds after every send."""
     notes = notes or {}
     samples: dict[str, list[float]] = {s: [] for s in systems}
     busy: dict[str, list[float]] = {s: [] for s in systems}
@@ -145,7 +147,8 @@ def throughput(
             ends[s] = end
         for s in systems:
             jobs = [
-                (Job(s, mode, p, per_producer, batch), ends[s].transport()) for p in range(nprod)
+                (Job(s, mode, p, per_producer, batch, gap), ends[s].transport())
+                for p in range(nprod)
             ]
             group = Producers(run.ctx, s, jobs)
             stack.callback(group.close)

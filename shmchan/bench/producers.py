@@ -46,7 +46,7 @@ class Job:
     producer: int
     count: int  # most messages one repetition may ask for
     batch: int = 1
-    gap: float = 0.0
+    gap: float = 0.0  # latency, burst: seconds of quiet; msg: seconds of work after each send
     ack: str = ""  # latency, burst: a semaphore the consumer posts once it has each ping
 
 
@@ -225,6 +225,19 @@ def _make_producer(job: Job, transport: Any) -> Callable[[int], None]:
                 put(batches[j], j)
 
         return send_batches
+
+    if job.gap:  # paced: after each send, `gap` seconds of work (a busy wait, no sleep)
+        gap = job.gap
+
+        def send_paced(n: int) -> None:
+            clock = time.perf_counter
+            for i in range(n):
+                put(items[i], i)
+                until = clock() + gap
+                while clock() < until:
+                    pass
+
+        return send_paced
 
     def send_each(n: int) -> None:
         for i in range(n):
