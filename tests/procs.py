@@ -210,3 +210,25 @@ def kill_at_pause(script: str, chan_name: str, what: str) -> None:
     with child_at_pause(script, chan_name, what) as (child, _):
         child.send_signal(signal.SIGKILL)
         assert child.wait(30) == -signal.SIGKILL
+
+
+def receiver_after_kill(
+    ch: shmchan.Channel, script: str, chan_name: str, what: str
+) -> shmchan.Receiver:
+    """kill_at_pause, then the next receiver of ch, its rebuilt tables cross-checked."""
+    kill_at_pause(script, chan_name, what)
+    rx = take_receiver_seat(ch)
+    check_core(rx)
+    return rx
+
+
+def drain_checked(rx: shmchan.Receiver) -> list[tuple[int, int, bytes]]:
+    """(seq, attempt, payload) of every message ready now, each released in turn, the core's
+    tables cross-checked after each receive and each release."""
+    got = []
+    while (h := rx.try_recv()) is not None:
+        got.append((h.seq, h.attempt, h.payload))
+        check_core(rx)
+        h.release()
+        check_core(rx)
+    return got

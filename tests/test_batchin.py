@@ -9,7 +9,12 @@ import random
 from typing import Any
 
 import pytest
-from procs import check_core, header_u32, kill_at_pause, take_receiver_seat
+from procs import (
+    check_core,
+    drain_checked,
+    header_u32,
+    receiver_after_kill,
+)
 
 import shmchan
 
@@ -308,9 +313,7 @@ def test_a_receiver_killed_between_a_runs_take_in_and_hand_out_loses_nothing(
     try:
         tx = ch.sender()
         seqs = list(tx.send_batch(bytes(20), [1] * 20, [f"k{i % 10}" for i in range(20)]))
-        kill_at_pause(_RUN_VICTIM, chan_name, "a run's second take-in")
-        rx = take_receiver_seat(ch)
-        check_core(rx)
+        rx = receiver_after_kill(ch, _RUN_VICTIM, chan_name, "a run's second take-in")
         got: list[tuple[int, int]] = []
         while len(got) < 20:
             b = rx.recv_batch(100, timeout=10)
@@ -355,15 +358,9 @@ def test_a_receiver_killed_between_a_single_recvs_take_in_and_hand_out_loses_not
     try:
         tx = ch.sender()
         seqs = [tx.send(bytes([i]), keys=f"k{i % 3}") for i in range(9)]
-        kill_at_pause(_RECV_VICTIM, chan_name, "a single recv's take-in")
-        rx = take_receiver_seat(ch)
-        check_core(rx)
+        rx = receiver_after_kill(ch, _RECV_VICTIM, chan_name, "a single recv's take-in")
         assert (ch.stats().released, ch.stats().queued) == (1, 8)
-        got: list[tuple[int, int, bytes]] = []
-        while (h := rx.try_recv()) is not None:
-            got.append((h.seq, h.attempt, h.payload))
-            check_core(rx)
-            h.release()
+        got = drain_checked(rx)
         assert sorted(s for s, _, _ in got) == seqs[1:]  # each once, the released one gone
         assert all(p == bytes([seqs.index(s)]) for s, _, p in got)
         assert {s: a for s, a, _ in got} == {s: 2 if s == seqs[1] else 1 for s in seqs[1:]}

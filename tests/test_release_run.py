@@ -6,7 +6,7 @@ next receiver can rebuild."""
 from __future__ import annotations
 
 import pytest
-from procs import check_core, kill_at_pause, take_receiver_seat
+from procs import check_core, drain_checked, kill_at_pause, receiver_after_kill, take_receiver_seat
 
 import shmchan
 
@@ -157,18 +157,11 @@ def test_a_receiver_killed_in_the_middle_of_a_single_release_loses_nothing(
     try:
         tx = ch.sender()
         first = [tx.send(bytes([i]), keys=f"k{i}") for i in range(3)]
-        kill_at_pause(_RELEASE_ONE_VICTIM, chan_name, "SHM_PAUSE_RELEASE_ONE in a release")
-        rx = take_receiver_seat(ch)
-        check_core(rx)
+        rx = receiver_after_kill(ch, _RELEASE_ONE_VICTIM, chan_name, "SHM_PAUSE_RELEASE_ONE")
         stats = ch.stats()
         assert (stats.inflight, stats.queued, stats.released) == (0, 1, 2)
         later = [tx.send(bytes([3 + i]), keys=f"k{i}") for i in range(3)]
-        got = []
-        while (h := rx.try_recv()) is not None:
-            got.append((h.seq, h.attempt))
-            check_core(rx)
-            h.release()
-            check_core(rx)
+        got = [(s, a) for s, a, _ in drain_checked(rx)]
         assert sorted(s for s, _ in got) == sorted([first[2], *later])  # each once
         assert dict(got)[first[2]] == 2
         assert all(a == 1 for s, a in got if s != first[2])
