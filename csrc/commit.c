@@ -45,7 +45,7 @@
  * window full for that moment (sched_has_room).
  *
  * A filesystem without fallocate (EOPNOTSUPP) gets everything allocated at create,
- * as before this mechanism existed, and every mark set to its region's end.
+ * and every mark set to its region's end: nothing is committed later.
  */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -567,17 +567,16 @@ static inline uint64_t ring_pos_off(const shm_chan *c, uint64_t pos) {
 static inline uint8_t *ring_at(shm_chan *c, uint64_t pos) { return c->ring + ring_pos_off(c, pos); }
 static inline shm_record *rec_at(shm_chan *c, uint64_t pos) { return (shm_record *)ring_at(c, pos); }
 
-/* An empty ring this far into its lap starts again at offset 0 (ring_rewind, ring.c).
- * (256 KiB was tried: it kept a trickle's ring in fewer pages, but in one A/B pair the
- * multi-producer ring-that-fills bench fell from about 1.9 to 1.45 M msg/s; a second
- * pair was mixed, and the session's starting core then showed the same low figures:
- * the machine had slowed. Not settled, so the 4 MiB measured over sessions stays.) */
+/* An empty ring this far into its lap starts again at offset 0 (ring_rewind, ring.c):
+ * half a small ring, 4 MiB at most. Near enough that a trickle keeps using the same few
+ * MiB of pages; far enough that producers keeping the ring busy are rarely sent back
+ * to its start. */
 #define REWIND_AT(c) ((c)->cap / 2 < (4u << 20) ? (c)->cap / 2 : (uint64_t)(4u << 20))
 /* The ring's first RING_WARM bytes, which every attachment maps at once (segment.c):
- * 80 pages, about 25-30 us. A channel's first 2,500 small messages then take no page fault;
- * before, a trickle took one every 32 small messages in the sender and again in the
- * receiver, 7-12 us each on this project's VM (part of the bump near the p95 of the
- * wake-up in a script with pings 1 ms apart), until the ring's first rewind. */
+ * 80 pages, tens of microseconds at attach. A channel's first 2,500 or so small messages,
+ * and those of every lap after a rewind, then take no page fault in the sender or the
+ * receiver. A fault costs microseconds on a virtual machine, and a trickle would
+ * otherwise take one every few dozen messages in each process, in its latency. */
 #define RING_WARM(c) ((c)->cap < (320u << 10) ? (c)->cap : (uint64_t)(320u << 10))
 /* The key table is open addressing with linear probing over keytab_size entries, sized
  * exactly (not to a power of two, which doubled a large channel's table): a hash's home

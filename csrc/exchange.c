@@ -515,10 +515,10 @@ int exch_publish(shm_exch *x, shm_chan **chans, uint32_t n, uint32_t kind, const
         wake_out[i] = 0;
         if (chans[i]->token != x->token) return SHM_E_INVALID; /* one identity per process */
     }
-    /* 0. A channel without room refuses before any copy is written: a publish waiting
-     * for one full channel used to write (and cancel) a copy in every channel before it
-     * on each retry, filling them with cancelled copies their receivers had yet to pass,
-     * and then reported one of those as the full channel. */
+    /* 0. A channel without room refuses before any copy is written. Otherwise a publish
+     * waiting for one full channel would write (and cancel) a copy in every channel
+     * before it on each retry, filling them with cancelled copies their receivers have
+     * to pass, and could report one of those as the full channel. */
     uint64_t body = len + align8(x->gate.name_len) + GATE_FOOTER; /* as send_one sizes it */
     for (uint32_t i = 0; i < n; i++) {
         if (nkeys > SHM_MAX_KEYS_LIMIT || body > chans[i]->limit) break; /* step 2 says why */

@@ -5,9 +5,9 @@
  *
  * The extension makes each per-message call (send, recv, payload, release) a single C
  * call with no Python frame around it. Why it is not cffi like the rest: a cffi call
- * costs about 100 ns before any work (argument conversion, errno save, GIL release) and a
- * Handle built in Python from the core's description cost about 1.4 us (measured); at
- * millions of messages per second that is the whole budget.
+ * costs on the order of 100 ns before any work (argument conversion, errno save, GIL
+ * release), and a Handle built in Python from the core's description costs several times
+ * a whole message's budget at millions of messages per second.
  *
  * What the extension is not: it holds no shared-memory protocol. It calls the core only
  * through `hot_core` (so an instrumented build of the core, e.g. under AddressSanitizer,

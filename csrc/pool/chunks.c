@@ -3,10 +3,10 @@
  * map(fn, items, keys=..., chunksize=N) groups the items by key into chunks (a chunk
  * holds the keys of its items while it runs, so chunks of different keys run in
  * parallel), sends each chunk as one task, and puts each chunk's results back in input
- * order. Done in Python that cost ~170 ns per item in the caller's process (grouping
- * 86, building the chunks' argument tuples 33, putting results back 54; measured on
- * 200 000 items), more than the workers spent running a trivial function. These three
- * loops are all this module does; what a chunk is and how it runs stays in
+ * order. Done in Python, that per-item work in the caller's process (grouping, building
+ * the chunks' argument tuples, putting results back) cost more than the workers spend
+ * running a trivial function. These three loops are all this module does; what a
+ * chunk is and how it runs stays in
  * shmchan/pool/executor.py:
  *
  *   one_key_chunks(keys, size) -> list[list[int]] | None
