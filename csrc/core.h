@@ -729,6 +729,7 @@ void sched_init(shm_chan *c);
 /* window.c */
 int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved);
 int window_admit(shm_chan *c, shm_record *r, uint64_t pos);
+int window_walk(shm_chan *c);
 int window_taken(shm_chan *c, shm_record *r, uint64_t pos);
 int window_free_to_go(shm_chan *c, shm_record *r); /* decide() says take it in */
 int window_has_work(shm_chan *c);

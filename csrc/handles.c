@@ -366,6 +366,7 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         rc = batchin_run(c, out, max, got, &now, &progress);
         if (rc) break;
         if (*got < max) rc = window_ingest(c, stall, &stalled, &progress);
+        else rc = window_walk(c); /* but ingest_pos follows, so head can (window.c) */
         if (rc) break;
         if (UNLIKELY(h->delayed_count)) { /* delayed messages whose time came (timers.c) */
             rc = timers_sweep(c);

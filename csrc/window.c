@@ -474,6 +474,15 @@ static int walk_ingest(shm_chan *c) {
     return SHM_OK;
 }
 
+/* ingest_pos's walk alone, for a poll that got what it asked for from the run
+ * (batchin.c) and skips the rest of the take-in: head never passes ingest_pos, so a
+ * walk cut short (WALK_BATCH) behind a woken parked record must go on at every poll,
+ * or the records the run took in past it keep their ring space until a poll finds
+ * nothing to take in. */
+int window_walk(shm_chan *c) {
+    return c->hdr->ingest_pos != c->hdr->scan_pos ? walk_ingest(c) : SHM_OK;
+}
+
 /* The rebuild (rebuild.c) hands records over in ring order, as the scan would. */
 int window_admit(shm_chan *c, shm_record *r, uint64_t pos) {
     uint64_t blocker = 0;

@@ -422,3 +422,35 @@ def test_a_record_scribbled_on_during_a_run_is_refused_not_described_out_of_boun
     finally:
         ch.close()
         shmchan.unlink(chan_name)
+
+
+@pytest.mark.timeout(60)
+def test_single_recvs_served_by_the_run_let_head_follow_once_a_parked_record_goes(
+    make_channel: Any,
+) -> None:
+    # While B waits behind A's key, thousands of free messages are received one recv at a
+    # time, each straight from its take-in (the run), and released: they lie past the
+    # parked B, so neither ingest_pos nor head may pass them yet. Once A and B are gone,
+    # the recvs that follow must still let ingest_pos walk over them (a few thousand
+    # records per poll), or head stays behind them and a consumer that releases every
+    # message at once sees its producer's sends refused for a full ring.
+    ch = make_channel(capacity=1 << 20)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"A", keys="k")
+    a = rx.recv(timeout=5)
+    tx.send(b"B", keys="k")
+    assert rx.try_recv() is None  # B parks behind A
+    for _ in range(5000):  # more than one poll's walk of ingest_pos (window.c WALK_BATCH)
+        tx.send(b"c", keys="x")
+        rx.recv(timeout=5).release()
+    a.release()
+    b = rx.recv(timeout=5)
+    assert b.payload == b"B"
+    b.release()
+    for i in range(30000):  # about three rings' worth, one message out at a time
+        try:
+            tx.send(b"e", keys="y", timeout=0)
+        except shmchan.Full:
+            pytest.fail(f"send {i} refused for a full ring with nothing in flight")
+        rx.recv(timeout=5).release()
+    assert ch.stats().inflight == 0
