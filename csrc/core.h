@@ -528,6 +528,8 @@ struct shm_chan {
                             * this process, NULL until first used (lookahead.c) */
     uint64_t ahead_due;    /* receiver: CLOCK_REALTIME ns when a delayed record left in the
                             * ring past the budget falls due, 0 = none (lookahead.c) */
+    uint64_t keys_freed;   /* receiver: messages whose keys went free without a release (a
+                            * dead letter, a discarded placeholder), ever: lookahead.c */
 };
 
 /* The longest a receiver skips work it judged useless (window.c, compact.c). */
@@ -810,6 +812,8 @@ static inline int hold_any(shm_chan *c) {
 int hold_channel(shm_chan *c);
 int hold_blocks(shm_chan *c, uint32_t s);
 int hold_record(shm_chan *c, const shm_record *r);
+uint64_t hold_record_key(shm_chan *c, const shm_record *r);
+int hold_key_paused(shm_chan *c, uint64_t hash);
 /* pause.c */
 /* A test's pause point (shmchan.h SHM_PAUSE_*): one load, inline, unless armed. */
 extern int shm_pause_point;

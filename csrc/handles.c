@@ -202,6 +202,7 @@ int handles_finish(shm_chan *c, uint32_t s) {
     if (rc) return rc;
     /* Out of attempts: a dead letter. It keeps its slot and record, keys released, and
      * stays on the handed-out list (anyone may discard it). */
+    c->keys_freed++; /* without a release: the look-ahead looks again (lookahead.c) */
     sl->dead_reason = SHM_DEAD_ATTEMPTS;
     STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(w), SLOT_DEAD)); /* see slot_free */
     h->dead_letters++;
@@ -215,6 +216,7 @@ int handles_dead_letter(shm_chan *c, uint32_t s, uint32_t reason) {
     shm_slot *sl = &c->slots[s];
     int rc = sched_release(c, s);
     if (rc) return rc;
+    c->keys_freed++; /* as in handles_finish */
     sl->dead_reason = reason;
     c->hdr->queued_in_window--;
     STORE_RELEASE(&sl->state, SLOT_WORD(SLOT_GEN(sl->state), SLOT_DEAD)); /* see slot_free */

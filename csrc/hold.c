@@ -125,9 +125,10 @@ int hold_blocks(shm_chan *c, uint32_t s) {
     return hold_record(c, rec_at(c, sl->pos));
 }
 
-/* Receiver: does the record r carry a paused key? (also lookahead.c, before taking a
- * record in ahead of the scan) */
-int hold_record(shm_chan *c, const shm_record *r) {
+/* Receiver: the hash (folded, never 0) of a paused key the record r carries, 0 if none.
+ * (lookahead.c, before taking a record in ahead of the scan, remembers it: its resume
+ * lets the look-ahead look again) */
+uint64_t hold_record_key(shm_chan *c, const shm_record *r) {
     uint64_t ph[SHM_HOLD_KEYS];
     uint32_t np = 0;
     for (uint32_t i = 0; i < SHM_HOLD_KEYS; i++) {
@@ -140,7 +141,17 @@ int hold_record(shm_chan *c, const shm_record *r) {
     for (uint32_t k = 0; k < rn; k++) {
         uint64_t h = r->hashes[k] ? r->hashes[k] : 1; /* folded as in shm_pause_key */
         for (uint32_t j = 0; j < np; j++)
-            if (ph[j] == h) return 1;
+            if (ph[j] == h) return h;
     }
+    return 0;
+}
+
+/* Receiver: does the record r carry a paused key? */
+int hold_record(shm_chan *c, const shm_record *r) { return hold_record_key(c, r) != 0; }
+
+/* Receiver: is the key with this (folded) hash paused? */
+int hold_key_paused(shm_chan *c, uint64_t hash) {
+    for (uint32_t i = 0; i < SHM_HOLD_KEYS; i++) /* acquire: pairs with the claiming CAS */
+        if (LOAD_ACQUIRE(&c->hdr->hold_keys[i].hash) == hash) return 1;
     return 0;
 }

@@ -40,7 +40,9 @@
  *     messages on distinct keys stays within the budget too, and a message on free keys
  *     behind it goes at once.
  *   - A pass that reached the tail or its reach starts again from scan_pos, with an empty
- *     map, once a message has been released since it began (header.released): a record
+ *     map, once a message has been released since it began (header.released), or has
+ *     freed its keys without a release (a dead letter, a discarded placeholder:
+ *     shm_chan.keys_freed), or a paused key it passed a record for is resumed: a record
  *     passed because its key was held -- say by the message the look-ahead took before
  *     it, on the same key -- may go now. So a sequence of messages on one free key
  *     behind the backlog keeps flowing, each as soon as the one before it is released,
@@ -92,6 +94,9 @@ struct shm_lookahead {
     uint32_t records;  /* records counted in [scan_pos, pos)                          */
     int no_room;       /* the last call found a free message but no room for it       */
     uint64_t released; /* header.released when this pass began at scan_pos           */
+    uint64_t freed;    /* shm_chan.keys_freed then                                    */
+    uint64_t held[SHM_HOLD_KEYS]; /* paused keys (folded hashes) of records this pass passed */
+    uint32_t held_n;   /* ... in held[]; more than fit: SHM_HOLD_KEYS + 1              */
     uint64_t next_due; /* the earliest due time of a record counted while delayed, 0 none */
     uint64_t taken_end; /* the end of the last record taken in ahead of the scan        */
     la_entry *q;       /* the counted entries in ring order: a circular buffer        */
@@ -285,26 +290,48 @@ static void restart(shm_chan *c, shm_lookahead *la) {
     la->records = 0;
     la->pos = c->hdr->scan_pos;
     la->released = c->hdr->released;
+    la->freed = c->keys_freed;
     la->next_due = 0;
+    la->held_n = 0;
 }
 
-/* Has the pass reached the tail or its reach, with a release since it began? */
+/* Was a paused key noted by this pass (free_to_go) resumed since? With more noted than
+ * the list holds: as if one was, so the pass starts again once it ends. */
+static int resumed(shm_chan *c, const shm_lookahead *la) {
+    if (la->held_n > SHM_HOLD_KEYS) return 1; /* restarts, and notes them again */
+    for (uint32_t i = 0; i < la->held_n; i++)
+        if (!hold_key_paused(c, la->held[i])) return 1;
+    return 0;
+}
+
+/* Has the pass reached the tail or its reach, with a release since it began (or keys
+ * freed otherwise, or a key it passed a record for resumed)? */
 static int stale(shm_chan *c, const shm_lookahead *la) {
     if (la->next_due && realtime_now() >= la->next_due) return 1; /* a delay ran out */
-    if (la->released == c->hdr->released) return 0;
+    if (la->released == c->hdr->released && la->freed == c->keys_freed &&
+        !(UNLIKELY(la->held_n) && resumed(c, la)))
+        return 0;
     if (full(c, la)) return 1;
     /* acquire / seq_cst as the caller's loads of the record at pos */
     return LOAD_SEQCST(&rec_at(c, la->pos)->owner) == OWNER_EMPTY(la->pos);
 }
 
 /* ---- looking ahead --------------------------------------------------------------------- */
-/* May the committed record r (len bytes) go now, ahead of the scan? (see the top) */
+/* May the committed record r (len bytes) go now, ahead of the scan? (see the top) A
+ * record passed for a paused key notes that key (held): its resume makes the pass stale. */
 static int free_to_go(shm_chan *c, shm_lookahead *la, shm_record *r, uint64_t len) {
     if ((r->flags & REC_F_TIMES) && !due_now(r, len)) return 0;
     for (uint32_t i = 0; i < r->nkeys; i++)
         if (map_find(la, r->hashes[i]) != NULL || sched_key_find(c, r->hashes[i]) != NULL)
             return 0;
-    return !(UNLIKELY(hold_any(c)) && hold_record(c, r));
+    uint64_t paused = UNLIKELY(hold_any(c)) ? hold_record_key(c, r) : 0;
+    if (paused == 0) return 1;
+    uint32_t i = 0;
+    while (i < la->held_n && i < SHM_HOLD_KEYS && la->held[i] != paused) i++;
+    if (i < la->held_n && i < SHM_HOLD_KEYS) return 0; /* noted already */
+    if (la->held_n < SHM_HOLD_KEYS) la->held[la->held_n++] = paused;
+    else la->held_n = SHM_HOLD_KEYS + 1; /* no room: the pass starts again at its end */
+    return 0;
 }
 
 /* The record at pos is finished (DONE: taken in ahead of the scan and released since, or
@@ -327,7 +354,9 @@ int lookahead_run(shm_chan *c, int *moved) {
     trim(c, la);
     if (la->q_n == 0 && la->pos == c->hdr->scan_pos) {
         la->released = c->hdr->released;
+        la->freed = c->keys_freed;
         la->next_due = 0;
+        la->held_n = 0;
     } else if (stale(c, la)) {
         restart(c, la);
     }

@@ -344,6 +344,7 @@ static int unchain(shm_chan *c, shm_record *r, uint64_t pos) {
         if (rc) return rc;
         window_wake_push(c, hash); /* whoever was behind it may go */
     }
+    c->keys_freed++; /* and what the look-ahead passed on its keys (lookahead.c) */
     c->hdr->skipped--;
     return SHM_OK;
 }

@@ -364,3 +364,60 @@ def test_free_traffic_past_a_stopped_scan_never_runs_the_ring_out_of_space(
     check_core(rx)
     hot.release()
     assert [g[0] for g in _drain(rx, len(backlog))] == backlog
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_letter_ahead_of_the_scan_frees_its_key_for_what_the_look_ahead_passed(
+    make_channel: Any,
+) -> None:
+    # Behind the stopped scan: m on "k", then x on "k". The look-ahead takes m in and
+    # passes x (m holds "k"). m comes back out of attempts: a dead letter, its key free,
+    # but nothing released. x must still go.
+    from shmchan._lib import lib
+
+    assert lib.shm_test_park_keys(1) == 0
+    try:
+        ch = make_channel(capacity=4 * MiB, max_attempts=1)
+        rx = ch.receiver()
+        hot = _hold_hot(ch, rx)
+        tx = ch.sender()
+        backlog = tx.send_many([(i, ("hot", f"u{i}")) for i in range(10)])
+        m = tx.send(b"m", keys=("k",))
+        x = tx.send(b"x", keys=("k",))
+        h = rx.recv(timeout=WAIT)
+        assert h.seq == m
+        assert rx.try_recv() is None  # x waits behind m on "k"
+        h.nack()  # out of attempts: a dead letter, "k" free
+        assert [d.seq for d in ch.dead_letters()] == [m]
+        got = [rx.try_recv() for _ in range(20)]
+        seqs = [g.seq for g in got if g is not None]
+        assert seqs == [x], f"x ({x}) on free key 'k' not handed out: {seqs}"
+        for g in got:
+            if g is not None:
+                g.release()
+        check_core(rx)
+        hot.release()
+        assert [g[0] for g in _drain(rx, 10)] == backlog
+        tx.close()
+        rx.close()
+    finally:
+        assert lib.shm_test_park_keys(0) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_key_lets_the_look_ahead_take_what_it_passed(stopped_scan: Any) -> None:
+    # The look-ahead passes p (its key paused) and reaches the tail; the resume, with no
+    # release since, must still let p go while the scan stays stopped.
+    ch, rx, tx, hot, backlog = stopped_scan(1)
+    ch.pause_key("p")
+    p = tx.send(b"p", keys=("p",))
+    assert rx.try_recv() is None  # p passed: paused
+    ch.resume_key("p")
+    got = [rx.try_recv() for _ in range(20)]
+    seqs = [g.seq for g in got if g is not None]
+    assert seqs == [p], f"p ({p}), resumed, not handed out: {seqs}"
+    for g in got:
+        if g is not None:
+            g.release()
+    hot.release()
+    assert [g[0] for g in _drain(rx, 10)] == backlog
