@@ -457,11 +457,16 @@ static int placeholder_ok(shm_chan *c, shm_record *r, uint64_t meta) {
 }
 
 /* ---- ingest_pos ---------------------------------------------------------------------------- */
-/* Move ingest_pos over records taken in or finished, up to the first parked one. */
-static int walk_ingest(shm_chan *c) {
+/* Move ingest_pos over records taken in or finished, up to the first parked one.
+ * *moved: the walk stopped at WALK_BATCH with more to walk, which is work the poll owes
+ * (shm_recv goes on, as for new records): head never passes ingest_pos, so a receiver that
+ * slept with the walk cut short freed one batch of ring space per wake-up, and a sender
+ * waiting for that space waited through the receiver's upkeep periods. */
+static int walk_ingest(shm_chan *c, int *moved) {
     shm_header *h = c->hdr;
     uint64_t pos = h->ingest_pos;
-    for (uint32_t i = 0; i < WALK_BATCH && pos < h->scan_pos; i++) {
+    uint32_t i = 0;
+    for (; i < WALK_BATCH && pos < h->scan_pos; i++) {
         shm_record *r = rec_at(c, pos);
         uint64_t meta = LOAD_ACQUIRE(&r->meta); /* pairs with the producer's commit */
         uint64_t len = META_LEN(meta);
@@ -471,6 +476,7 @@ static int walk_ingest(shm_chan *c) {
         else if (!(st == REC_COMMITTED && len >= REC_BODY && r->slot != NIL)) break; /* parked */
         pos += len;
     }
+    if (i == WALK_BATCH && pos < h->scan_pos) *moved = 1;
     h->ingest_pos = pos;
     return SHM_OK;
 }
@@ -481,7 +487,8 @@ static int walk_ingest(shm_chan *c) {
  * or the records the run took in past it keep their ring space until a poll finds
  * nothing to take in. */
 int window_walk(shm_chan *c) {
-    return c->hdr->ingest_pos != c->hdr->scan_pos ? walk_ingest(c) : SHM_OK;
+    int more = 0; /* the poll hands out what it got: its next call goes on */
+    return c->hdr->ingest_pos != c->hdr->scan_pos ? walk_ingest(c, &more) : SHM_OK;
 }
 
 /* The rebuild (rebuild.c) hands records over in ring order, as the scan would. */
@@ -617,7 +624,7 @@ int window_ingest(shm_chan *c, shm_stall *stall, int *stalled, int *moved) {
     /* Nothing ready and the scan stopped: a free message may lie further on. */
     STORE_RELAXED(&c->ahead_due, 0); /* lookahead_run sets it again (shm_timers_wait) */
     if (stopped && (rc = lookahead_run(c, moved)) != SHM_OK) return rc;
-    if (h->ingest_pos != h->scan_pos) return walk_ingest(c);
+    if (h->ingest_pos != h->scan_pos) return walk_ingest(c, moved);
     return SHM_OK;
 }
 

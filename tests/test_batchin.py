@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -454,3 +455,65 @@ def test_single_recvs_served_by_the_run_let_head_follow_once_a_parked_record_goe
             pytest.fail(f"send {i} refused for a full ring with nothing in flight")
         rx.recv(timeout=5).release()
     assert ch.stats().inflight == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_waiting_in_recv_walks_ingest_pos_all_the_way_for_a_sender_that_needs_it(
+    make_channel: Any,
+) -> None:
+    # While B waits behind A's key, 450 000 keyless messages are received and released:
+    # they lie past the parked B, so neither ingest_pos nor head may pass them yet. Once A
+    # and B are gone, ingest_pos owes a walk over all of them, WALK_BATCH records a poll.
+    # A receiver waiting in recv, woken by a sender that finds the ring full, must finish
+    # that walk rather than go back to sleep after one batch with the walk still owed:
+    # asleep, it walks one batch per upkeep period (0.1 s), and the sender below, whose
+    # message needs almost the whole ring, would wait about ten seconds with nothing
+    # queued and nothing in flight.
+    capacity = 64 << 20
+    ch = make_channel(capacity=capacity)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"A", keys="k")
+    a = rx.recv(timeout=5)
+    tx.send(b"B", keys="k")
+    assert rx.try_recv() is None  # B parks behind A
+    for _ in range(450):
+        tx.send_many([(b"c", ())] * 1000)
+        rx.release_many(rx.recv_many(1000, timeout=5))
+    while True:
+        try:
+            rx.release_many(rx.recv_many(1000, timeout=0))
+        except shmchan.Empty:
+            break
+    a.release()
+    b = rx.recv(timeout=5)
+    assert b.payload == b"B"
+    b.release()
+    st = ch.stats()
+    assert (st.queued, st.inflight) == (0, 0)
+    assert st.used_bytes > capacity // 3  # finished records head has not passed yet
+    got: list[Any] = []
+
+    def wait() -> None:
+        try:
+            got.append(rx.recv(timeout=30))
+        except shmchan.Empty:
+            pass
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    try:
+        big = bytes(capacity - (1 << 20))
+        try:
+            tx.send(big, keys="y", timeout=2)
+        except shmchan.Full:
+            st = ch.stats()
+            pytest.fail(
+                f"a send refused for a full ring with {st.queued} queued, {st.inflight} in "
+                f"flight, {st.used_bytes} bytes used, the receiver waiting in recv"
+            )
+    finally:
+        waiter.join(timeout=40)
+    assert len(got) == 1 and len(got[0].payload) == len(big)
+    got[0].release()
+    tx.close()
+    rx.close()
