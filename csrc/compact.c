@@ -91,7 +91,8 @@
  * passed by head as any island.
  *
  * Cost: a slide copies the live bytes of its window to free the finished bytes in it.
- * It runs only while the ring is more than half used and the head is pinned; while free
+ * It runs only while the head is pinned and the ring is more than half used, or a sender
+ * was refused or waits (its message may be larger than what is free); while free
  * space is plentiful and no sender waits for it, a slide that would free less than it
  * copies (or a sixteenth of the ring) waits for more to finish. A failed look is not
  * repeated until records finish, the record that ended it finishes, RECHECK_NS pass, or
@@ -431,7 +432,13 @@ int compact_look(shm_chan *c) {
     if (finished(c, head)) return 0; /* nothing pinned */
     /* Only now look at the producers' cache line. */
     uint64_t tail = LOAD_ACQUIRE(&h->tail_hint); /* pairs with hint_raise */
-    if (tail - head <= c->limit / 2) return 0;
+    /* At most half used, space is short only for a message larger than what is free: a
+     * sender refused or waiting says so, and the finished space behind head is its too
+     * (relaxed: hints, as in compact_run). Without this, a message over half the ring
+     * waited for ever behind one small held handle at head. */
+    if (tail - head <= c->limit / 2 && LOAD_RELAXED(&h->refusals) == c->refusals_seen &&
+        !LOAD_RELAXED(&h->space_waiters))
+        return 0;
     return compact_run(c, head, stop, tail);
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import struct
+import threading
 import time
 
 import pytest
@@ -701,3 +702,56 @@ def test_a_refused_send_gets_a_look_at_the_next_poll(make_channel):
     assert rx.try_recv() is None  # one poll
     tx.send(bytes(3000), keys=("new",), timeout=0)
     assert held.keys == ("a",) and ch.stats().queued == 101
+
+
+@pytest.mark.timeout(120)
+def test_a_message_larger_than_half_the_ring_goes_past_one_small_handle_held_at_head(
+    make_channel,
+):
+    # One small handle held at head, then 100 000 messages received and released: 43 % of
+    # the ring is finished space behind head, the rest free, and nothing else is live. A
+    # message of 90 % of the ring fits once the held record is slid out of the way; the
+    # receiver must not skip that because the ring is less than half used.
+    capacity = 8 << 20
+    ch = make_channel(capacity=capacity)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"A", keys="k")
+    a = rx.recv(timeout=WAIT)
+    for _ in range(100):
+        tx.send_many([(bytes(200), ())] * 1000, timeout=WAIT)
+        rx.release_many(rx.recv_many(1000, timeout=WAIT))
+    while True:
+        try:
+            rx.release_many(rx.recv_many(1000, timeout=0))
+        except shmchan.Empty:
+            break
+    st = ch.stats()
+    assert (st.queued, st.inflight) == (0, 1)
+    assert capacity // 3 < st.used_bytes < capacity // 2
+    got = []
+
+    def wait():
+        try:
+            got.append(rx.recv(timeout=30))
+        except shmchan.Empty:
+            pass
+
+    waiter = threading.Thread(target=wait)  # the receiver, waiting in recv
+    waiter.start()
+    big = bytes(capacity * 9 // 10)
+    try:
+        try:
+            tx.send(big, timeout=10)
+        except shmchan.Full:
+            st = ch.stats()
+            pytest.fail(
+                f"a send of {len(big)} bytes refused: {st.used_bytes} bytes used, "
+                f"{st.inflight} message of 1 byte in flight"
+            )
+    finally:
+        waiter.join(timeout=40)
+    assert len(got) == 1 and len(got[0].payload) == len(big)
+    got[0].release()
+    a.release()
+    tx.close()
+    rx.close()
