@@ -394,10 +394,16 @@ int shm_recv(shm_chan *c, shm_msg *out, uint32_t max, uint32_t *got, int arm_sle
         }
         if (rc) break;
         if (ring_head_may_move(c)) moved |= ring_advance_head(c); /* see ring.c */
-        if (UNLIKELY((moved |= compact(c)) < 0)) { /* the header stays dirty: see compact */
+        int slid = compact(c);
+        if (UNLIKELY((moved |= slid) < 0)) { /* the header stays dirty: see compact */
             rc = SHM_E_CORRUPT;
             break;
         }
+        /* A slide frees at most an eighth of the ring (compact.c): while a sender waits
+         * for space, whose message may need more, the next slide is work this poll owes,
+         * as for new records -- asleep, the receiver would slide once per wake-up and the
+         * sender, refused again, wake nobody (relaxed: a hint, as in compact_look). */
+        if (slid > 0 && LOAD_RELAXED(&h->space_waiters)) progress = 1;
         if (*got) break;
         if (stalled) {
             /* A record being claimed or written holds the scan. A caller about to sleep

@@ -755,3 +755,61 @@ def test_a_message_larger_than_half_the_ring_goes_past_one_small_handle_held_at_
     a.release()
     tx.close()
     rx.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_waiting_sender_gets_every_slide_it_needs_without_waiting_for_upkeep(
+    make_channel, monkeypatch
+):
+    # As above, but the message needs several slides (one frees an eighth of the ring at
+    # most): the receiver, asleep in recv, owes them all to the sender waiting, not one per
+    # wake-up. With the upkeep period (the longest sleep of the receiver and of a sender)
+    # longer than the send's timeout, a receiver that slides once and sleeps leaves the
+    # sender refused until its timeout.
+    from shmchan import _segment
+
+    monkeypatch.setattr(_segment, "MAINTENANCE_SECONDS", 60.0)
+    capacity = 8 << 20
+    ch = make_channel(capacity=capacity)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"A", keys="k")
+    a = rx.recv(timeout=WAIT)
+    for _ in range(100):
+        tx.send_many([(bytes(200), ())] * 1000, timeout=WAIT)
+        rx.release_many(rx.recv_many(1000, timeout=WAIT))
+    while True:
+        try:
+            rx.release_many(rx.recv_many(1000, timeout=0))
+        except shmchan.Empty:
+            break
+    st = ch.stats()
+    assert (st.queued, st.inflight) == (0, 1)
+    assert capacity // 3 < st.used_bytes < capacity // 2
+    got = []
+
+    def wait():
+        try:
+            got.append(rx.recv(timeout=30))
+        except shmchan.Empty:
+            pass
+
+    waiter = threading.Thread(target=wait)  # the receiver, asleep in recv
+    waiter.start()
+    time.sleep(0.2)
+    big = bytes(capacity * 9 // 10)
+    try:
+        try:
+            tx.send(big, timeout=10)  # milliseconds once owed; the timeout without
+        except shmchan.Full:
+            st = ch.stats()
+            pytest.fail(
+                f"a send of {len(big)} bytes refused after 10 s: {st.used_bytes} bytes "
+                f"used, {st.inflight} message of 1 byte in flight, the receiver in recv"
+            )
+    finally:
+        waiter.join(timeout=40)
+    assert len(got) == 1 and len(got[0].payload) == len(big)
+    got[0].release()
+    a.release()
+    tx.close()
+    rx.close()
