@@ -704,14 +704,12 @@ def test_a_refused_send_gets_a_look_at_the_next_poll(make_channel):
     assert held.keys == ("a",) and ch.stats().queued == 101
 
 
-@pytest.mark.timeout(120)
-def test_a_message_larger_than_half_the_ring_goes_past_one_small_handle_held_at_head(
-    make_channel,
-):
-    # One small handle held at head, then 100 000 messages received and released: 43 % of
-    # the ring is finished space behind head, the rest free, and nothing else is live. A
-    # message of 90 % of the ring fits once the held record is slid out of the way; the
-    # receiver must not skip that because the ring is less than half used.
+def _send_most_of_the_ring_past_one_small_handle_held_at_head(make_channel, asleep):
+    """One small handle held at head, then 100 000 messages received and released: 43 % of
+    the 8 MiB ring is finished space behind head, the rest free, and nothing else is live.
+    A message of 90 % of the ring fits once the held record is slid out of the way, which
+    takes several slides (one frees an eighth of the ring at most). The receiver waits in
+    recv meanwhile (asleep: the send starts once it has had time to fall asleep)."""
     capacity = 8 << 20
     ch = make_channel(capacity=capacity)
     tx, rx = ch.sender(), ch.receiver()
@@ -732,74 +730,18 @@ def test_a_message_larger_than_half_the_ring_goes_past_one_small_handle_held_at_
 
     def wait():
         try:
-            got.append(rx.recv(timeout=30))
+            got.append(rx.recv(timeout=20))
         except shmchan.Empty:
             pass
 
     waiter = threading.Thread(target=wait)  # the receiver, waiting in recv
     waiter.start()
+    if asleep:
+        time.sleep(0.2)
     big = bytes(capacity * 9 // 10)
     try:
         try:
             tx.send(big, timeout=10)
-        except shmchan.Full:
-            st = ch.stats()
-            pytest.fail(
-                f"a send of {len(big)} bytes refused: {st.used_bytes} bytes used, "
-                f"{st.inflight} message of 1 byte in flight"
-            )
-    finally:
-        waiter.join(timeout=40)
-    assert len(got) == 1 and len(got[0].payload) == len(big)
-    got[0].release()
-    a.release()
-    tx.close()
-    rx.close()
-
-
-@pytest.mark.timeout(120)
-def test_a_waiting_sender_gets_every_slide_it_needs_without_waiting_for_upkeep(
-    make_channel, monkeypatch
-):
-    # As above, but the message needs several slides (one frees an eighth of the ring at
-    # most): the receiver, asleep in recv, owes them all to the sender waiting, not one per
-    # wake-up. With the upkeep period (the longest sleep of the receiver and of a sender)
-    # longer than the send's timeout, a receiver that slides once and sleeps leaves the
-    # sender refused until its timeout.
-    from shmchan import _segment
-
-    monkeypatch.setattr(_segment, "MAINTENANCE_SECONDS", 60.0)
-    capacity = 8 << 20
-    ch = make_channel(capacity=capacity)
-    tx, rx = ch.sender(), ch.receiver()
-    tx.send(b"A", keys="k")
-    a = rx.recv(timeout=WAIT)
-    for _ in range(100):
-        tx.send_many([(bytes(200), ())] * 1000, timeout=WAIT)
-        rx.release_many(rx.recv_many(1000, timeout=WAIT))
-    while True:
-        try:
-            rx.release_many(rx.recv_many(1000, timeout=0))
-        except shmchan.Empty:
-            break
-    st = ch.stats()
-    assert (st.queued, st.inflight) == (0, 1)
-    assert capacity // 3 < st.used_bytes < capacity // 2
-    got = []
-
-    def wait():
-        try:
-            got.append(rx.recv(timeout=30))
-        except shmchan.Empty:
-            pass
-
-    waiter = threading.Thread(target=wait)  # the receiver, asleep in recv
-    waiter.start()
-    time.sleep(0.2)
-    big = bytes(capacity * 9 // 10)
-    try:
-        try:
-            tx.send(big, timeout=10)  # milliseconds once owed; the timeout without
         except shmchan.Full:
             st = ch.stats()
             pytest.fail(
@@ -813,3 +755,25 @@ def test_a_waiting_sender_gets_every_slide_it_needs_without_waiting_for_upkeep(
     a.release()
     tx.close()
     rx.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_message_larger_than_half_the_ring_goes_past_one_small_handle_held_at_head(
+    make_channel,
+):
+    # The receiver must not skip the slides because the ring is less than half used.
+    _send_most_of_the_ring_past_one_small_handle_held_at_head(make_channel, asleep=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_waiting_sender_gets_every_slide_it_needs_without_waiting_for_upkeep(
+    make_channel, monkeypatch
+):
+    # The receiver, asleep in recv, owes the sender waiting every slide it needs, not one
+    # per wake-up: the sender, refused again, wakes nobody. With the upkeep period (the
+    # longest sleep of the receiver and of a sender) longer than the send's timeout, a
+    # receiver that slides once and sleeps leaves the sender refused until its timeout.
+    from shmchan import _segment
+
+    monkeypatch.setattr(_segment, "MAINTENANCE_SECONDS", 60.0)
+    _send_most_of_the_ring_past_one_small_handle_held_at_head(make_channel, asleep=True)
