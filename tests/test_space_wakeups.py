@@ -322,3 +322,51 @@ def test_a_reap_cut_short_by_the_reapers_death_is_finished_by_the_next_upkeep(
         f"entry {entry} still held: {_registry_owners(ch)[entry]:#x}"
     )
     assert _space_waiters(ch) == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the post goes to the first waiter, which is refused and sleeps on; passing "
+    "it on from there lets the passer take its own post back (one shared semaphore)",
+)
+@pytest.mark.timeout(120)
+def test_a_woken_sender_refused_again_does_not_keep_the_wake_up_from_one_that_fits(
+    make_channel: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two senders wait on a full ring: first one whose message needs 60 % of it, then one
+    of 64 bytes. A release frees 40 %: the one post goes to the first waiter, which is
+    refused again and goes back to sleep. The wake-up must still reach the second, whose
+    message fits (with the periodic look disabled, it would wait out its timeout, and
+    its last look then finds the room)."""
+    monkeypatch.setattr(_segment, "MAINTENANCE_SECONDS", 3600.0)
+    ch = make_channel(capacity=CAPACITY)
+    tx, rx = ch.sender(), ch.receiver()
+    sent = _fill(tx)
+    handles = []
+    while len(handles) < sent:
+        handles += rx.recv_many(sent, timeout=WAIT)
+    results: dict[str, object] = {}
+
+    def send(what: str, size: int, timeout: float) -> None:
+        try:
+            results[what] = tx.send(bytes(size), what, timeout=timeout)
+        except BaseException as e:  # reported to the test, which fails on it
+            results[what] = e
+
+    big = threading.Thread(target=send, args=("big", CAPACITY * 6 // 10, 60.0), daemon=True)
+    small = threading.Thread(target=send, args=("small", 64, 60.0), daemon=True)
+    try:
+        big.start()
+        assert _until(lambda: _space_waiters(ch) == 1), "the big send is not waiting"
+        small.start()
+        assert _until(lambda: _space_waiters(ch) == 2), "the small send is not waiting"
+        rx.release_many(handles[: len(handles) * 4 // 10])  # a quarter free, not 60 %
+        small.join(10.0)  # milliseconds once woken; asleep, it waits out its 60 s
+        assert not small.is_alive(), "the small send slept on with room for it"
+        assert isinstance(results.get("small"), int), results
+    finally:
+        rx.release_many(handles)  # the rest: the big one fits too
+        big.join(WAIT)
+        small.join(WAIT)
+    assert isinstance(results.get("big"), int), results
+    rx.close()
