@@ -1073,6 +1073,14 @@ int shm_discard_dead(shm_chan *c, uint64_t pos, uint64_t dead_owner) {
  *   3. The woken sender, when it stops waiting, passes the wake-up on to the next waiter if
  *      one is left and room remains (a baton): waiters wake one after another, each while
  *      there is room for it, instead of all at once.
+ *   4. A woken sender refused again while at least SPACE_LOW_WATER is free (its message
+ *      is large) passes the wake-up on as well if another waiter is counted, but only
+ *      once per move of head (shm_space_refused): a waiter whose message fits must not
+ *      sleep behind one whose message does not, and two that do not fit cannot wake each
+ *      other for ever. The passer then naps briefly instead of sleeping on the semaphore,
+ *      where it could take its own post back (the Python layer's SpaceWait). With less
+ *      free, a refusal is mostly senders of like messages racing for the last room, which
+ *      a pass would not help: the receiver's next request (1) wakes the next waiter.
  *
  * Every waiting thread counts, not every waiting process: threads of one process share its
  * registry entry, whose `waiting` is the number of them waiting (a counter, changed with
@@ -1171,6 +1179,19 @@ int shm_space_wait(shm_chan *c, int arm, int *wake) {
         if (left > 0 && space_free(c) >= SPACE_MIN_RECORD) *wake = 1;
     }
     return SHM_OK;
+}
+
+/* Rule 4 above: the calling sender consumed a post and was refused again. Returns 1 if
+ * it should pass the wake-up on: another waiter is counted, at least SPACE_LOW_WATER is
+ * free, and head moved since *passed_at (the head of its last pass, UINT64_MAX before the
+ * first), which then becomes head. */
+int shm_space_refused(shm_chan *c, uint64_t *passed_at) {
+    /* relaxed: a hint, pairs with nothing: a waiter it misses still looks periodically */
+    if (LOAD_RELAXED(&c->hdr->space_waiters) < 2 || space_free(c) < SPACE_LOW_WATER(c)) return 0;
+    uint64_t head = LOAD_ACQUIRE(&c->hdr->head); /* pairs with ring_advance_head */
+    if (head == *passed_at) return 0;
+    *passed_at = head;
+    return 1;
 }
 
 int shm_shutdown(shm_chan *c) {

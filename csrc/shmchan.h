@@ -165,6 +165,8 @@ int  shm_message_size(shm_chan *c, uint32_t kind, uint64_t len, uint32_t keys_le
                       uint32_t nkeys, uint64_t *record, uint64_t *limit);
 int  shm_repair_claim(shm_chan *c, uint64_t pos, uint64_t dead_owner);
 int  shm_space_wait(shm_chan *c, int arm, int *wake);
+/* a sender woken for space and refused again: 1 = pass the wake-up on (ring.c, rule 4) */
+int  shm_space_refused(shm_chan *c, uint64_t *passed_at);
 /* senders counted as waiting for space now (a snapshot: the receiver's upkeep reaps dead
  * producers while it is non-zero) */
 uint32_t shm_space_waiters(shm_chan *c);

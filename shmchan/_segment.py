@@ -91,6 +91,7 @@ SHM_DIR = "/dev/shm"
 MAINTENANCE_SECONDS = 0.1  # longest single sleep: liveness checks run at least this often
 STALL_CHECK_SECONDS = 0.01  # how long a stuck claim may stall us before we check its owner
 STALL_NAP_SECONDS = 0.0002  # a sender's first sleep behind a stuck claim; doubles each time
+PASS_NAP_SECONDS = 0.001  # a sender's nap after passing on a post it could not use
 SWEEP_SECONDS = 1.0  # how often the receiver looks for releases whose releaser died mid-way
 _REAPING = 1 << 63  # a producer registry entry's owner word while it is reaped (csrc/segment.c)
 NAME_CHECK_SECONDS = 0.05  # how often a waiting sender checks that its name still holds
@@ -697,6 +698,9 @@ class SpaceWait:
       after that, sleep on the senders' semaphore, at most MAINTENANCE_SECONDS at a
       time. A post, a timeout and a signal whose handler returned are all just a
       return; the caller tries again. A channel removed meanwhile: ChannelRemoved.
+      Refused again after consuming a post, pass the post on when the core says so
+      (shm_space_refused: another waiter may fit) and nap PASS_NAP_SECONDS instead of
+      sleeping on the semaphore, where we could take our own post back.
     * STALLED (a claim ahead of ours is not finished): a claimant mostly commits within
       microseconds, a preempted one within a scheduler slice or two. For the first
       STALL_CHECK_SECONDS try again every STALL_NAP_SECONDS, so that many producers on
@@ -716,12 +720,15 @@ class SpaceWait:
         self.stalled_since: float | None = None
         self.stall_began = 0.0
         self.nap = STALL_NAP_SECONDS
+        self.woken = False  # the last sleep on the senders' semaphore consumed a post
+        self.passed_at: Any = None  # shm_space_refused's head of our last pass on
 
     def full(self, seg: Segment) -> None:
         self.stalled_since = None  # a stall after this one starts its own count
         if self.armed is not seg and self.nudged is not seg:
             self.disarm()
             self.nudged = seg
+            self.woken, self.passed_at = False, None  # both were of another channel
             # A send that may wait counts itself among the waiters; one with no time
             # left does not (its count would only wake others for nothing).
             left = remaining(self.deadline)
@@ -735,7 +742,17 @@ class SpaceWait:
         left = remaining(self.deadline)
         if left is not None and left <= 0:
             raise errors.Full(full_message(seg, self.what) + self.nowhere)
-        seg.wait(TX, MAINTENANCE_SECONDS if left is None else min(MAINTENANCE_SECONDS, left))
+        if self.woken:  # woken and refused again: the post may be another waiter's room
+            self.woken = False
+            if self.passed_at is None:
+                self.passed_at = ffi.new("uint64_t *", 2**64 - 1)
+            if lib.shm_space_refused(seg.ptr, self.passed_at):
+                seg.wake_sender()
+                time.sleep(PASS_NAP_SECONDS if left is None else min(PASS_NAP_SECONDS, left))
+                return
+        self.woken = seg.wait(
+            TX, MAINTENANCE_SECONDS if left is None else min(MAINTENANCE_SECONDS, left)
+        )
 
     def stalled(self, seg: Segment, stall: Any) -> None:
         now = time.monotonic()

@@ -324,11 +324,6 @@ def test_a_reap_cut_short_by_the_reapers_death_is_finished_by_the_next_upkeep(
     assert _space_waiters(ch) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the post goes to the first waiter, which is refused and sleeps on; passing "
-    "it on from there lets the passer take its own post back (one shared semaphore)",
-)
 @pytest.mark.timeout(120)
 def test_a_woken_sender_refused_again_does_not_keep_the_wake_up_from_one_that_fits(
     make_channel: Callable[..., Any], monkeypatch: pytest.MonkeyPatch

@@ -37,16 +37,17 @@ static PyObject *Segment_bind(SegmentObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* wait(which, seconds): which 0 = the receiver's semaphore, 1 = the senders'. */
+/* wait(which, seconds): which 0 = the receiver's semaphore, 1 = the senders'. True if the
+ * wait consumed a post. */
 static PyObject *Segment_wait(SegmentObject *self, PyObject *args) {
     int which;
     double seconds;
     if (!PyArg_ParseTuple(args, "id", &which, &seconds)) return NULL;
     if (self->wk.sem[which & 1] == NULL)
         return PyErr_Format(PyExc_ValueError, "an unbound segment");
-    if (wake_sleep(&self->wk, which, monotonic() + (seconds > 0 ? fmin(seconds, 1e6) : 0.0)) < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    int r = wake_sleep(&self->wk, which, monotonic() + (seconds > 0 ? fmin(seconds, 1e6) : 0.0));
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
 }
 
 /* post(which, n): post the receiver's (0) or the senders' (1) semaphore n times (at
@@ -126,7 +127,8 @@ static PyMethodDef Segment_methods[] = {
      "(1) semaphore."},
     {"wait", (PyCFunction)Segment_wait, METH_VARARGS,
      "wait(which, seconds): sleep on the receiver's (0) or the senders' (1) semaphore\n"
-     "until posted or seconds pass; a signal handler's exception propagates."},
+     "until posted or seconds pass; True if it consumed a post. A signal handler's\n"
+     "exception propagates."},
     {NULL},
 };
 

@@ -151,8 +151,8 @@ void wake_released(wake_ends *w, int wake) {
 }
 
 /* A signal ends the wait after its Python handler ran; if the handler raised, returns -1
- * with that exception (as PEP 475 has system calls do). 0 otherwise: the caller
- * re-checks whatever it waits for either way. */
+ * with that exception (as PEP 475 has system calls do). Otherwise 1 if the wait consumed a
+ * post, 0 if it ended without one: the caller re-checks whatever it waits for either way. */
 int wake_sleep(wake_ends *w, int which, double deadline) {
     sem_t *sem = w->sem[which & 1];
     if (sem == NULL) return 0;
@@ -165,7 +165,7 @@ int wake_sleep(wake_ends *w, int which, double deadline) {
     err = errno;
     Py_END_ALLOW_THREADS
     if (r < 0 && err == EINTR && PyErr_CheckSignals() < 0) return -1;
-    return 0;
+    return r == 0;
 }
 
 /* ---- the asyncio side (shmchan/aio.py) ------------------------------------------------ */
