@@ -13,9 +13,12 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 import shmchan
 
@@ -232,3 +235,43 @@ def drain_checked(rx: shmchan.Receiver) -> list[tuple[int, int, bytes]]:
         h.release()
         check_core(rx)
     return got
+
+
+def send_to_a_waiting_receiver(
+    ch: shmchan.Channel,
+    tx: shmchan.Sender,
+    rx: shmchan.Receiver,
+    payload: bytes,
+    *,
+    timeout: float,
+    keys: Any = (),
+    settle: float = 0.0,
+) -> None:
+    """Send `payload` while another thread waits in `rx.recv`, which must get it: fails
+    the test, with the channel's figures, if the send is refused for a full ring. The
+    thread starts first (with `settle`, it has had that long to fall asleep), so the
+    space the send needs must be made by a receiver that is waiting, not polling."""
+    got: list[shmchan.Handle] = []
+
+    def wait() -> None:
+        with contextlib.suppress(shmchan.Empty):
+            got.append(rx.recv(timeout=timeout + 20))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    try:
+        if settle:
+            time.sleep(settle)
+        try:
+            tx.send(payload, keys=keys, timeout=timeout)
+        except shmchan.Full:
+            st = ch.stats()
+            pytest.fail(
+                f"a send of {len(payload)} bytes refused after {timeout} s with the receiver "
+                f"waiting in recv: {st.queued} queued, {st.inflight} in flight, "
+                f"{st.used_bytes} bytes used"
+            )
+    finally:
+        waiter.join(timeout=timeout + 40)
+    assert len(got) == 1 and len(got[0].payload) == len(payload)
+    got[0].release()

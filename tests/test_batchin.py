@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ from procs import (
     drain_checked,
     header_u32,
     receiver_after_kill,
+    send_to_a_waiting_receiver,
 )
 
 import shmchan
@@ -491,29 +491,6 @@ def test_a_receiver_waiting_in_recv_walks_ingest_pos_all_the_way_for_a_sender_th
     st = ch.stats()
     assert (st.queued, st.inflight) == (0, 0)
     assert st.used_bytes > capacity // 3  # finished records head has not passed yet
-    got: list[Any] = []
-
-    def wait() -> None:
-        try:
-            got.append(rx.recv(timeout=30))
-        except shmchan.Empty:
-            pass
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    try:
-        big = bytes(capacity - (1 << 20))
-        try:
-            tx.send(big, keys="y", timeout=2)
-        except shmchan.Full:
-            st = ch.stats()
-            pytest.fail(
-                f"a send refused for a full ring with {st.queued} queued, {st.inflight} in "
-                f"flight, {st.used_bytes} bytes used, the receiver waiting in recv"
-            )
-    finally:
-        waiter.join(timeout=40)
-    assert len(got) == 1 and len(got[0].payload) == len(big)
-    got[0].release()
+    send_to_a_waiting_receiver(ch, tx, rx, bytes(capacity - (1 << 20)), timeout=2, keys="y")
     tx.close()
     rx.close()

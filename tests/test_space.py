@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import random
 import struct
-import threading
 import time
 
 import pytest
-from procs import CTX, WAIT, running
+from procs import CTX, WAIT, running, send_to_a_waiting_receiver
 
 import shmchan
 
@@ -726,32 +725,8 @@ def _send_most_of_the_ring_past_one_small_handle_held_at_head(make_channel, asle
     st = ch.stats()
     assert (st.queued, st.inflight) == (0, 1)
     assert capacity // 3 < st.used_bytes < capacity // 2
-    got = []
-
-    def wait():
-        try:
-            got.append(rx.recv(timeout=20))
-        except shmchan.Empty:
-            pass
-
-    waiter = threading.Thread(target=wait)  # the receiver, waiting in recv
-    waiter.start()
-    if asleep:
-        time.sleep(0.2)
-    big = bytes(capacity * 9 // 10)
-    try:
-        try:
-            tx.send(big, timeout=10)
-        except shmchan.Full:
-            st = ch.stats()
-            pytest.fail(
-                f"a send of {len(big)} bytes refused after 10 s: {st.used_bytes} bytes "
-                f"used, {st.inflight} message of 1 byte in flight, the receiver in recv"
-            )
-    finally:
-        waiter.join(timeout=40)
-    assert len(got) == 1 and len(got[0].payload) == len(big)
-    got[0].release()
+    settle = 0.2 if asleep else 0.0
+    send_to_a_waiting_receiver(ch, tx, rx, bytes(capacity * 9 // 10), timeout=10, settle=settle)
     a.release()
     tx.close()
     rx.close()
