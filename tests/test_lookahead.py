@@ -49,6 +49,14 @@ def _hold_hot(ch: Any, rx: Any) -> Any:
     return h
 
 
+def _polled_seqs(rx: Any, polls: int = 20) -> list[int]:
+    """The seqs `polls` calls of try_recv hand out, each released once all are in."""
+    got = [h for h in (rx.try_recv() for _ in range(polls)) if h is not None]
+    for h in got:
+        h.release()
+    return [h.seq for h in got]
+
+
 def _drain(rx: Any, n: int) -> list[Any]:
     """n messages, one handle at a time, as (seq, keys, payload)."""
     got = []
@@ -389,12 +397,8 @@ def test_a_dead_letter_ahead_of_the_scan_frees_its_key_for_what_the_look_ahead_p
         assert rx.try_recv() is None  # x waits behind m on "k"
         h.nack()  # out of attempts: a dead letter, "k" free
         assert [d.seq for d in ch.dead_letters()] == [m]
-        got = [rx.try_recv() for _ in range(20)]
-        seqs = [g.seq for g in got if g is not None]
+        seqs = _polled_seqs(rx)
         assert seqs == [x], f"x ({x}) on free key 'k' not handed out: {seqs}"
-        for g in got:
-            if g is not None:
-                g.release()
         check_core(rx)
         hot.release()
         assert [g[0] for g in _drain(rx, 10)] == backlog
@@ -413,11 +417,7 @@ def test_a_resumed_key_lets_the_look_ahead_take_what_it_passed(stopped_scan: Any
     p = tx.send(b"p", keys=("p",))
     assert rx.try_recv() is None  # p passed: paused
     ch.resume_key("p")
-    got = [rx.try_recv() for _ in range(20)]
-    seqs = [g.seq for g in got if g is not None]
+    seqs = _polled_seqs(rx)
     assert seqs == [p], f"p ({p}), resumed, not handed out: {seqs}"
-    for g in got:
-        if g is not None:
-            g.release()
     hot.release()
     assert [g[0] for g in _drain(rx, 10)] == backlog
