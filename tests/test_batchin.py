@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -492,5 +493,59 @@ def test_a_receiver_waiting_in_recv_walks_ingest_pos_all_the_way_for_a_sender_th
     assert (st.queued, st.inflight) == (0, 0)
     assert st.used_bytes > capacity // 3  # finished records head has not passed yet
     send_to_a_waiting_receiver(ch, tx, rx, bytes(capacity - (1 << 20)), timeout=2, keys="y")
+    tx.close()
+    rx.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_waiting_in_recv_frees_the_space_behind_a_parked_record_that_left(
+    make_channel: Any, monkeypatch: Any
+) -> None:
+    # As above, but nobody waits for the space: a receiver that goes on waiting in recv
+    # must still finish the walk it owes (ingest_pos, then head, over every finished
+    # record), not one batch per wake-up. With the upkeep period (the receiver's longest
+    # sleep) longer than the test, a receiver that sleeps with the walk owed keeps the
+    # space until then.
+    from shmchan import _segment
+
+    monkeypatch.setattr(_segment, "MAINTENANCE_SECONDS", 60.0)
+    capacity = 64 << 20
+    ch = make_channel(capacity=capacity)
+    tx, rx = ch.sender(), ch.receiver()
+    tx.send(b"A", keys="k")
+    a = rx.recv(timeout=5)
+    tx.send(b"B", keys="k")
+    assert rx.try_recv() is None  # B parks behind A
+    for _ in range(450):
+        tx.send_many([(b"c", ())] * 1000)
+        rx.release_many(rx.recv_many(1000, timeout=5))
+    while True:
+        try:
+            rx.release_many(rx.recv_many(1000, timeout=0))
+        except shmchan.Empty:
+            break
+    a.release()
+    b = rx.recv(timeout=5)
+    assert b.payload == b"B"
+    b.release()
+    st = ch.stats()
+    assert (st.queued, st.inflight) == (0, 0)
+    assert st.used_bytes > capacity // 3  # finished records head has not passed yet
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(rx.recv(timeout=30)))
+    waiter.start()
+    try:
+        used = ch.stats().used_bytes
+        for _ in range(100):  # 10 s at most; the walk takes milliseconds
+            if used < capacity // 100:
+                break
+            waiter.join(timeout=0.1)
+            used = ch.stats().used_bytes
+        assert used < capacity // 100, f"{used} bytes still used, nothing queued or in flight"
+    finally:
+        tx.send(b"end")
+        waiter.join(timeout=40)
+    assert [h.payload for h in got] == [b"end"]
+    got[0].release()
     tx.close()
     rx.close()
